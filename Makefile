@@ -1,0 +1,41 @@
+# Set-up and checks. `make test` and `make demo` work on a fresh clone: they create
+# .venv, install the pinned CPU torch first (a looser pin would pull a multi-GB CUDA
+# build), then the project with every extra.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.routeplay-installed
+TORCH_PIN := torch==2.13.0
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: setup test lint typecheck unit demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH_PIN) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install -e '.[all,dev]' 2>&1 | grep -v "is ignored: it is neither" || true
+	$(BIN)/python -c "import routeplay, torch, ray; assert torch.__version__.startswith('2.13.0')"
+	@touch $@
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest tests
+
+test: lint typecheck unit
+
+demo: $(STAMP)
+	$(BIN)/routeplay demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/codec_throughput.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

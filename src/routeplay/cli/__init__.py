@@ -1,0 +1,1 @@
+"""The ``routeplay`` command line: thin commands over the library's public API."""

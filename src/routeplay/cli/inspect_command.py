@@ -1,0 +1,111 @@
+"""``routeplay inspect``: decode and validate one engine HTTP response body from a file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from routeplay.core import Engine, EngineRouting, RouteSpec, preset, read_response
+from routeplay.errors import MalformedPayload, RoutesDataError, SpecMismatch
+
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2
+
+
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="File holding one whole JSON response body.")],
+    engine: Annotated[Engine, typer.Option(help="Engine that produced the body.")],
+    layers: Annotated[int | None, typer.Option("--layers", help="MoE layers (L).")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Experts per token (K).")] = None,
+    experts: Annotated[int | None, typer.Option("--experts", help="Experts per layer (E).")] = None,
+    model: Annotated[
+        str | None, typer.Option("--preset", help="Model preset instead of L/K/E.")
+    ] = None,
+    choice: Annotated[int, typer.Option(help="Choice index of OpenAI-style bodies.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> int:
+    """Decode and validate the routed experts in an engine response, never executing bytes."""
+    console = Console()
+    try:
+        spec = _spec(layers, top_k, experts, model)
+        text = path.read_text(encoding="utf-8")
+    except (typer.BadParameter, SpecMismatch, OSError) as exc:
+        Console(stderr=True).print(f"usage error: {exc}", markup=False)
+        raise typer.Exit(EXIT_USAGE) from exc
+    try:
+        result = read_response(
+            engine, _parse_json(text, path), spec, choice=choice, where=path.name
+        )
+    except RoutesDataError as exc:
+        _report_refusal(console, exc, as_json)
+        raise typer.Exit(EXIT_REFUSED) from exc
+    report = _summary(result)
+    if as_json:
+        console.out(json.dumps(report), highlight=False)
+    else:
+        _print_table(console, report, result)
+    raise typer.Exit(EXIT_OK)
+
+
+def _spec(
+    layers: int | None, top_k: int | None, experts: int | None, model: str | None
+) -> RouteSpec:
+    if model is not None:
+        return preset(model)
+    if layers is None or top_k is None or experts is None:
+        raise typer.BadParameter("give --layers, --top-k and --experts, or --preset")
+    return RouteSpec(num_layers=layers, top_k=top_k, num_experts=experts)
+
+
+def _parse_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MalformedPayload(
+            "response body is not JSON",
+            expected="one JSON object",
+            found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+            where=path.name,
+        ) from exc
+
+
+def _summary(result: EngineRouting) -> dict[str, Any]:
+    counts = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+    if result.key is not None:
+        return {"ok": True, "kind": "key", "key": result.key.key, "rows": result.key.rows, **counts}
+    routes = result.routes
+    assert routes is not None  # read_response returns data or a key
+    return {
+        "ok": True,
+        "kind": "routes",
+        "rows": routes.rows,
+        "start_row": routes.start_row,
+        "layers": routes.spec.num_layers,
+        "top_k": routes.spec.top_k,
+        "dtype": routes.spec.dtype.name,
+        "source_dtype": routes.source_dtype,
+        "nbytes": routes.nbytes,
+        "sha256": routes.sha256(),
+        **counts,
+    }
+
+
+def _report_refusal(console: Console, exc: RoutesDataError, as_json: bool) -> None:
+    if as_json:
+        report = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        console.out(json.dumps(report), highlight=False)
+        return
+    console.print(f"refused ({type(exc).__name__}): {exc}", style="bold red", markup=False)
+
+
+def _print_table(console: Console, report: dict[str, Any], result: EngineRouting) -> None:
+    table = Table(title=f"{result.engine.value} routed experts: valid", show_header=False)
+    for name, value in report.items():
+        if name != "ok":
+            table.add_row(name, Text(str(value)))
+    console.print(table)

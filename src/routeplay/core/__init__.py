@@ -1,0 +1,35 @@
+"""routeplay.core: numpy-only types and codecs. No Ray, no torch (a test pins this).
+
+Owns the canonical routing form (``Routes``), the model geometry (``RouteSpec``), the
+wire formats of every engine, validation, and the metadata a sample carries instead of
+data (``Segment``, ``Handle``).
+"""
+
+from routeplay.core.formats import Engine, EngineRouting, read_response
+from routeplay.core.handle import EngineKey, Handle, InlineSource, Piece, Segment, Source, StoreRef
+from routeplay.core.hf_config import spec_from_hf_config
+from routeplay.core.presets import PRESETS, preset
+from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec, canonical_dtype
+from routeplay.core.validate import canonicalize, expected_rows
+
+__all__ = [
+    "PRESETS",
+    "Engine",
+    "EngineKey",
+    "EngineRouting",
+    "Handle",
+    "InlineSource",
+    "Piece",
+    "RouteSpec",
+    "Routes",
+    "Segment",
+    "Source",
+    "StoreRef",
+    "canonical_dtype",
+    "canonicalize",
+    "expected_rows",
+    "preset",
+    "read_response",
+    "spec_from_hf_config",
+]

@@ -1,0 +1,92 @@
+"""Safe ``.npy`` reading: the header is parsed as a literal, pickles are never loaded.
+
+``np.load(allow_pickle=False)`` would also refuse pickles, but we read the header
+ourselves so that we can name the exact refusal (pickle, object dtype, short data)
+and wrap the data bytes without a copy.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.errors import MalformedPayload, UnsafePayload
+
+__all__ = ["read_npy", "write_npy"]
+
+_MAGIC = b"\x93NUMPY"
+_PICKLE_PROTO = 0x80
+
+
+def read_npy(raw: bytes, *, where: str = "") -> npt.NDArray[Any]:
+    """A read-only array backed by ``raw``; refuses pickles and object dtypes unexecuted."""
+    if not raw.startswith(_MAGIC):
+        if raw[:1] == bytes([_PICKLE_PROTO]):
+            raise UnsafePayload(
+                "payload is a pickle; it was not unpickled",
+                expected="an .npy file (np.save)",
+                found="pickle protocol header",
+                where=where,
+                hint="Never unpickle engine bytes: ask the engine for .npy or raw ints.",
+            )
+        raise MalformedPayload(
+            "payload is not an .npy file",
+            expected=f"magic {_MAGIC!r}",
+            found=repr(raw[:8]),
+            where=where,
+        )
+    shape, fortran, dtype, offset = _read_header(raw, where)
+    if dtype.hasobject or dtype.fields is not None:
+        raise UnsafePayload(
+            ".npy holds objects or records; refused without loading",
+            expected="a plain integer dtype",
+            found=str(dtype),
+            where=where,
+        )
+    count = int(np.prod(shape, dtype=np.int64))
+    need = count * dtype.itemsize
+    have = len(raw) - offset
+    if have != need:
+        raise MalformedPayload(
+            ".npy data length does not match its header",
+            expected=f"{need} bytes for shape {list(shape)} {dtype}",
+            found=f"{have} bytes",
+            where=where,
+        )
+    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+    if fortran:
+        transposed: npt.NDArray[Any] = flat.reshape(shape[::-1]).T
+        return transposed
+    return flat.reshape(shape)
+
+
+def _read_header(raw: bytes, where: str) -> tuple[tuple[int, ...], bool, np.dtype[np.generic], int]:
+    stream = io.BytesIO(raw)
+    try:
+        major, _minor = np.lib.format.read_magic(stream)
+        # Header parsing is ast.literal_eval of a dict: data, never code.
+        read = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
+        header = read(stream, max_header_size=10_000)
+    except (ValueError, SyntaxError, TypeError) as exc:
+        raise MalformedPayload(
+            ".npy header is malformed",
+            expected="a valid .npy v1-v3 header",
+            found=str(exc),
+            where=where,
+        ) from exc
+    shape, fortran, dtype = header
+    return tuple(int(n) for n in shape), bool(fortran), np.dtype(dtype), stream.tell()
+
+
+def write_npy(array: npt.NDArray[np.generic]) -> bytes:
+    """``np.save`` bytes of ``array`` (what vLLM base64-encodes)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()

@@ -1,0 +1,265 @@
+"""Segments and handles: what a sample carries instead of its routing bytes.
+
+A ``Segment`` names a token-row range ``[start, stop)`` of one stored array (its
+``source``), with the spec and the weight version that produced those rows. A
+``Handle`` is an immutable, ordered tuple of segments covering rows ``[0, rows)`` of
+one sample. Partial rollouts and later turns *append* segments; micro-batches and
+SP/CP shards *slice* handles; nothing is concatenated until a trainer rank copies the
+rows it needs.
+
+Invariants kept by construction:
+- every segment of a handle has the handle's spec;
+- no empty segments; adjacent segments that continue the same source with the same
+  weight version are merged, so ``h[:a] + h[a:] == h`` for every ``a``;
+- handles never hold a payload except through ``InlineSource`` (tests, checkpoints).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import HandleError, SpecMismatch
+
+__all__ = ["EngineKey", "Handle", "InlineSource", "Piece", "Segment", "Source", "StoreRef"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InlineSource:
+    """Routing carried by value; equal only to itself (identity), never compared by content."""
+
+    array: npt.NDArray[np.unsignedinteger]
+    """Canonical ``[rows, L, K]`` array."""
+
+    @property
+    def rows(self) -> int:
+        """Token rows in the array."""
+        return int(self.array.shape[0])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreRef:
+    """A payload held by the route store, named by the id the store minted."""
+
+    payload_id: str
+    """Store-minted id, unique within the run."""
+    run: str
+    """Run that owns the payload; other runs can neither read nor release it."""
+    rows: int
+    """Token rows in the stored payload."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineKey:
+    """A payload still inside an engine-side store, consumed once by whoever reads it."""
+
+    key: str
+    """Key the engine returned (LMDeploy: hex of the stored ObjectRef)."""
+    rows: int
+    """Token rows the payload must have (from the sample's token counts)."""
+    actor: str = "shared_store"
+    """Name of the engine-side store actor."""
+    namespace: str = "lmdeploy"
+    """Ray namespace of that actor."""
+    run: str = ""
+    """Run the key was issued to."""
+
+
+Source: TypeAlias = InlineSource | StoreRef | EngineKey
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    """Rows ``[start, stop)`` of one source, produced under one weight version."""
+
+    source: Source
+    """Where the rows live."""
+    start: int
+    """First row within the source."""
+    stop: int
+    """One past the last row within the source."""
+    spec: RouteSpec
+    """Geometry of the rows."""
+    weight_version: int = 0
+    """Policy weight version that produced these rows."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop <= self.source.rows:
+            raise HandleError(
+                "segment rows lie outside their source",
+                expected=f"0 <= start <= stop <= {self.source.rows}",
+                found=f"[{self.start}, {self.stop})",
+            )
+
+    @property
+    def rows(self) -> int:
+        """Token rows in the segment."""
+        return self.stop - self.start
+
+    def sub(self, start: int, stop: int) -> Segment:
+        """Rows ``[start, stop)`` of this segment, counted from the segment's first row."""
+        return Segment(
+            source=self.source,
+            start=self.start + start,
+            stop=self.start + stop,
+            spec=self.spec,
+            weight_version=self.weight_version,
+        )
+
+    def continued_by(self, other: Segment) -> bool:
+        """True when ``other`` picks up exactly where this segment stops."""
+        return (
+            other.source == self.source
+            and other.start == self.stop
+            and other.weight_version == self.weight_version
+            and other.spec == self.spec
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Positional tuple: a handle of 100 segments pickles to a few KB, not 100 dicts.
+        return (_segment, (self.source, self.start, self.stop, self.spec, self.weight_version))
+
+
+def _segment(source: Source, start: int, stop: int, spec: RouteSpec, version: int) -> Segment:
+    return Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Piece:
+    """Where one segment's rows land when a handle range is read."""
+
+    segment: Segment
+    """Segment trimmed to the requested rows (its start/stop index the source)."""
+    offset: int
+    """Row of the requested range at which the piece begins."""
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Handle:
+    """Immutable ordered segments covering token rows ``[0, rows)`` of one sample."""
+
+    spec: RouteSpec
+    """Geometry shared by every segment."""
+    segments: tuple[Segment, ...]
+    """Normalized segments: non-empty, merged where contiguous."""
+
+    def __init__(self, spec: RouteSpec, segments: Sequence[Segment] = ()) -> None:
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "segments", _normalize(spec, segments))
+
+    @classmethod
+    def of(cls, segment: Segment) -> Handle:
+        """A handle of one segment."""
+        return cls(segment.spec, (segment,))
+
+    @property
+    def rows(self) -> int:
+        """Token rows covered."""
+        return sum(seg.rows for seg in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        """Canonical bytes of the covered rows (what a full read copies)."""
+        return self.spec.nbytes(self.rows)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def append(self, segment: Segment, *, at_row: int | None = None) -> Handle:
+        """Add rows after the last one; ``at_row`` asserts where they must start."""
+        if at_row is not None and at_row != self.rows:
+            raise HandleError(
+                "appended rows do not start where the handle ends",
+                expected=f"rows starting at {self.rows}",
+                found=f"rows starting at {at_row}",
+                hint="A resumed or follow-up response must continue the history exactly.",
+            )
+        return Handle(self.spec, (*self.segments, segment))
+
+    def __add__(self, other: Handle) -> Handle:
+        if not isinstance(other, Handle):
+            return NotImplemented
+        return Handle(self.spec, (*self.segments, *other.segments))
+
+    @classmethod
+    def concat(cls, spec: RouteSpec, handles: Sequence[Handle]) -> Handle:
+        """Rows of every handle, in order."""
+        return cls(spec, [seg for handle in handles for seg in handle.segments])
+
+    def slice(self, start: int, stop: int) -> Handle:
+        """Rows ``[start, stop)`` as a new handle (no data is touched)."""
+        return Handle(self.spec, [piece.segment for piece in self.pieces(start, stop)])
+
+    def __getitem__(self, key: builtins.slice) -> Handle:
+        if not isinstance(key, builtins.slice) or key.step not in (None, 1):
+            raise HandleError(
+                "handles slice by contiguous row ranges", expected="h[a:b]", found=key
+            )
+        start, stop, _ = key.indices(self.rows)
+        return self.slice(start, max(start, stop))
+
+    def pieces(self, start: int = 0, stop: int | None = None) -> Iterator[Piece]:
+        """The segments that hold rows ``[start, stop)``, trimmed, with output offsets."""
+        stop = self.rows if stop is None else stop
+        if not 0 <= start <= stop <= self.rows:
+            raise HandleError(
+                "row range outside the handle",
+                expected=f"0 <= start <= stop <= {self.rows}",
+                found=f"[{start}, {stop})",
+            )
+        row = 0
+        for seg in self.segments:
+            lo, hi = max(start, row), min(stop, row + seg.rows)
+            if lo < hi:
+                yield Piece(segment=seg.sub(lo - row, hi - row), offset=lo - start)
+            row += seg.rows
+            if row >= stop:
+                return
+
+    def weight_versions(self) -> npt.NDArray[np.int64]:
+        """Weight version of every row (for staleness), built without a Python loop per row."""
+        counts = [seg.rows for seg in self.segments]
+        versions = [seg.weight_version for seg in self.segments]
+        return np.repeat(np.asarray(versions, dtype=np.int64), counts)
+
+    def sources(self) -> tuple[Source, ...]:
+        """Distinct sources in order of first use (inline sources compare by identity)."""
+        out: list[Source] = []
+        for seg in self.segments:
+            if seg.source not in out:
+                out.append(seg.source)
+        return tuple(out)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Handle, (self.spec, self.segments))
+
+
+def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, ...]:
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.spec != spec:
+            raise SpecMismatch(
+                "segment spec differs from the handle spec",
+                expected=spec.describe(),
+                found=seg.spec.describe(),
+                where=f"segment {len(out)}",
+            )
+        if seg.rows == 0:
+            continue
+        if out and out[-1].continued_by(seg):
+            prev = out.pop()
+            seg = Segment(
+                source=prev.source,
+                start=prev.start,
+                stop=seg.stop,
+                spec=spec,
+                weight_version=seg.weight_version,
+            )
+        out.append(seg)
+    return tuple(out)

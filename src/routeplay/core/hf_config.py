@@ -1,0 +1,68 @@
+"""Derive a RouteSpec from a Hugging Face model config (duck-typed: no transformers import).
+
+Engines send one routing row per decoder layer or per MoE layer; which decoder layers
+are MoE differs by family, so the rules below mirror each family's modeling code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import SpecMismatch
+
+__all__ = ["moe_layers", "spec_from_hf_config"]
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k_experts")
+
+
+def spec_from_hf_config(config: Any, *, name: str = "") -> RouteSpec:
+    """The routing geometry of a transformers ``PretrainedConfig`` (or a nested text config)."""
+    config = getattr(config, "text_config", None) or config
+    total = int(_first(config, ("num_hidden_layers", "num_layers", "n_layers")))
+    experts = int(_first(config, _EXPERT_KEYS))
+    top_k = int(_first(config, _TOP_K_KEYS))
+    layers = moe_layers(config, total)
+    layer_map = None if len(layers) == total else tuple(layers)
+    return RouteSpec(
+        num_layers=len(layers),
+        top_k=top_k,
+        num_experts=experts,
+        layer_map=layer_map,
+        total_layers=total,
+        name=name or str(getattr(config, "model_type", "")),
+    )
+
+
+def moe_layers(config: Any, total: int) -> list[int]:
+    """Decoder-layer indices whose MLP is a routed MoE block."""
+    explicit = getattr(config, "moe_layers", None)  # Llama-4 lists them
+    if isinstance(explicit, (list, tuple)):
+        return sorted(int(i) for i in explicit)
+    # DeepSeek-V2/V3, Kimi-K2, GLM-4.5: the first k layers are dense.
+    first_dense = getattr(config, "first_k_dense_replace", None)
+    if first_dense is None:
+        first_dense = getattr(config, "num_dense_layers", None)  # AFMoE, LFM2-MoE
+    if first_dense is not None:
+        freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+        return [i for i in range(total) if i >= first_dense and i % freq == 0]
+    # Qwen2/3-MoE family: every decoder_sparse_step-th layer unless listed as MLP-only.
+    step = getattr(config, "decoder_sparse_step", None)
+    if step is not None:
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        return [i for i in range(total) if i not in dense and (i + 1) % int(step) == 0]
+    return list(range(total))
+
+
+def _first(config: Any, keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        value = getattr(config, key, None)
+        if value is not None:
+            return value
+    raise SpecMismatch(
+        "the model config has no MoE routing field",
+        expected=f"one of {', '.join(keys)}",
+        found=f"{type(config).__name__} without them",
+        hint="Is this a MoE model? Build a RouteSpec by hand if its config is unusual.",
+    )

@@ -1,0 +1,133 @@
+"""RouteSpec: the routing geometry of one model, and the canonical dtype it implies.
+
+Invariant: the canonical dtype depends on ``num_experts`` only (uint8 up to 256
+experts, uint16 up to 65,536), never on the ids a batch happens to contain, so every
+payload of a model has one dtype and one byte size per row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from routeplay.errors import SpecMismatch
+
+__all__ = ["MAX_EXPERTS", "RouteSpec", "canonical_dtype"]
+
+MAX_EXPERTS: Final = 1 << 16
+
+
+def canonical_dtype(num_experts: int) -> np.dtype[np.unsignedinteger]:
+    """The narrowest unsigned dtype that holds ids ``0 .. num_experts - 1``."""
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise SpecMismatch(
+            "num_experts is out of the supported range",
+            expected=f"1 <= num_experts <= {MAX_EXPERTS}",
+            found=num_experts,
+        )
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteSpec:
+    """Routing geometry: every payload of a model is ``[tokens - 1, num_layers, top_k]``."""
+
+    num_layers: int
+    """MoE layers that route tokens (dense decoder layers excluded)."""
+    top_k: int
+    """Experts chosen per token and layer."""
+    num_experts: int
+    """Routed experts per MoE layer; ids lie in ``[0, num_experts)``."""
+    layer_map: tuple[int, ...] | None = None
+    """Decoder-layer index of each MoE layer; None means MoE layer i is decoder layer i."""
+    total_layers: int | None = None
+    """Decoder layers in the model, dense ones included; None means the last mapped layer + 1."""
+    name: str = field(default="", compare=False)
+    """Human label (a preset name); not part of equality."""
+
+    def __post_init__(self) -> None:
+        for label, value in (("num_layers", self.num_layers), ("top_k", self.top_k)):
+            if value < 1:
+                raise SpecMismatch(f"{label} must be positive", expected=">= 1", found=value)
+        if self.top_k > self.num_experts:
+            raise SpecMismatch(
+                "top_k cannot exceed num_experts",
+                expected=f"top_k <= {self.num_experts}",
+                found=self.top_k,
+            )
+        canonical_dtype(self.num_experts)
+        self._check_layer_map()
+
+    def _check_layer_map(self) -> None:
+        total = self.decoder_layers
+        if total < self.num_layers:
+            raise SpecMismatch(
+                "total_layers is smaller than num_layers",
+                expected=f">= {self.num_layers}",
+                found=total,
+            )
+        if not self.layer_map:
+            if total != self.num_layers:
+                raise SpecMismatch(
+                    "dense layers need a layer_map naming the MoE layers",
+                    expected=f"layer_map of {self.num_layers} decoder indices",
+                    found=None,
+                )
+            return
+        layer_map = self.layer_map
+        if len(layer_map) != self.num_layers:
+            raise SpecMismatch(
+                "layer_map must name one decoder layer per MoE layer",
+                expected=self.num_layers,
+                found=len(layer_map),
+            )
+        increasing = all(a < b for a, b in itertools.pairwise(layer_map))
+        if not increasing or layer_map[0] < 0 or layer_map[-1] >= total:
+            raise SpecMismatch(
+                "layer_map must be strictly increasing decoder indices",
+                expected=f"indices in [0, {total})",
+                found=layer_map,
+            )
+
+    @property
+    def dtype(self) -> np.dtype[np.unsignedinteger]:
+        """Canonical element type, derived from ``num_experts`` alone."""
+        return canonical_dtype(self.num_experts)
+
+    @property
+    def decoder_layers(self) -> int:
+        """Decoder layers in the model, dense ones included."""
+        if self.total_layers is not None:
+            return self.total_layers
+        return self.num_layers if not self.layer_map else self.layer_map[-1] + 1
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """Shape of one token row: ``(num_layers, top_k)``."""
+        return (self.num_layers, self.top_k)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Canonical bytes per token row."""
+        return self.num_layers * self.top_k * self.dtype.itemsize
+
+    def nbytes(self, rows: int) -> int:
+        """Canonical bytes of ``rows`` token rows."""
+        return rows * self.row_nbytes
+
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """Decoder-layer index of every MoE layer, in order."""
+        return self.layer_map if self.layer_map is not None else tuple(range(self.num_layers))
+
+    def describe(self) -> str:
+        """One line for logs and the CLI."""
+        label = f"{self.name}: " if self.name else ""
+        dense = self.decoder_layers - self.num_layers
+        extra = f" (+{dense} dense)" if dense else ""
+        return (
+            f"{label}L={self.num_layers}{extra} K={self.top_k} E={self.num_experts} "
+            f"dtype={self.dtype.name} {self.row_nbytes} B/token"
+        )
