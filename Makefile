@@ -31,8 +31,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# Until the end-to-end RL demo lands (reference engine + trainer), the demo is the tour
+# of engine wire formats through `routeplay inspect`.
 demo: $(STAMP)
-	$(BIN)/routeplay demo
+	$(BIN)/python examples/formats_tour.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec_throughput.py

@@ -104,7 +104,8 @@ def _report_refusal(console: Console, exc: RoutesDataError, as_json: bool) -> No
 
 
 def _print_table(console: Console, report: dict[str, Any], result: EngineRouting) -> None:
-    table = Table(title=f"{result.engine.value} routed experts: valid", show_header=False)
+    verdict = "valid" if result.routes is not None else "a store key (data not fetched)"
+    table = Table(title=f"{result.engine.value} routed experts: {verdict}", show_header=False)
     for name, value in report.items():
         if name != "ok":
             table.add_row(name, Text(str(value)))

@@ -81,10 +81,16 @@ def _read_vllm(body: Mapping[str, Any], spec: RouteSpec, choice: int, where: str
 def _read_sglang(
     body: Mapping[str, Any], spec: RouteSpec, choice: int, where: str
 ) -> EngineRouting:
-    meta = _field(body, "meta_info", f"{where} meta_info")
-    path = f"{where} meta_info.routed_experts"
-    prompt = _count(meta, "prompt_tokens", where)
-    completion = _count(meta, "completion_tokens", where)
+    if "choices" in body:  # OpenAI routes carry routing in each choice's sgl_ext
+        picked = _choice(body, choice, where)
+        meta = _field(picked, "sgl_ext", f"{where} choices[{choice}].sgl_ext")
+        path = f"{where} choices[{choice}].sgl_ext.routed_experts"
+        prompt, completion = _choice_counts(body, picked, where)
+    else:
+        meta = _field(body, "meta_info", f"{where} meta_info")
+        path = f"{where} meta_info.routed_experts"
+        prompt = _count(meta, "prompt_tokens", where)
+        completion = _count(meta, "completion_tokens", where)
     start = _count(meta, "routed_experts_start_len", where) or 0
     routes = sglang.decode(
         _field(meta, "routed_experts", path),

@@ -28,12 +28,20 @@ def wire_dtype(spec: RouteSpec) -> np.dtype[np.integer]:
 
 
 def decode(
-    payload: str | bytes, spec: RouteSpec, *, expected: int | None = None, where: str = ""
+    payload: str | bytes,
+    spec: RouteSpec,
+    *,
+    start_row: int = 0,
+    expected: int | None = None,
+    where: str = "",
 ) -> Routes:
-    """Base64 ``.npy`` → canonical routes; ``expected`` is the row count the tokens imply."""
+    """Base64 ``.npy`` → canonical routes; ``expected`` is the row count the tokens imply.
+
+    ``start_row`` is the request's ``routed_experts_prompt_start`` (prompt rows omitted).
+    """
     raw = decode_base64(payload, what="vLLM routed_experts", where=where)
     array = read_npy(raw, where=where)
-    return canonicalize(array, spec, expected=expected, where=where)
+    return canonicalize(array, spec, start_row=start_row, expected=expected, where=where)
 
 
 def encode(array: npt.NDArray[np.integer], spec: RouteSpec, *, dtype: str | None = None) -> str:
