@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import numpy as np
@@ -33,7 +34,9 @@ def handles(draw: st.DrawFn, max_segments: int = 8) -> Handle:
         start = draw(st.integers(0, source.rows))
         stop = draw(st.integers(start, source.rows))
         version = draw(st.integers(0, 2))
-        segments.append(Segment(source=source, start=start, stop=stop, spec=SPEC, weight_version=version))
+        segments.append(
+            Segment(source=source, start=start, stop=stop, spec=SPEC, weight_version=version)
+        )
     return Handle(SPEC, segments)
 
 
@@ -76,7 +79,10 @@ def test_slices_compose(case: tuple[Handle, int, int], data: st.DataObject) -> N
     handle, start, stop = case
     inner_start = data.draw(st.integers(0, stop - start))
     inner_stop = data.draw(st.integers(inner_start, stop - start))
-    assert handle[start:stop][inner_start:inner_stop] == handle[start + inner_start : start + inner_stop]
+    assert (
+        handle[start:stop][inner_start:inner_stop]
+        == handle[start + inner_start : start + inner_stop]
+    )
 
 
 @given(handle_and_range())
@@ -102,7 +108,7 @@ def test_pieces_tile_the_range_without_gaps(case: tuple[Handle, int, int]) -> No
 def test_normalized_segments_are_non_empty_and_not_mergeable(handle: Handle) -> None:
     for seg in handle.segments:
         assert seg.rows > 0
-    for left, right in zip(handle.segments, handle.segments[1:]):
+    for left, right in itertools.pairwise(handle.segments):
         assert not left.continued_by(right)
     assert handle.nbytes == handle.rows * SPEC.row_nbytes
 

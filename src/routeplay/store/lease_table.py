@@ -1,0 +1,293 @@
+"""The lease table: who holds which payload, and when a payload's bytes may go.
+
+Plain Python (no Ray): the route-store actor is a thin shell around it, and tests drive
+it directly with a fake clock. A payload's lifetime is a state machine owned here:
+
+    STORED ──acquire──► LEASED ──last release──► RELEASED
+      │                   ▲ │
+      └──ttl──► EXPIRED   └─┘ acquire / clone / transfer / release (not last)
+
+Invariants: a payload is LEASED iff at least one live lease names it; a RELEASED or
+EXPIRED payload holds no reference (its bytes can be reclaimed by Ray); releasing a
+lease twice is a no-op; a lease only ever touches payloads of its own run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, TypeVar
+
+from routeplay.errors import AlreadyReleased, RoutesExpired, RoutesLost, RunMismatch
+
+__all__ = ["LeakRecord", "LeaseTable", "PayloadState", "TableStats"]
+
+Ref = TypeVar("Ref")
+_GONE_MEMORY = 1 << 16
+
+
+class PayloadState(Enum):
+    """Where a payload is in its lifetime."""
+
+    STORED = "stored"
+    LEASED = "leased"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(slots=True)
+class _Payload(Generic[Ref]):
+    run: str
+    rows: int
+    nbytes: int
+    created: float
+    ref: Ref | None
+    state: PayloadState = PayloadState.STORED
+    leases: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    holder: str
+    run: str
+    payloads: tuple[str, ...]
+    since: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableStats:
+    """A snapshot of the table: what is alive, who holds it, what has gone."""
+
+    live_payloads: int
+    """Payloads still referenced (STORED or LEASED)."""
+    live_bytes: int
+    """Canonical bytes of those payloads."""
+    unleased_payloads: int
+    """Payloads stored but never leased yet (the TTL applies to these)."""
+    leases: int
+    """Live leases."""
+    leases_by_holder: tuple[tuple[str, int], ...]
+    """(holder, live lease count), sorted by holder."""
+    bytes_by_holder: tuple[tuple[str, int], ...]
+    """(holder, bytes its leases keep alive, counted once per holder and payload)."""
+    released_payloads: int
+    """Payloads dropped after their last lease went."""
+    expired_payloads: int
+    """Payloads dropped because nobody leased them before the TTL."""
+    released_bytes: int
+    """Bytes dropped on last release."""
+    expired_bytes: int
+    """Bytes dropped on TTL expiry."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeakRecord:
+    """One lease still held: by whom, since when, over what."""
+
+    lease_id: str
+    holder: str
+    since: float
+    payloads: tuple[str, ...]
+    nbytes: int
+
+
+class LeaseTable(Generic[Ref]):
+    """Payload records and leases of one run; ``Ref`` is whatever keeps the bytes alive."""
+
+    def __init__(
+        self, run: str, *, ttl_s: float | None = 600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.run = run
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._payloads: dict[str, _Payload[Ref]] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._ids = itertools.count()
+        self._dropped = {PayloadState.RELEASED: [0, 0], PayloadState.EXPIRED: [0, 0]}
+        # Recently dropped ids, bounded: only used to say "expired" vs "released" in errors.
+        self._gone: OrderedDict[str, PayloadState] = OrderedDict()
+
+    # -- payloads -------------------------------------------------------------------
+    def add(self, payload_id: str, ref: Ref, *, rows: int, nbytes: int) -> None:
+        """Record a stored payload (state STORED, TTL clock starts now)."""
+        if payload_id in self._payloads or payload_id in self._gone:
+            raise ValueError(f"payload id {payload_id!r} was already used")
+        self._payloads[payload_id] = _Payload(
+            run=self.run, rows=rows, nbytes=nbytes, created=self._clock(), ref=ref
+        )
+
+    def state(self, payload_id: str) -> PayloadState:
+        """Current state of a payload this table has seen."""
+        if payload_id in self._payloads:
+            return self._payloads[payload_id].state
+        if payload_id in self._gone:
+            return self._gone[payload_id]
+        raise KeyError(payload_id)
+
+    def refs(self, payload_ids: Iterable[str], *, run: str) -> dict[str, Ref]:
+        """References of live payloads, for a reader; refuses other runs and gone payloads."""
+        self._check_run(run)
+        out: dict[str, Ref] = {}
+        for pid in payload_ids:
+            record = self._live(pid)
+            assert record.ref is not None  # live payloads always hold their ref
+            out[pid] = record.ref
+        return out
+
+    def expire(self) -> list[str]:
+        """Drop every payload nobody leased within the TTL; returns their ids."""
+        if self.ttl_s is None:
+            return []
+        deadline = self._clock() - self.ttl_s
+        stale = [
+            pid
+            for pid, rec in self._payloads.items()
+            if rec.state is PayloadState.STORED and rec.created <= deadline
+        ]
+        for pid in stale:
+            self._drop(pid, PayloadState.EXPIRED)
+        return stale
+
+    # -- leases ---------------------------------------------------------------------
+    def acquire(self, payload_ids: Iterable[str], holder: str, *, run: str) -> str:
+        """A new lease of ``holder`` over live payloads; returns its id."""
+        self._check_run(run)
+        ids = tuple(dict.fromkeys(payload_ids))
+        for pid in ids:
+            self._live(pid)
+        return self._grant(ids, holder)
+
+    def release(self, lease_id: str) -> list[str]:
+        """End a lease (idempotent); returns payloads whose last lease this was."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return []
+        dropped = []
+        for pid in lease.payloads:
+            record = self._payloads[pid]
+            record.leases.discard(lease_id)
+            if not record.leases:
+                self._drop(pid, PayloadState.RELEASED)
+                dropped.append(pid)
+        return dropped
+
+    def clone(self, lease_id: str, holder: str) -> str:
+        """A second lease over the same payloads for another holder."""
+        return self._grant(self._held(lease_id).payloads, holder)
+
+    def transfer(self, lease_id: str, holder: str) -> str:
+        """Hand a lease to another holder; the payloads never reach zero leases."""
+        new_id = self.clone(lease_id, holder)
+        self.release(lease_id)
+        return new_id
+
+    def is_live(self, lease_id: str) -> bool:
+        """True while the lease has not been released."""
+        return lease_id in self._leases
+
+    # -- accounting -----------------------------------------------------------------
+    def stats(self) -> TableStats:
+        """A frozen snapshot of counts and bytes."""
+        live = list(self._payloads.values())
+        by_holder: dict[str, int] = {}
+        holder_payloads: dict[str, set[str]] = {}
+        for lease in self._leases.values():
+            by_holder[lease.holder] = by_holder.get(lease.holder, 0) + 1
+            holder_payloads.setdefault(lease.holder, set()).update(lease.payloads)
+        holder_bytes = {
+            holder: sum(self._payloads[pid].nbytes for pid in pids)
+            for holder, pids in holder_payloads.items()
+        }
+        released, expired = (
+            self._dropped[PayloadState.RELEASED],
+            self._dropped[PayloadState.EXPIRED],
+        )
+        return TableStats(
+            live_payloads=len(live),
+            live_bytes=sum(rec.nbytes for rec in live),
+            unleased_payloads=sum(rec.state is PayloadState.STORED for rec in live),
+            leases=len(self._leases),
+            leases_by_holder=tuple(sorted(by_holder.items())),
+            bytes_by_holder=tuple(sorted(holder_bytes.items())),
+            released_payloads=released[0],
+            expired_payloads=expired[0],
+            released_bytes=released[1],
+            expired_bytes=expired[1],
+        )
+
+    def leaks(self) -> list[LeakRecord]:
+        """Every lease still held, oldest first."""
+        records = [
+            LeakRecord(
+                lease_id=lid,
+                holder=lease.holder,
+                since=lease.since,
+                payloads=lease.payloads,
+                nbytes=sum(self._payloads[pid].nbytes for pid in lease.payloads),
+            )
+            for lid, lease in self._leases.items()
+        ]
+        return sorted(records, key=lambda rec: (rec.since, rec.lease_id))
+
+    # -- internals ------------------------------------------------------------------
+    def _grant(self, payload_ids: tuple[str, ...], holder: str) -> str:
+        lease_id = f"{self.run}/lease-{next(self._ids)}"
+        self._leases[lease_id] = _Lease(
+            holder=holder, run=self.run, payloads=payload_ids, since=self._clock()
+        )
+        for pid in payload_ids:
+            record = self._payloads[pid]
+            record.leases.add(lease_id)
+            record.state = PayloadState.LEASED
+        return lease_id
+
+    def _held(self, lease_id: str) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise AlreadyReleased(
+                "the lease was already released",
+                found=lease_id,
+                hint="Clone or transfer a lease before releasing it.",
+            )
+        return lease
+
+    def _live(self, payload_id: str) -> _Payload[Ref]:
+        record = self._payloads.get(payload_id)
+        if record is not None:
+            return record
+        gone = self._gone.get(payload_id)
+        if gone is PayloadState.EXPIRED:
+            raise RoutesExpired(
+                "payload expired: nobody leased it before its TTL",
+                where=f"payload {payload_id}",
+                found=f"ttl {self.ttl_s}s",
+                hint="Acquire a lease right after put, or raise the store's TTL.",
+            )
+        raise RoutesLost(
+            "payload is gone (its last lease was released)"
+            if gone is PayloadState.RELEASED
+            else "payload is unknown to this store",
+            where=f"payload {payload_id}, run {self.run}",
+        )
+
+    def _drop(self, payload_id: str, state: PayloadState) -> None:
+        record = self._payloads.pop(payload_id)
+        record.ref = None  # dropping the reference is what lets Ray reclaim the bytes
+        self._gone[payload_id] = state
+        if len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)
+        self._dropped[state][0] += 1
+        self._dropped[state][1] += record.nbytes
+
+    def _check_run(self, run: str) -> None:
+        if run != self.run:
+            raise RunMismatch(
+                "data of another run",
+                expected=f"run {self.run}",
+                found=f"run {run}",
+                hint="Each run has its own store namespace; pass the run's own client.",
+            )
