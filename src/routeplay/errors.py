@@ -88,8 +88,11 @@ class AlreadyReleased(MisuseError):
     """A lease was used after it was released (releasing again is fine: it is idempotent)."""
 
 
-class AlreadyConsumed(MisuseError):
-    """An engine key is single-use and was already consumed by someone."""
+class AlreadyConsumed(MisuseError, KeyError):
+    """An engine key is single-use and was already consumed (a KeyError, as LMDeploy's is)."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""  # KeyError would quote the message
 
 
 class RunMismatch(MisuseError):

@@ -53,6 +53,16 @@ class StoreRef:
     """Run that owns the payload; other runs can neither read nor release it."""
     rows: int
     """Token rows in the stored payload."""
+    block_rows: int = 0
+    """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block."""
+    canonical: bool = True
+    """False for an adopted engine-store payload, validated row by row when read."""
+
+    def blocks(self, start: int, stop: int) -> range:
+        """Indices of the blocks holding rows ``[start, stop)``."""
+        if self.block_rows <= 0 or stop <= start:
+            return range(0, 1 if stop > start else 0)
+        return range(start // self.block_rows, -(-stop // self.block_rows))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,9 +1,28 @@
-"""routeplay.store: where routing payloads live on Ray, and who may keep them alive.
+"""routeplay.store: where routing payloads live on Ray, and who keeps them alive.
 
-Ray actors here are thin shells over plain classes (``LeaseTable`` and friends) that
-are unit-tested without Ray.
+Ray actors here are thin shells over plain classes (``LeaseTable``, ``StoreShard``,
+``EngineStore``, ``PayloadOutbox``) that are unit-tested without Ray. Processes use
+``RouteStore`` (the client) and ``Lease``; producer actors mix in ``RoutesProducer``.
 """
 
+from routeplay.store.client import RouteStore, StoreConfig, StoreStats
+from routeplay.store.engine_service import start_engine_store
+from routeplay.store.engine_store import EngineStore, EngineStoreStats
+from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
+from routeplay.store.producer import RoutesProducer
 
-__all__ = ["LeakRecord", "LeaseTable", "PayloadState", "TableStats"]
+__all__ = [
+    "EngineStore",
+    "EngineStoreStats",
+    "LeakRecord",
+    "Lease",
+    "LeaseTable",
+    "PayloadState",
+    "RouteStore",
+    "RoutesProducer",
+    "StoreConfig",
+    "StoreStats",
+    "TableStats",
+    "start_engine_store",
+]

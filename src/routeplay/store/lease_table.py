@@ -14,6 +14,7 @@ lease twice is a no-op; a lease only ever touches payloads of its own run.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import OrderedDict
@@ -99,14 +100,21 @@ class LeaseTable(Generic[Ref]):
     """Payload records and leases of one run; ``Ref`` is whatever keeps the bytes alive."""
 
     def __init__(
-        self, run: str, *, ttl_s: float | None = 600.0, clock: Callable[[], float] = time.monotonic
+        self,
+        run: str,
+        *,
+        ttl_s: float | None = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        lease_prefix: str = "",
     ) -> None:
         self.run = run
+        self._lease_prefix = lease_prefix or run
         self.ttl_s = ttl_s
         self._clock = clock
         self._payloads: dict[str, _Payload[Ref]] = {}
         self._leases: dict[str, _Lease] = {}
         self._ids = itertools.count()
+        self._unleased: list[tuple[float, str]] = []
         self._dropped = {PayloadState.RELEASED: [0, 0], PayloadState.EXPIRED: [0, 0]}
         # Recently dropped ids, bounded: only used to say "expired" vs "released" in errors.
         self._gone: OrderedDict[str, PayloadState] = OrderedDict()
@@ -116,9 +124,12 @@ class LeaseTable(Generic[Ref]):
         """Record a stored payload (state STORED, TTL clock starts now)."""
         if payload_id in self._payloads or payload_id in self._gone:
             raise ValueError(f"payload id {payload_id!r} was already used")
+        created = self._clock()
         self._payloads[payload_id] = _Payload(
-            run=self.run, rows=rows, nbytes=nbytes, created=self._clock(), ref=ref
+            run=self.run, rows=rows, nbytes=nbytes, created=created, ref=ref
         )
+        if self.ttl_s is not None:
+            heapq.heappush(self._unleased, (created, payload_id))
 
     def state(self, payload_id: str) -> PayloadState:
         """Current state of a payload this table has seen."""
@@ -143,13 +154,14 @@ class LeaseTable(Generic[Ref]):
         if self.ttl_s is None:
             return []
         deadline = self._clock() - self.ttl_s
-        stale = [
-            pid
-            for pid, rec in self._payloads.items()
-            if rec.state is PayloadState.STORED and rec.created <= deadline
-        ]
-        for pid in stale:
-            self._drop(pid, PayloadState.EXPIRED)
+        stale = []
+        # Payloads enter the heap in creation order, so expiry costs O(expired), not O(live).
+        while self._unleased and self._unleased[0][0] <= deadline:
+            _, pid = heapq.heappop(self._unleased)
+            record = self._payloads.get(pid)
+            if record is not None and record.state is PayloadState.STORED:
+                self._drop(pid, PayloadState.EXPIRED)
+                stale.append(pid)
         return stale
 
     # -- leases ---------------------------------------------------------------------
@@ -235,7 +247,7 @@ class LeaseTable(Generic[Ref]):
 
     # -- internals ------------------------------------------------------------------
     def _grant(self, payload_ids: tuple[str, ...], holder: str) -> str:
-        lease_id = f"{self.run}/lease-{next(self._ids)}"
+        lease_id = f"{self._lease_prefix}/lease-{next(self._ids)}"
         self._leases[lease_id] = _Lease(
             holder=holder, run=self.run, payloads=payload_ids, since=self._clock()
         )

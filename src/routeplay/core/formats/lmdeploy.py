@@ -7,8 +7,9 @@ until someone ``get``s it. Without Ray it returns the nested lists inline.
 
 from __future__ import annotations
 
+import itertools
 import re
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -81,7 +82,21 @@ def decode_lists(
             found=f"elements of type {array.dtype}",
             where=where,
         )
+    if array.ndim == 3 and _holds_bools(value):
+        raise DtypeError(
+            "nested routing lists hold JSON booleans among the ids",
+            expected="integers only",
+            found="true/false values (numpy would read them as 1/0)",
+            where=where,
+        )
     return canonicalize(array, spec, expected=expected, where=where)
+
+
+def _holds_bools(lists: list[Any]) -> bool:
+    # numpy silently turns bools mixed with ints into 1/0; a C-level type scan
+    # (map/chain, no Python-level loop body) costs about a third of the conversion.
+    leaves = itertools.chain.from_iterable(itertools.chain.from_iterable(lists))
+    return bool in set(map(type, leaves))
 
 
 def encode_lists(array: npt.NDArray[np.integer]) -> list[list[list[int]]]:

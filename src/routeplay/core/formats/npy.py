@@ -8,6 +8,7 @@ and wrap the data bytes without a copy.
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,14 @@ def read_npy(raw: bytes, *, where: str = "") -> npt.NDArray[Any]:
             found=str(dtype),
             where=where,
         )
-    count = int(np.prod(shape, dtype=np.int64))
+    if any(n < 0 for n in shape):
+        raise MalformedPayload(
+            ".npy header has a negative dimension",
+            expected="non-negative dimensions",
+            found=list(shape),
+            where=where,
+        )
+    count = math.prod(shape)  # Python ints: a crafted header cannot overflow this
     need = count * dtype.itemsize
     have = len(raw) - offset
     if have != need:

@@ -44,10 +44,12 @@ def encode(array: npt.NDArray[np.integer], *, start_row: int = 0) -> str:
 def _layer_count(nbytes: int, spec: RouteSpec, expected: int | None, where: str) -> int:
     """Layers per row: MoE layers, or every decoder layer if only that fits the byte count."""
     candidates = dict.fromkeys((spec.num_layers, spec.decoder_layers))
-    for layers in candidates:
-        row_bytes = layers * spec.top_k * WIRE_DTYPE.itemsize
-        if nbytes % row_bytes == 0 and (expected is None or nbytes // row_bytes == expected):
+    fitting = [n for n in candidates if nbytes % (n * spec.top_k * WIRE_DTYPE.itemsize) == 0]
+    for layers in fitting:
+        if expected is None or nbytes // (layers * spec.top_k * WIRE_DTYPE.itemsize) == expected:
             return layers
+    if fitting:
+        return fitting[0]  # whole rows, wrong count: the row check names both counts
     row_bytes = spec.num_layers * spec.top_k * WIRE_DTYPE.itemsize
     found = f"{nbytes} bytes"
     if expected is not None and nbytes % row_bytes == 0:

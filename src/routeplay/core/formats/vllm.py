@@ -17,7 +17,7 @@ from routeplay.core.formats.npy import read_npy, write_npy
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize, check_dtype, check_shape
-from routeplay.errors import MalformedPayload
+from routeplay.errors import MalformedPayload, SpecMismatch
 
 __all__ = ["decode", "encode", "from_outputs", "wire_dtype"]
 
@@ -70,6 +70,13 @@ def from_outputs(
             )
         check_dtype(part.dtype, spec, where=where)
         check_shape(part.shape, spec, where=where)
+    if len({part.shape[1] for part in parts}) > 1:
+        raise SpecMismatch(
+            "prompt and completion routing have different layer counts",
+            expected="the same layer axis in both parts",
+            found=[list(part.shape) for part in parts],
+            where=where,
+        )
     # Concatenating in the canonical dtype after the range check would cost a second
     # pass; canonicalize validates the joined source array once and casts once.
     joined = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)

@@ -1,0 +1,138 @@
+"""Ray actor shells over the plain store classes. No logic lives here: each method takes
+the lock (a reaper thread expires TTLs in the background) and forwards."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import ray
+
+from routeplay.core.handle import StoreRef
+from routeplay.store.engine_store import EngineStore, EngineStoreStats
+from routeplay.store.lease_table import LeakRecord, TableStats
+from routeplay.store.shard import StoreShard
+
+__all__ = [
+    "EngineStoreActor",
+    "EngineStoreShell",
+    "StoreShardActor",
+    "StoreShardShell",
+    "call_producer",
+]
+
+T = TypeVar("T")
+
+
+def call_producer(producer: Any, token: str, blocks: int) -> list[Any]:
+    """Ask a producer actor for its staged blocks; the caller owns the returned refs."""
+    refs = producer.take_staged.options(num_returns=blocks).remote(token)
+    return [refs] if blocks == 1 else list(refs)
+
+
+class _Reaped:
+    """A lock shared by calls and a daemon thread that calls ``expire`` periodically."""
+
+    def _start_reaper(self, expire: Callable[[], object], ttl_s: float | None) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if ttl_s is None:
+            return
+        interval = max(0.05, min(ttl_s / 4, 5.0))
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                self._locked(expire)
+
+        threading.Thread(target=loop, name="routeplay-reaper", daemon=True).start()
+
+    def _locked(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            return fn()
+
+
+class StoreShardShell(_Reaped):
+    """One shard of a run's route store. Holds references and leases, never bytes."""
+
+    def __init__(self, run: str, index: int, ttl_s: float | None) -> None:
+        self._shard = StoreShard(run, index, ttl_s=ttl_s, call_producer=call_producer)
+        self._start_reaper(self._shard.expire, ttl_s)
+
+    def adopt(self, refs: list[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
+        return self._locked(
+            lambda: self._shard.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
+        )
+
+    def adopt_from(
+        self, producer: Any, token: str, blocks: int, rows: int, nbytes: int, block_rows: int
+    ) -> StoreRef:
+        return self._locked(
+            lambda: self._shard.adopt_from(
+                producer, token, blocks=blocks, rows=rows, nbytes=nbytes, block_rows=block_rows
+            )
+        )
+
+    def acquire(self, payload_ids: Sequence[str], holder: str, run: str) -> str:
+        return self._locked(lambda: self._shard.acquire(payload_ids, holder, run))
+
+    def release(self, lease_id: str) -> list[str]:
+        return self._locked(lambda: self._shard.release(lease_id))
+
+    def clone(self, lease_id: str, holder: str) -> str:
+        return self._locked(lambda: self._shard.clone(lease_id, holder))
+
+    def transfer(self, lease_id: str, holder: str) -> str:
+        return self._locked(lambda: self._shard.transfer(lease_id, holder))
+
+    def locate(self, wanted: Sequence[tuple[str, Sequence[int]]], run: str) -> list[list[Any]]:
+        return self._locked(lambda: self._shard.locate(wanted, run))
+
+    def stats(self) -> TableStats:
+        return self._locked(self._shard.stats)
+
+    def leaks(self) -> list[LeakRecord]:
+        return self._locked(self._shard.leaks)
+
+
+def _ref_key(ref: Any) -> str:
+    return str(ref.hex())
+
+
+class EngineStoreShell(_Reaped):
+    """Drop-in for LMDeploy's ``shared_store`` (and an SGLang-side Ray store)."""
+
+    def __init__(self, ttl_s: float | None = 600.0) -> None:
+        self._store: EngineStore[Any] = EngineStore(
+            put_object=ray.put, get_object=ray.get, key_of=_ref_key, ttl_s=ttl_s
+        )
+        self._start_reaper(self._store.expire, ttl_s)
+
+    def put(self, data: Any) -> str:
+        return self._locked(lambda: self._store.put(data))
+
+    def get(self, key: str) -> Any:
+        return self._locked(lambda: self._store.get(key))
+
+    def clear(self) -> None:
+        self._locked(self._store.clear)
+
+    def peek(self, key: str) -> Any:
+        return self._locked(lambda: self._store.peek(key))
+
+    def get_ref(self, key: str) -> list[Any]:
+        return self._locked(lambda: self._store.get_ref(key))
+
+    def free(self, key: str) -> bool:
+        return self._locked(lambda: self._store.free(key))
+
+    def stats(self) -> EngineStoreStats:
+        return self._locked(self._store.stats)
+
+    def keys(self) -> list[str]:
+        return self._locked(self._store.keys)
+
+
+# The Ray actor classes (typed Any: ray.remote's result has no useful static type).
+StoreShardActor: Any = ray.remote(num_cpus=0)(StoreShardShell)
+EngineStoreActor: Any = ray.remote(num_cpus=0)(EngineStoreShell)

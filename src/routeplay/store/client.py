@@ -1,0 +1,305 @@
+"""``RouteStore``: the client every process uses to put, lease and read routing.
+
+It is a small picklable object (config + actor handles) that travels to rollout
+workers and trainer ranks. Metadata calls go to the shard that minted a payload
+(shards are chosen by hash); payload bytes never pass through a shard: a reader gets
+block references from one batched ``locate`` call per shard, then pulls the blocks
+straight from the node that holds them, copies its rows out and drops the views (a
+zero-copy view would pin the object after its last lease is gone).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import ray
+
+from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
+from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import canonicalize
+from routeplay.errors import RunMismatch
+from routeplay.store import ray_calls
+from routeplay.store.actors import StoreShardActor
+from routeplay.store.lease import Lease
+from routeplay.store.lease_table import LeakRecord, TableStats
+from routeplay.store.outbox import split_blocks
+from routeplay.store.read_plan import BlockCopy, DirectCopy, ReadPlan, plan_reads
+from routeplay.store.shard import shard_of
+
+__all__ = ["RouteStore", "StoreConfig", "StoreStats"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreConfig:
+    """How a run's route store is laid out."""
+
+    run: str
+    """Run id: names the actors and scopes every payload and lease."""
+    shards: int = 1
+    """Store actors; metadata calls spread over them by hash."""
+    ttl_s: float | None = 600.0
+    """Seconds a payload may stay stored without any lease before it is dropped."""
+    block_rows: int = 4096
+    """Rows per stored block, so a reader of a slice fetches only the blocks it needs."""
+    timeout_s: float = 60.0
+    """Deadline of every blocking call."""
+    namespace: str = "routeplay"
+    """Ray namespace of the store actors."""
+    detached: bool = False
+    """Keep the actors after the driver exits (long-lived clusters)."""
+
+    def build(self) -> RouteStore:
+        """Start (or join) the run's store actors."""
+        return RouteStore.start(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreStats:
+    """Store-wide snapshot: the sum of every shard's table."""
+
+    shards: int
+    live_payloads: int
+    live_bytes: int
+    unleased_payloads: int
+    leases: int
+    leases_by_holder: tuple[tuple[str, int], ...]
+    bytes_by_holder: tuple[tuple[str, int], ...]
+    released_payloads: int
+    expired_payloads: int
+    released_bytes: int
+    expired_bytes: int
+
+
+class RouteStore:
+    """Client of one run's route store (picklable; safe to pass to actors)."""
+
+    def __init__(self, config: StoreConfig, shards: Sequence[Any]) -> None:
+        self.config = config
+        self._shards = list(shards)
+
+    @classmethod
+    def start(cls, config: StoreConfig) -> RouteStore:
+        """Create the run's shard actors, or join them if they exist."""
+        options: dict[str, Any] = {"namespace": config.namespace, "get_if_exists": True}
+        if config.detached:
+            options["lifetime"] = "detached"
+        shards = [
+            StoreShardActor.options(name=cls._actor_name(config.run, i), **options).remote(
+                config.run, i, config.ttl_s
+            )
+            for i in range(config.shards)
+        ]
+        return cls(config, shards)
+
+    @property
+    def run(self) -> str:
+        """Run this client belongs to."""
+        return self.config.run
+
+    # -- writing ----------------------------------------------------------------------
+    def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
+        """Write from *this* process, which then owns the bytes: for long-lived callers
+        (the driver, a store-side service). Rollout workers use ``RoutesProducer``."""
+        blocks = split_blocks(routes.array, self.config.block_rows)
+        refs = [ray.put(block) for block in blocks]
+        shard = self._shards[self._pick_shard(refs[0].hex())]
+        stored = self._call(
+            shard.adopt.remote(refs, routes.rows, routes.nbytes, self._block_rows(len(blocks))),
+            "adopt",
+        )
+        return self._handle(stored, routes.spec, weight_version)
+
+    def put_staged(
+        self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
+    ) -> Handle:
+        """Have a shard take a producer's staged blocks: one write, owned by the shard."""
+        shard = self._shards[self._pick_shard(token)]
+        stored = self._call(
+            shard.adopt_from.remote(
+                producer, token, blocks, routes.rows, routes.nbytes, self._block_rows(blocks)
+            ),
+            f"adopt {token}",
+        )
+        return self._handle(stored, routes.spec, weight_version)
+
+    def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
+        """Take an engine-store key over without reading it: the shard borrows the engine
+        store's reference (the bytes stay where the engine wrote them) and the key is
+        consumed. Rows are validated when they are read."""
+        engine_store = ray.get_actor(key.actor, namespace=key.namespace)
+        wrapped = self._call(engine_store.get_ref.remote(key.key), f"engine key {key.key}")
+        shard = self._shards[self._pick_shard(key.key)]
+        stored = self._call(
+            shard.adopt.remote(wrapped, key.rows, spec.nbytes(key.rows), 0), "adopt"
+        )
+        raw = StoreRef(payload_id=stored.payload_id, run=stored.run, rows=key.rows, canonical=False)
+        return self._handle(raw, spec, weight_version)
+
+    # -- leases -----------------------------------------------------------------------
+    def acquire(self, handle: Handle, holder: str) -> Lease:
+        """A lease of ``holder`` over every stored payload of ``handle``."""
+        by_shard: dict[int, list[str]] = {}
+        for source in handle.sources():
+            if isinstance(source, StoreRef):
+                self._check_run(source)
+                by_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
+        calls = {
+            i: self._shards[i].acquire.remote(pids, holder, self.run)
+            for i, pids in by_shard.items()
+        }
+        lease_ids = self._call(list(calls.values()), f"acquire for {holder}")
+        return Lease(self, handle, holder, dict(zip(calls, lease_ids, strict=True)))
+
+    def _release_parts(self, parts: dict[int, str]) -> None:
+        self._call([self._shards[i].release.remote(lid) for i, lid in parts.items()], "release")
+
+    def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
+        calls = {i: self._shards[i].clone.remote(lid, holder) for i, lid in parts.items()}
+        return dict(zip(calls, self._call(list(calls.values()), "clone"), strict=True))
+
+    def _transfer_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
+        calls = {i: self._shards[i].transfer.remote(lid, holder) for i, lid in parts.items()}
+        return dict(zip(calls, self._call(list(calls.values()), "transfer"), strict=True))
+
+    # -- reading ----------------------------------------------------------------------
+    def read(self, handle: Handle, start: int = 0, stop: int | None = None) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of a handle, copied into memory the caller owns."""
+        return self.read_many([(handle, start, handle.rows if stop is None else stop)])[0]
+
+    def read_many(self, requests: Sequence[tuple[Handle, int, int]]) -> list[npt.NDArray[Any]]:
+        """Rows of many handles: one ``locate`` call per shard, one fetch of each block."""
+        plan = plan_reads(requests)
+        outs = [
+            np.empty((rows, *h.spec.row_shape), h.spec.dtype)
+            for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
+        ]
+        for direct in plan.direct:
+            self._copy_direct(direct, outs[direct.request])
+        if plan.copies:
+            blocks = self._fetch_blocks(plan)
+            for copy in plan.copies:
+                self._copy_block(copy, blocks[(copy.payload_id, copy.block)], outs[copy.request])
+            del blocks  # drop the zero-copy views now, so no object stays pinned
+        return outs
+
+    def _fetch_blocks(self, plan: ReadPlan) -> dict[tuple[str, int], Any]:
+        shards = sorted(plan.wanted)
+        wanted = {i: plan.locate_requests(i) for i in shards}
+        located = self._call(
+            [self._shards[i].locate.remote(wanted[i], self.run) for i in shards], "locate"
+        )
+        keys: list[tuple[str, int]] = []
+        refs: list[Any] = []
+        for i, per_shard in zip(shards, located, strict=True):
+            for (pid, blocks), block_refs in zip(wanted[i], per_shard, strict=True):
+                keys.extend((pid, b) for b in blocks)
+                refs.extend(block_refs)
+        values = ray_calls.get(refs, timeout_s=self.config.timeout_s, what=f"{len(refs)} blocks")
+        return dict(zip(keys, values, strict=True))
+
+    @staticmethod
+    def _copy_block(copy: BlockCopy, block: npt.NDArray[Any], out: npt.NDArray[Any]) -> None:
+        rows = block[copy.lo : copy.hi]
+        seg = copy.segment
+        source = seg.source
+        assert isinstance(source, StoreRef)
+        if not source.canonical:  # an adopted engine key: validate the rows we read
+            where = f"payload {source.payload_id}"
+            rows = canonicalize(rows, seg.spec, start_row=copy.first_row, where=where).array
+        out[copy.offset : copy.offset + (copy.hi - copy.lo)] = rows
+
+    def _copy_direct(self, copy: DirectCopy, out: npt.NDArray[Any]) -> None:
+        seg = copy.segment
+        if isinstance(seg.source, InlineSource):
+            rows = seg.source.array[seg.start : seg.stop]
+        else:
+            rows = self._consume_engine_key(seg)
+        out[copy.offset : copy.offset + seg.rows] = rows
+
+    def _consume_engine_key(self, seg: Segment) -> npt.NDArray[Any]:
+        key = seg.source
+        assert isinstance(key, EngineKey)
+        engine_store = ray.get_actor(key.actor, namespace=key.namespace)
+        [ref] = self._call(engine_store.get_ref.remote(key.key), f"engine key {key.key}")
+        full = ray_calls.get(ref, timeout_s=self.config.timeout_s, what=f"engine key {key.key}")
+        where = f"engine key {key.key}"
+        return canonicalize(
+            full[seg.start : seg.stop], seg.spec, start_row=seg.start, where=where
+        ).array
+
+    # -- accounting -------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """Sum of every shard's snapshot."""
+        parts: list[TableStats] = self._call([s.stats.remote() for s in self._shards], "stats")
+        return _merge_stats(parts)
+
+    def leaks(self) -> list[LeakRecord]:
+        """Leases still held, oldest first, across shards."""
+        per_shard = self._call([s.leaks.remote() for s in self._shards], "leaks")
+        return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
+
+    def shutdown(self) -> None:
+        """Kill the shard actors (their references go, so Ray reclaims every payload)."""
+        for shard in self._shards:
+            ray.kill(shard)
+
+    # -- internals --------------------------------------------------------------------
+    def _call(self, refs: Any, what: str) -> Any:
+        return ray_calls.get(refs, timeout_s=self.config.timeout_s, what=f"{self.run}: {what}")
+
+    def _pick_shard(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % len(self._shards)
+
+    def _block_rows(self, blocks: int) -> int:
+        return self.config.block_rows if blocks > 1 else 0
+
+    def _check_run(self, source: StoreRef) -> None:
+        if source.run != self.run:
+            raise RunMismatch(
+                "payload of another run",
+                expected=f"run {self.run}",
+                found=f"run {source.run}",
+                where=f"payload {source.payload_id}",
+            )
+
+    def _handle(self, stored: StoreRef, spec: RouteSpec, weight_version: int) -> Handle:
+        segment = Segment(
+            source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
+        )
+        return Handle.of(segment)
+
+    @staticmethod
+    def _actor_name(run: str, index: int) -> str:
+        return f"routeplay.store.{run}.{index}"
+
+
+def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:
+    def summed(name: str) -> int:
+        return sum(int(getattr(p, name)) for p in parts)
+
+    def merged(name: str) -> tuple[tuple[str, int], ...]:
+        total: dict[str, int] = {}
+        for part in parts:
+            for holder, value in getattr(part, name):
+                total[holder] = total.get(holder, 0) + value
+        return tuple(sorted(total.items()))
+
+    return StoreStats(
+        shards=len(parts),
+        live_payloads=summed("live_payloads"),
+        live_bytes=summed("live_bytes"),
+        unleased_payloads=summed("unleased_payloads"),
+        leases=summed("leases"),
+        leases_by_holder=merged("leases_by_holder"),
+        bytes_by_holder=merged("bytes_by_holder"),
+        released_payloads=summed("released_payloads"),
+        expired_payloads=summed("expired_payloads"),
+        released_bytes=summed("released_bytes"),
+        expired_bytes=summed("expired_bytes"),
+    )

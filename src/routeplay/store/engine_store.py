@@ -1,0 +1,172 @@
+"""The engine-side store: a drop-in for LMDeploy's ``shared_store`` actor, plus lifetimes.
+
+LMDeploy's engine looks the actor up by name (``shared_store``) in namespace
+``lmdeploy``, calls ``put(data)`` and returns the key (``ObjectRef.hex()``) to the client,
+who later calls the destructive ``get(key)``. LMDeploy's own actor never expires a key,
+so every response that is dropped before its key is read leaks its payload. This class
+keeps LMDeploy's contract (``put``/``get``/``clear``) and adds ``peek``, ``get_ref``
+(hand out the reference: the caller reads from the object store directly), ``free``, a
+TTL for unconsumed keys, and ``stats``.
+
+Plain Python with the object-store operations passed in; the actor shell is in
+``routeplay.store.actors``. A key is consumed once: a second ``get``/``get_ref`` raises
+``AlreadyConsumed`` (a ``KeyError`` too, as LMDeploy clients expect).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from routeplay.errors import AlreadyConsumed, RoutesExpired
+
+__all__ = ["EngineStore", "EngineStoreStats"]
+
+Ref = TypeVar("Ref")
+_FORGOTTEN_MEMORY = 1 << 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStoreStats:
+    """Snapshot of the engine store."""
+
+    live_keys: int
+    """Keys put and not yet consumed, freed or expired."""
+    puts: int
+    """Keys ever put."""
+    consumed: int
+    """Keys handed over by ``get`` or ``get_ref``."""
+    freed: int
+    """Keys dropped by ``free`` or ``clear``."""
+    expired: int
+    """Keys dropped because nobody consumed them within the TTL."""
+
+
+@dataclass(slots=True)
+class _Entry(Generic[Ref]):
+    ref: Ref
+    created: float
+
+
+class EngineStore(Generic[Ref]):
+    """Keys to payload references; ``put_object``/``get_object``/``key_of`` talk to Ray."""
+
+    def __init__(
+        self,
+        *,
+        put_object: Callable[[Any], Ref],
+        get_object: Callable[[Ref], Any],
+        key_of: Callable[[Ref], str],
+        ttl_s: float | None = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._put_object = put_object
+        self._get_object = get_object
+        self._key_of = key_of
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, _Entry[Ref]] = {}
+        self._by_age: list[tuple[float, str]] = []
+        self._forgotten: OrderedDict[str, str] = OrderedDict()  # key -> why it is gone
+        self._counts = {"puts": 0, "consumed": 0, "freed": 0, "expired": 0}
+
+    # -- LMDeploy's contract ---------------------------------------------------------
+    def put(self, data: Any) -> str:
+        """Store ``data``; the key is the hex of its object reference, as LMDeploy returns."""
+        self.expire()
+        ref = self._put_object(data)
+        key = self._key_of(ref)
+        now = self._clock()
+        self._entries[key] = _Entry(ref=ref, created=now)
+        if self.ttl_s is not None:
+            heapq.heappush(self._by_age, (now, key))
+        self._counts["puts"] += 1
+        return key
+
+    def get(self, key: str) -> Any:
+        """The payload, consuming the key (a second get raises ``AlreadyConsumed``)."""
+        return self._get_object(self._consume(key))
+
+    def clear(self) -> None:
+        """Drop every key (LMDeploy's clear freed the objects but kept the keys)."""
+        for key in list(self._entries):
+            self.free(key)
+
+    # -- additions -------------------------------------------------------------------
+    def peek(self, key: str) -> Any:
+        """The payload without consuming the key."""
+        return self._get_object(self._entry(key).ref)
+
+    def get_ref(self, key: str) -> list[Ref]:
+        """Consume the key and hand out its reference, wrapped in a list so Ray passes it
+        through unresolved; the caller reads the bytes from the object store itself."""
+        return [self._consume(key)]
+
+    def free(self, key: str) -> bool:
+        """Drop a key nobody will consume (idempotent); True if it was live."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._forget(key, "freed")
+        return True
+
+    def expire(self) -> list[str]:
+        """Drop keys older than the TTL; returns them."""
+        if self.ttl_s is None:
+            return []
+        deadline = self._clock() - self.ttl_s
+        gone = []
+        while self._by_age and self._by_age[0][0] <= deadline:
+            created, key = heapq.heappop(self._by_age)
+            entry = self._entries.get(key)
+            if entry is not None and entry.created == created:
+                del self._entries[key]
+                self._forget(key, "expired")
+                gone.append(key)
+        return gone
+
+    def stats(self) -> EngineStoreStats:
+        """Counts of live, put, consumed, freed and expired keys."""
+        self.expire()
+        return EngineStoreStats(live_keys=len(self._entries), **self._counts)
+
+    def keys(self) -> list[str]:
+        """Live keys, oldest first."""
+        return sorted(self._entries, key=lambda key: self._entries[key].created)
+
+    # -- internals -------------------------------------------------------------------
+    def _consume(self, key: str) -> Ref:
+        entry = self._entry(key)
+        del self._entries[key]
+        self._forget(key, "consumed")
+        return entry.ref
+
+    def _entry(self, key: str) -> _Entry[Ref]:
+        self.expire()
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        why = self._forgotten.get(key)
+        if why == "expired":
+            raise RoutesExpired(
+                "engine key expired before anyone consumed it",
+                where=f"key {key}",
+                found=f"ttl {self.ttl_s}s",
+                hint="Consume keys promptly or raise the engine store TTL.",
+            )
+        raise AlreadyConsumed(
+            f"engine key {why}" if why else "unknown engine key",
+            where=f"key {key}",
+            expected="a key put and not yet consumed",
+            hint="Each key is read once; clone the handle's lease instead of reading twice.",
+        )
+
+    def _forget(self, key: str, why: str) -> None:
+        self._counts[why] += 1
+        self._forgotten[key] = why
+        if len(self._forgotten) > _FORGOTTEN_MEMORY:
+            self._forgotten.popitem(last=False)

@@ -1,0 +1,59 @@
+"""The producer side of a one-write put.
+
+On Ray 2.60 an object dies with the process that created it, unless a long-lived
+process owns it. A rollout worker therefore does not ``ray.put`` its routing: it
+*stages* the canonical array here and asks the store shard to adopt it; the shard calls
+the worker's ``take`` method, so the shard owns the returned blocks while the bytes
+are written once, into the worker's node object store, and never pass through the
+shard. The array leaves the worker's heap when ``take`` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.errors import AlreadyConsumed
+
+__all__ = ["PayloadOutbox", "split_blocks"]
+
+
+def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
+    """Row blocks of ``array`` (views, no copy); one block when ``block_rows`` is 0."""
+    if block_rows <= 0 or array.shape[0] <= block_rows:
+        return (array,)
+    return tuple(array[i : i + block_rows] for i in range(0, array.shape[0], block_rows))
+
+
+class PayloadOutbox:
+    """Arrays staged by a producer until a store shard takes them (once)."""
+
+    def __init__(self) -> None:
+        self._staged: dict[str, tuple[npt.NDArray[Any], ...]] = {}
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}"
+
+    def stage(self, array: npt.NDArray[np.unsignedinteger], *, block_rows: int) -> tuple[str, int]:
+        """Keep ``array`` until taken; returns the token and the number of blocks."""
+        token = f"{self._prefix}-{next(self._ids)}"
+        blocks = split_blocks(array, block_rows)
+        self._staged[token] = blocks
+        return token, len(blocks)
+
+    def take(self, token: str) -> tuple[npt.NDArray[Any], ...] | npt.NDArray[Any]:
+        """Hand the blocks over (a single block is returned bare, as Ray's num_returns=1 wants)."""
+        blocks = self._staged.pop(token, None)
+        if blocks is None:
+            raise AlreadyConsumed("staged payload already taken or never staged", found=token)
+        return blocks[0] if len(blocks) == 1 else blocks
+
+    def discard(self, token: str) -> None:
+        """Forget a staged payload that will never be adopted (idempotent)."""
+        self._staged.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._staged)

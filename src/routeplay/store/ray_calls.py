@@ -1,0 +1,49 @@
+"""Every blocking Ray call of the store goes through here: a timeout, and Ray's
+exceptions translated into routeplay's (``raise ... from``) so callers see one tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray import exceptions as rex
+
+from routeplay.errors import RouteplayError, RoutesLost, StoreTimeout
+
+__all__ = ["get"]
+
+_LOST = (
+    rex.OwnerDiedError,
+    rex.ObjectLostError,
+    rex.ObjectFetchTimedOutError,
+    rex.ReferenceCountingAssertionError,
+)
+
+
+def get(refs: Any, *, timeout_s: float, what: str) -> Any:
+    """``ray.get`` with a deadline; ``what`` names the payload or call for the error."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except rex.GetTimeoutError as exc:
+        raise StoreTimeout(
+            "a store call did not answer in time",
+            where=what,
+            expected=f"an answer within {timeout_s}s",
+            hint="Is the store actor alive and the object store reachable?",
+        ) from exc
+    except _LOST as exc:
+        raise RoutesLost(
+            "routing payload is lost (its owner died or the object is gone)",
+            where=what,
+            found=type(exc).__name__,
+            hint="The sample must be set aside; the rest of the store is unaffected.",
+        ) from exc
+    except rex.RayActorError as exc:
+        raise RoutesLost(
+            "the actor serving this call died", where=what, found=type(exc).__name__
+        ) from exc
+    except rex.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, RouteplayError):
+            raise cause from exc  # our own typed error, raised inside an actor
+        raise

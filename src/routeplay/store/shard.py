@@ -1,0 +1,101 @@
+"""One store shard: payload references and leases of one run, never payload bytes.
+
+``StoreShard`` is plain Python; ``routeplay.store.actors`` wraps it in a Ray actor.
+What keeps bytes alive is the list of block references the shard holds per payload;
+the lease table decides when to drop it. The shard owns those references either
+because it called the producer (``adopt_from``: the one-write path) or because a
+long-lived process handed it references it owns (``adopt``: drivers, engine stores).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from routeplay.core.handle import StoreRef
+from routeplay.store.lease_table import LeakRecord, LeaseTable, TableStats
+
+__all__ = ["CallProducer", "StoreShard", "shard_of"]
+
+# (producer handle, token, block count) -> one reference per block, owned by the caller.
+CallProducer = Callable[[Any, str, int], list[Any]]
+
+
+def shard_of(payload_id: str) -> int:
+    """The shard index a payload id was minted by (ids look like ``"3.1f"``)."""
+    return int(payload_id.split(".", 1)[0])
+
+
+class StoreShard:
+    """Payload records and leases for one run on one shard."""
+
+    def __init__(
+        self,
+        run: str,
+        index: int,
+        *,
+        ttl_s: float | None = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        call_producer: CallProducer | None = None,
+    ) -> None:
+        self.run = run
+        self.index = index
+        self._table: LeaseTable[list[Any]] = LeaseTable(
+            run, ttl_s=ttl_s, clock=clock, lease_prefix=f"{run}/{index}"
+        )
+        self._ids = itertools.count()
+        self._call_producer = call_producer
+
+    def adopt(self, refs: Sequence[Any], *, rows: int, nbytes: int, block_rows: int) -> StoreRef:
+        """Keep references to a stored payload's blocks; returns the payload's StoreRef."""
+        self._table.expire()
+        payload_id = f"{self.index}.{next(self._ids):x}"
+        self._table.add(payload_id, list(refs), rows=rows, nbytes=nbytes)
+        return StoreRef(payload_id=payload_id, run=self.run, rows=rows, block_rows=block_rows)
+
+    def adopt_from(
+        self, producer: Any, token: str, *, blocks: int, rows: int, nbytes: int, block_rows: int
+    ) -> StoreRef:
+        """Call the producer for its staged blocks, so this shard owns them (one write)."""
+        if self._call_producer is None:
+            raise RuntimeError("this shard was built without a way to call producers")
+        refs = self._call_producer(producer, token, blocks)
+        return self.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
+
+    def acquire(self, payload_ids: Sequence[str], holder: str, run: str) -> str:
+        """A lease of ``holder`` over payloads of this shard."""
+        self._table.expire()
+        return self._table.acquire(payload_ids, holder, run=run)
+
+    def release(self, lease_id: str) -> list[str]:
+        """End a lease (idempotent); returns payloads dropped by it."""
+        return self._table.release(lease_id)
+
+    def clone(self, lease_id: str, holder: str) -> str:
+        """Another lease over the same payloads."""
+        return self._table.clone(lease_id, holder)
+
+    def transfer(self, lease_id: str, holder: str) -> str:
+        """Move a lease to another holder without the payloads ever reaching zero leases."""
+        return self._table.transfer(lease_id, holder)
+
+    def locate(self, wanted: Sequence[tuple[str, Sequence[int]]], run: str) -> list[list[Any]]:
+        """Block references for ``(payload_id, block indices)`` requests, in request order."""
+        self._table.expire()
+        refs = self._table.refs((pid for pid, _ in wanted), run=run)
+        return [[refs[pid][block] for block in blocks] for pid, blocks in wanted]
+
+    def expire(self) -> list[str]:
+        """Drop payloads nobody leased within the TTL."""
+        return self._table.expire()
+
+    def stats(self) -> TableStats:
+        """Snapshot of this shard's table."""
+        self._table.expire()
+        return self._table.stats()
+
+    def leaks(self) -> list[LeakRecord]:
+        """Leases still held on this shard."""
+        return self._table.leaks()
