@@ -31,7 +31,7 @@ def canonical_dtype(num_experts: int) -> np.dtype[np.unsignedinteger]:
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class RouteSpec:
     """Routing geometry: every payload of a model is ``[tokens - 1, num_layers, top_k]``."""
 
@@ -121,6 +121,9 @@ class RouteSpec:
     def moe_layer_indices(self) -> tuple[int, ...]:
         """Decoder-layer index of every MoE layer, in order."""
         return self.layer_map if self.layer_map is not None else tuple(range(self.num_layers))
+
+    def __repr__(self) -> str:
+        return f"RouteSpec({self.describe()})"
 
     def describe(self) -> str:
         """One line for logs and the CLI."""

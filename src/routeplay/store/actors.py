@@ -111,6 +111,11 @@ class EngineStoreShell(_Reaped):
     def put(self, data: Any) -> str:
         return self._locked(lambda: self._store.put(data))
 
+    def put_from(self, producer: Any, token: str) -> str:
+        """One-write put: call the producer for its staged payload, so this actor owns it."""
+        [ref] = call_producer(producer, token, 1)
+        return self._locked(lambda: self._store.adopt(ref))
+
     def get(self, key: str) -> Any:
         return self._locked(lambda: self._store.get(key))
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import ray
 
+import ray
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import RunMismatch
+from routeplay.errors import RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.lease import Lease
@@ -32,7 +32,11 @@ from routeplay.store.outbox import split_blocks
 from routeplay.store.read_plan import BlockCopy, DirectCopy, ReadPlan, plan_reads
 from routeplay.store.shard import shard_of
 
-__all__ = ["RouteStore", "StoreConfig", "StoreStats"]
+__all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
+
+# Ray returns values under 100 KiB inline to the caller instead of writing them to the
+# object store; blocks stay above that so payload bytes never travel through a shard.
+MIN_BLOCK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,7 +50,8 @@ class StoreConfig:
     ttl_s: float | None = 600.0
     """Seconds a payload may stay stored without any lease before it is dropped."""
     block_rows: int = 4096
-    """Rows per stored block, so a reader of a slice fetches only the blocks it needs."""
+    """Rows per stored block, so a reader of a slice fetches only the blocks it needs
+    (raised for narrow models so a block stays above ``MIN_BLOCK_BYTES``)."""
     timeout_s: float = 60.0
     """Deadline of every blocking call."""
     namespace: str = "routeplay"
@@ -106,14 +111,18 @@ class RouteStore:
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Write from *this* process, which then owns the bytes: for long-lived callers
         (the driver, a store-side service). Rollout workers use ``RoutesProducer``."""
-        blocks = split_blocks(routes.array, self.config.block_rows)
+        blocks = split_blocks(routes.array, self.block_rows_for(routes.spec))
         refs = [ray.put(block) for block in blocks]
         shard = self._shards[self._pick_shard(refs[0].hex())]
+        block_rows = self.block_rows_for(routes.spec) if len(blocks) > 1 else 0
         stored = self._call(
-            shard.adopt.remote(refs, routes.rows, routes.nbytes, self._block_rows(len(blocks))),
-            "adopt",
+            shard.adopt.remote(refs, routes.rows, routes.nbytes, block_rows), "adopt"
         )
         return self._handle(stored, routes.spec, weight_version)
+
+    def block_rows_for(self, spec: RouteSpec) -> int:
+        """Rows per block for this model: the configured count, or more for narrow rows."""
+        return max(self.config.block_rows, -(-MIN_BLOCK_BYTES // spec.row_nbytes))
 
     def put_staged(
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
@@ -122,7 +131,12 @@ class RouteStore:
         shard = self._shards[self._pick_shard(token)]
         stored = self._call(
             shard.adopt_from.remote(
-                producer, token, blocks, routes.rows, routes.nbytes, self._block_rows(blocks)
+                producer,
+                token,
+                blocks,
+                routes.rows,
+                routes.nbytes,
+                self.block_rows_for(routes.spec) if blocks > 1 else 0,
             ),
             f"adopt {token}",
         )
@@ -168,12 +182,24 @@ class RouteStore:
         return dict(zip(calls, self._call(list(calls.values()), "transfer"), strict=True))
 
     # -- reading ----------------------------------------------------------------------
-    def read(self, handle: Handle, start: int = 0, stop: int | None = None) -> npt.NDArray[Any]:
+    def read(
+        self, handle: Handle, start: int = 0, stop: int | None = None, *, holder: str = ""
+    ) -> npt.NDArray[Any]:
         """Rows ``[start, stop)`` of a handle, copied into memory the caller owns."""
-        return self.read_many([(handle, start, handle.rows if stop is None else stop)])[0]
+        stop = handle.rows if stop is None else stop
+        return self.read_many([(handle, start, stop)], holder=holder)[0]
 
-    def read_many(self, requests: Sequence[tuple[Handle, int, int]]) -> list[npt.NDArray[Any]]:
-        """Rows of many handles: one ``locate`` call per shard, one fetch of each block."""
+    def read_many(
+        self, requests: Sequence[tuple[Handle, int, int]], *, holder: str = ""
+    ) -> list[npt.NDArray[Any]]:
+        """Rows of many handles: one ``locate`` call per shard, one fetch of each block.
+
+        ``holder`` only names the reader in errors (e.g. which batch lost its routing).
+        """
+        for handle, _, _ in requests:
+            for source in handle.sources():
+                if isinstance(source, StoreRef):
+                    self._check_run(source)
         plan = plan_reads(requests)
         outs = [
             np.empty((rows, *h.spec.row_shape), h.spec.dtype)
@@ -182,13 +208,13 @@ class RouteStore:
         for direct in plan.direct:
             self._copy_direct(direct, outs[direct.request])
         if plan.copies:
-            blocks = self._fetch_blocks(plan)
+            blocks = self._fetch_blocks(plan, holder)
             for copy in plan.copies:
                 self._copy_block(copy, blocks[(copy.payload_id, copy.block)], outs[copy.request])
             del blocks  # drop the zero-copy views now, so no object stays pinned
         return outs
 
-    def _fetch_blocks(self, plan: ReadPlan) -> dict[tuple[str, int], Any]:
+    def _fetch_blocks(self, plan: ReadPlan, holder: str) -> dict[tuple[str, int], Any]:
         shards = sorted(plan.wanted)
         wanted = {i: plan.locate_requests(i) for i in shards}
         located = self._call(
@@ -200,7 +226,17 @@ class RouteStore:
             for (pid, blocks), block_refs in zip(wanted[i], per_shard, strict=True):
                 keys.extend((pid, b) for b in blocks)
                 refs.extend(block_refs)
-        values = ray_calls.get(refs, timeout_s=self.config.timeout_s, what=f"{len(refs)} blocks")
+        try:
+            values = ray_calls.get(refs, timeout_s=self.config.timeout_s, what="blocks")
+        except RoutesLost as exc:
+            lost = ray_calls.first_lost(refs, timeout_s=self.config.timeout_s)
+            payload = keys[lost][0] if lost is not None else "?"
+            raise RoutesLost(
+                exc.summary,
+                where=f"payload {payload} (run {self.run}), read by {holder or 'an unnamed reader'}",
+                found=exc.found,
+                hint=exc.hint,
+            ) from exc
         return dict(zip(keys, values, strict=True))
 
     @staticmethod
@@ -255,9 +291,6 @@ class RouteStore:
 
     def _pick_shard(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self._shards)
-
-    def _block_rows(self, blocks: int) -> int:
-        return self.config.block_rows if blocks > 1 else 0
 
     def _check_run(self, source: StoreRef) -> None:
         if source.run != self.run:

@@ -20,9 +20,21 @@ SGLANG_NAMESPACE = "sglang"
 
 
 def start_engine_store(
-    *, name: str = LMDEPLOY_NAME, namespace: str = LMDEPLOY_NAMESPACE, ttl_s: float | None = 600.0
+    *,
+    name: str = LMDEPLOY_NAME,
+    namespace: str = LMDEPLOY_NAMESPACE,
+    ttl_s: float | None = 600.0,
+    resources: dict[str, float] | None = None,
 ) -> Any:
-    """Start (or join) the detached engine store actor, as LMDeploy would create its own."""
+    """Start (or join) the detached engine store actor, as LMDeploy would create its own.
+
+    ``resources`` pins it (e.g. to the engine's node, so payloads are written there).
+    """
     return EngineStoreActor.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0
+        name=name,
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        resources=resources or {},
     ).remote(ttl_s)

@@ -77,8 +77,12 @@ class EngineStore(Generic[Ref]):
     # -- LMDeploy's contract ---------------------------------------------------------
     def put(self, data: Any) -> str:
         """Store ``data``; the key is the hex of its object reference, as LMDeploy returns."""
+        return self.adopt(self._put_object(data))
+
+    def adopt(self, ref: Ref) -> str:
+        """Keep a reference this process already owns (the one-write path: the actor shell
+        got it by calling the producer); the key is its hex, as for ``put``."""
         self.expire()
-        ref = self._put_object(data)
         key = self._key_of(ref)
         now = self._clock()
         self._entries[key] = _Entry(ref=ref, created=now)

@@ -10,7 +10,9 @@ process) name the same lease ids, and releasing any copy twice is still a no-op.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
 
 from routeplay.core.handle import Handle
 from routeplay.errors import AlreadyReleased
@@ -44,6 +46,11 @@ class Lease:
     def lease_ids(self) -> tuple[str, ...]:
         """The per-shard lease ids (for accounting and logs)."""
         return tuple(self._parts.values())
+
+    def read(self, start: int = 0, stop: int | None = None) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of the leased handle, copied out (errors name this holder)."""
+        self._check_live("read through")
+        return self._store.read(self.handle, start, stop, holder=self.holder)
 
     def release(self) -> None:
         """End this lease (idempotent). Payloads whose last lease this was are dropped."""

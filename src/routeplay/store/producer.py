@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-
 from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore
@@ -31,7 +30,7 @@ class RoutesProducer:
     def put_routes(self, store: RouteStore, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Store ``routes`` with one object-store write, owned by a store shard."""
         outbox = self._outbox()
-        token, blocks = outbox.stage(routes.array, block_rows=store.config.block_rows)
+        token, blocks = outbox.stage(routes.array, block_rows=store.block_rows_for(routes.spec))
         me = ray.get_runtime_context().current_actor
         try:
             return store.put_staged(me, token, blocks, routes, weight_version=weight_version)

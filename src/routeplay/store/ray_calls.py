@@ -7,10 +7,9 @@ from typing import Any
 
 import ray
 from ray import exceptions as rex
-
 from routeplay.errors import RouteplayError, RoutesLost, StoreTimeout
 
-__all__ = ["get"]
+__all__ = ["first_lost", "get"]
 
 _LOST = (
     rex.OwnerDiedError,
@@ -47,3 +46,13 @@ def get(refs: Any, *, timeout_s: float, what: str) -> Any:
         if isinstance(cause, RouteplayError):
             raise cause from exc  # our own typed error, raised inside an actor
         raise
+
+
+def first_lost(refs: list[Any], *, timeout_s: float) -> int | None:
+    """Index of the first reference that cannot be read (error path only: one get each)."""
+    for index, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except (rex.RayError, rex.GetTimeoutError):
+            return index
+    return None

@@ -1,0 +1,1 @@
+"""routeplay.bench: the reference paths that benchmarks and accounting tests compare."""
