@@ -90,7 +90,8 @@ def test_reads_return_exact_rows_in_owned_memory(store: RouteStore) -> None:
     np.testing.assert_array_equal(many[0], expected[:10])
     np.testing.assert_array_equal(many[1], expected[3500:3700])
     np.testing.assert_array_equal(many[2], expected)
-    assert part.flags.owndata and part.flags.writeable  # a copy, not a view pinning the store
+    assert part.flags.owndata
+    assert part.flags.writeable
     np.testing.assert_array_equal(joined.weight_versions()[2499:2501], [1, 2])
 
 
@@ -116,10 +117,12 @@ def test_clone_transfer_and_holder_accounting(store: RouteStore) -> None:
     buffer = store.acquire(handle, "buffer/g7")
     session = buffer.clone("session/abc")
     batch = buffer.transfer("train/step-3")
-    assert buffer.released and not batch.released
+    assert buffer.released
+    assert not batch.released
     stats = store.stats()
     holders = dict(stats.leases_by_holder)
-    assert holders["session/abc"] == 1 and holders["train/step-3"] == 1
+    assert holders["session/abc"] == 1
+    assert holders["train/step-3"] == 1
     assert "buffer/g7" not in holders
     assert dict(stats.bytes_by_holder)["train/step-3"] == handle.nbytes
     leaked = {leak.holder for leak in store.leaks()}
@@ -175,7 +178,8 @@ def test_shards_spread_payloads_and_reads_batch_across_them() -> None:
     outs = sharded.read_many([(h, 10, 140) for h in handles])
     for i, out in enumerate(outs):
         np.testing.assert_array_equal(out, routing(150, 20 + i).array[10:140])
-    assert sharded.stats().shards == 3 and sharded.stats().live_payloads == 12
+    assert sharded.stats().shards == 3
+    assert sharded.stats().live_payloads == 12
     for lease in leases:
         lease.release()
     assert sharded.stats().live_payloads == 0
@@ -195,7 +199,8 @@ def test_owner_death_is_a_typed_loss_and_the_store_keeps_serving(store: RouteSto
         ray.get(doomed.staged_count.remote())  # returns once the kill has taken effect
     lost_error = _eventually_lost(lost_lease)
     payload = lost.segments[0].source.payload_id  # type: ignore[union-attr]
-    assert f"payload {payload}" in str(lost_error) and "buffer/lost" in str(lost_error)
+    assert f"payload {payload}" in str(lost_error)
+    assert "buffer/lost" in str(lost_error)
     np.testing.assert_array_equal(healthy_lease.read(), routing(2000, 10).array)
     lost_lease.release()
     healthy_lease.release()
@@ -219,7 +224,7 @@ def test_a_read_that_cannot_finish_times_out_with_a_clear_error() -> None:
     slow = SlowWorker.remote(impatient)
     handle = ray.get(slow.produce.remote(100, seed=11))
     lease = impatient.acquire(handle, "train/slow")
-    with pytest.raises(StoreTimeout, match="0.5s"):
+    with pytest.raises(StoreTimeout, match=r"0\.5s"):
         impatient.read(handle)
     lease.release()
     impatient.shutdown()

@@ -231,9 +231,10 @@ class RouteStore:
         except RoutesLost as exc:
             lost = ray_calls.first_lost(refs, timeout_s=self.config.timeout_s)
             payload = keys[lost][0] if lost is not None else "?"
+            reader = holder or "an unnamed reader"
             raise RoutesLost(
                 exc.summary,
-                where=f"payload {payload} (run {self.run}), read by {holder or 'an unnamed reader'}",
+                where=f"payload {payload} (run {self.run}), read by {reader}",
                 found=exc.found,
                 hint=exc.hint,
             ) from exc
