@@ -11,6 +11,7 @@ Three families, kept apart so a caller can tell whose fault it was::
     ├── LifetimeError                something happened to data the caller held
     │   ├── RoutesLost               the owner died or the object is gone
     │   ├── RoutesExpired            a TTL ran out before anyone claimed the data
+    │   │   └── KeyExpired           ... an engine key (a KeyError too, for LMDeploy clients)
     │   └── StoreTimeout             a remote call did not answer in time
     └── RoutesDataError (ValueError) the bytes an engine sent are not valid routing
         ├── MalformedPayload         undecodable: bad base64, bad npy, ragged lists
@@ -34,6 +35,7 @@ __all__ = [
     "DuplicateExperts",
     "ExpertOutOfRange",
     "HandleError",
+    "KeyExpired",
     "LifetimeError",
     "MalformedPayload",
     "MisuseError",
@@ -113,6 +115,13 @@ class RoutesLost(LifetimeError):
 
 class RoutesExpired(LifetimeError):
     """Nobody leased the payload before its TTL ran out, so it was dropped."""
+
+
+class KeyExpired(RoutesExpired, KeyError):
+    """An engine-store key expired unconsumed (a KeyError, as LMDeploy clients expect)."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
 
 
 class StoreTimeout(LifetimeError):

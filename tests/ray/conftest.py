@@ -16,6 +16,7 @@ def ray_local(request: pytest.FixtureRequest) -> Iterator[None]:
     # Test modules are not importable by Ray workers: ship their actor classes by value.
     ray.cloudpickle.register_pickle_by_value(request.module)
     ray.init(
+        address="local",  # never join a cluster some other process left running
         num_cpus=2,
         object_store_memory=OBJECT_STORE_BYTES,
         include_dashboard=False,

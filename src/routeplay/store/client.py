@@ -58,6 +58,8 @@ class StoreConfig:
     """Ray namespace of the store actors."""
     detached: bool = False
     """Keep the actors after the driver exits (long-lived clusters)."""
+    resources: tuple[tuple[str, float], ...] = ()
+    """Custom resources that place the shard actors (e.g. on the head node)."""
 
     def build(self) -> RouteStore:
         """Start (or join) the run's store actors."""
@@ -91,7 +93,11 @@ class RouteStore:
     @classmethod
     def start(cls, config: StoreConfig) -> RouteStore:
         """Create the run's shard actors, or join them if they exist."""
-        options: dict[str, Any] = {"namespace": config.namespace, "get_if_exists": True}
+        options: dict[str, Any] = {
+            "namespace": config.namespace,
+            "get_if_exists": True,
+            "resources": dict(config.resources),
+        }
         if config.detached:
             options["lifetime"] = "detached"
         shards = [

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from routeplay.errors import AlreadyConsumed, RoutesExpired
+from routeplay.errors import AlreadyConsumed, KeyExpired
 
 __all__ = ["EngineStore", "EngineStoreStats"]
 
@@ -112,6 +112,7 @@ class EngineStore(Generic[Ref]):
 
     def free(self, key: str) -> bool:
         """Drop a key nobody will consume (idempotent); True if it was live."""
+        self.expire()
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
@@ -140,6 +141,7 @@ class EngineStore(Generic[Ref]):
 
     def keys(self) -> list[str]:
         """Live keys, oldest first."""
+        self.expire()
         return sorted(self._entries, key=lambda key: self._entries[key].created)
 
     # -- internals -------------------------------------------------------------------
@@ -156,7 +158,7 @@ class EngineStore(Generic[Ref]):
             return entry
         why = self._forgotten.get(key)
         if why == "expired":
-            raise RoutesExpired(
+            raise KeyExpired(
                 "engine key expired before anyone consumed it",
                 where=f"key {key}",
                 found=f"ttl {self.ttl_s}s",

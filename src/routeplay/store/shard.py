@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from routeplay.core.handle import StoreRef
+from routeplay.errors import HandleError
 from routeplay.store.lease_table import LeakRecord, LeaseTable, TableStats
 
 __all__ = ["CallProducer", "StoreShard", "shard_of"]
@@ -85,6 +86,14 @@ class StoreShard:
         """Block references for ``(payload_id, block indices)`` requests, in request order."""
         self._table.expire()
         refs = self._table.refs((pid for pid, _ in wanted), run=run)
+        for pid, blocks in wanted:
+            if any(not 0 <= block < len(refs[pid]) for block in blocks):
+                raise HandleError(
+                    "block index outside the payload",
+                    expected=f"blocks in [0, {len(refs[pid])})",
+                    found=list(blocks),
+                    where=f"payload {pid}",
+                )
         return [[refs[pid][block] for block in blocks] for pid, blocks in wanted]
 
     def expire(self) -> list[str]:
