@@ -29,30 +29,30 @@ __all__ = ["FakeLMDeployEngine", "RolloutHop", "TrainerReader", "actors_on", "ma
 
 
 def make_routing(
-    spec: RouteSpec, rows: int, *, all_layers: bool, seed: int = 0
+    spec: RouteSpec, rows: int, *, all_layers: bool, seed: int = 0, dtype: str = "uint16"
 ) -> npt.NDArray[Any]:
-    """Valid routing as LMDeploy holds it: uint16, optionally with every decoder layer."""
+    """Valid routing as LMDeploy holds it (uint16, every decoder layer) or narrower."""
     rng = np.random.default_rng(seed)
     block = np.argsort(rng.random((1024, spec.num_experts)), axis=1)[:, : spec.top_k]
     layers = spec.decoder_layers if all_layers else spec.num_layers
     picks = rng.integers(0, block.shape[0], size=rows * layers)
-    return block[picks].reshape(rows, layers, spec.top_k).astype(np.uint16)
+    return block[picks].reshape(rows, layers, spec.top_k).astype(dtype)
 
 
 class _FakeLMDeployEngine(RoutesProducer):
     def __init__(self, spec: RouteSpec) -> None:
         self.spec = spec
 
-    def generate_lmdeploy(self, rows: int, seed: int = 0) -> str:
+    def generate_lmdeploy(self, rows: int, seed: int = 0, dtype: str = "uint16") -> str:
         """LMDeploy's protocol: find ``shared_store`` by name, put, return the key."""
         store = ray.get_actor("shared_store", namespace="lmdeploy")
-        payload = make_routing(self.spec, rows, all_layers=True, seed=seed)
+        payload = make_routing(self.spec, rows, all_layers=True, seed=seed, dtype=dtype)
         return str(ray.get(store.put.remote(payload)))
 
-    def generate_one_write(self, rows: int, seed: int = 0) -> str:
+    def generate_one_write(self, rows: int, seed: int = 0, dtype: str = "uint16") -> str:
         """Same result, but the store takes the staged array: one object-store write."""
         store = ray.get_actor("shared_store", namespace="lmdeploy")
-        payload = make_routing(self.spec, rows, all_layers=True, seed=seed)
+        payload = make_routing(self.spec, rows, all_layers=True, seed=seed, dtype=dtype)
         token, _ = self._outbox().stage(payload, block_rows=0)
         me = ray.get_runtime_context().current_actor
         return str(ray.get(store.put_from.remote(me, token)))
