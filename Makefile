@@ -38,6 +38,8 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec_throughput.py
+	$(BIN)/python benchmarks/put_options.py
+	$(BIN)/python benchmarks/transfer_paths.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

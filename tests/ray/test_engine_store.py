@@ -132,3 +132,18 @@ def test_inline_segments_read_without_the_store(store: RouteStore) -> None:
     array = np.array([[[0, 1], [2, 3]], [[3, 2], [1, 0]]], np.uint8)
     handle = Handle.of(Segment(source=InlineSource(array), start=0, stop=2, spec=spec))
     np.testing.assert_array_equal(store.read(handle, 1, 2), array[1:])
+
+
+def test_a_dropped_sample_frees_its_unread_key(engine: object) -> None:
+    engine_store = ray.get_actor("shared_store", namespace="lmdeploy")
+    key = ray.get(engine.generate_lmdeploy.remote(ROWS, seed=8))  # type: ignore[attr-defined]
+    before = ray.get(engine_store.stats.remote())
+    handle = Handle.of(Segment(source=EngineKey(key=key, rows=ROWS), start=0, stop=ROWS, spec=SPEC))
+    dropper = StoreConfig(run="run-drop", timeout_s=20).build()
+    assert dropper.free_engine_keys(handle) == 1
+    assert dropper.free_engine_keys(handle) == 0  # idempotent
+    after = ray.get(engine_store.stats.remote())
+    assert after.freed - before.freed == 1
+    with pytest.raises(AlreadyConsumed, match="freed"):
+        ray.get(engine_store.get.remote(key))
+    dropper.shutdown()

@@ -161,6 +161,15 @@ class RouteStore:
         raw = StoreRef(payload_id=stored.payload_id, run=stored.run, rows=key.rows, canonical=False)
         return self._handle(raw, spec, weight_version)
 
+    def free_engine_keys(self, handle: Handle) -> int:
+        """Release the engine-store keys a dropped sample still references (never read);
+        returns how many were live. Keys already consumed or expired are skipped."""
+        keys = [src for src in handle.sources() if isinstance(src, EngineKey)]
+        freed = [
+            ray.get_actor(key.actor, namespace=key.namespace).free.remote(key.key) for key in keys
+        ]
+        return sum(bool(flag) for flag in self._call(freed, "free engine keys"))
+
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:
         """A lease of ``holder`` over every stored payload of ``handle``."""

@@ -16,6 +16,7 @@ Plain Python with the object-store operations passed in; the actor shell is in
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,6 +29,7 @@ __all__ = ["EngineStore", "EngineStoreStats"]
 
 Ref = TypeVar("Ref")
 _FORGOTTEN_MEMORY = 1 << 16
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +134,7 @@ class EngineStore(Generic[Ref]):
                 del self._entries[key]
                 self._forget(key, "expired")
                 gone.append(key)
+                log.warning("engine key %s expired unconsumed after %.0fs", key, self.ttl_s)
         return gone
 
     def stats(self) -> EngineStoreStats:

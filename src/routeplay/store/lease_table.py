@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -29,6 +30,7 @@ __all__ = ["LeakRecord", "LeaseTable", "PayloadState", "TableStats"]
 
 Ref = TypeVar("Ref")
 _GONE_MEMORY = 1 << 16
+log = logging.getLogger(__name__)
 
 
 class PayloadState(Enum):
@@ -160,6 +162,13 @@ class LeaseTable(Generic[Ref]):
             _, pid = heapq.heappop(self._unleased)
             record = self._payloads.get(pid)
             if record is not None and record.state is PayloadState.STORED:
+                log.warning(
+                    "run %s: payload %s (%d bytes) expired: nobody leased it within %.0fs",
+                    self.run,
+                    pid,
+                    record.nbytes,
+                    self.ttl_s,
+                )
                 self._drop(pid, PayloadState.EXPIRED)
                 stale.append(pid)
         return stale
