@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -67,20 +67,11 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StoreStats:
-    """Store-wide snapshot: the sum of every shard's table."""
+class StoreStats(TableStats):
+    """Store-wide snapshot: every shard's table summed."""
 
     shards: int
-    live_payloads: int
-    live_bytes: int
-    unleased_payloads: int
-    leases: int
-    leases_by_holder: tuple[tuple[str, int], ...]
-    bytes_by_holder: tuple[tuple[str, int], ...]
-    released_payloads: int
-    expired_payloads: int
-    released_bytes: int
-    expired_bytes: int
+    """Shard actors the numbers come from."""
 
 
 class RouteStore:
@@ -329,26 +320,15 @@ class RouteStore:
 
 
 def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:
-    def summed(name: str) -> int:
-        return sum(int(getattr(p, name)) for p in parts)
-
-    def merged(name: str) -> tuple[tuple[str, int], ...]:
-        total: dict[str, int] = {}
-        for part in parts:
-            for holder, value in getattr(part, name):
-                total[holder] = total.get(holder, 0) + value
-        return tuple(sorted(total.items()))
-
-    return StoreStats(
-        shards=len(parts),
-        live_payloads=summed("live_payloads"),
-        live_bytes=summed("live_bytes"),
-        unleased_payloads=summed("unleased_payloads"),
-        leases=summed("leases"),
-        leases_by_holder=merged("leases_by_holder"),
-        bytes_by_holder=merged("bytes_by_holder"),
-        released_payloads=summed("released_payloads"),
-        expired_payloads=summed("expired_payloads"),
-        released_bytes=summed("released_bytes"),
-        expired_bytes=summed("expired_bytes"),
-    )
+    totals: dict[str, Any] = {}
+    for name in (f.name for f in fields(TableStats)):
+        values = [getattr(part, name) for part in parts]
+        if isinstance(values[0], tuple):  # (holder, count) pairs: sum per holder
+            per_holder: dict[str, int] = {}
+            for pairs in values:
+                for holder, value in pairs:
+                    per_holder[holder] = per_holder.get(holder, 0) + value
+            totals[name] = tuple(sorted(per_holder.items()))
+        else:
+            totals[name] = sum(values)
+    return StoreStats(shards=len(parts), **totals)
