@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 from rich.console import Console
 from rich.table import Table
 
-import ray
 import routeplay
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import Handle, canonicalize, preset

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 from ray.cluster_utils import Cluster
 from rich.console import Console
 from rich.table import Table
 
-import ray
 import routeplay
 from routeplay.bench.transfer_paths import Roles, actors_on
 from routeplay.core import preset

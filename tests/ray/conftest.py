@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 import ray
 
 OBJECT_STORE_BYTES = 256 * 1024 * 1024

@@ -5,9 +5,9 @@ twice, and the store returns to its baseline when the last lease goes."""
 from __future__ import annotations
 
 import pytest
+import ray
 from store_probe import created_bytes, used_bytes, wait_until
 
-import ray
 from routeplay.bench.transfer_paths import actors_on
 from routeplay.core import preset
 from routeplay.store import RouteStore, StoreConfig, start_engine_store

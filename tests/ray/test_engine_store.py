@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import ray
 from store_probe import wait_until
 
-import ray
 from routeplay.bench.transfer_paths import FakeLMDeployEngine, make_routing
 from routeplay.core import EngineKey, Handle, InlineSource, RouteSpec, Segment, preset
 from routeplay.core.formats import lmdeploy

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import ray
 from ray.cluster_utils import Cluster
 
-import ray
 from routeplay.bench.transfer_paths import actors_on
 from routeplay.core import preset
 from routeplay.store import StoreConfig, start_engine_store

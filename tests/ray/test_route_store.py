@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import ray
 from store_probe import created_bytes, used_bytes, wait_until
 
-import ray
 from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import RoutesExpired, RoutesLost, RunMismatch, StoreTimeout
 from routeplay.store import Lease, RoutesProducer, RouteStore, StoreConfig

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 import ray
+
 from routeplay.core import EngineKey, Handle, RouteSpec
 from routeplay.store import RoutesProducer, RouteStore
 

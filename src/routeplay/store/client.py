@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 import ray
+
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+
 from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore

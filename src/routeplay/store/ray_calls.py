@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 from ray import exceptions as rex
+
 from routeplay.errors import RouteplayError, RoutesLost, StoreTimeout
 
 __all__ = ["first_lost", "get"]
