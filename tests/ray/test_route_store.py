@@ -84,7 +84,7 @@ def test_reads_return_exact_rows_in_owned_memory(store: RouteStore) -> None:
     joined = first + second
     expected = np.concatenate([routing(2500, 2).array, routing(1200, 3).array])
     with store.acquire(joined, "train/step-1"):
-        part = store.read(joined, 2100, 3000)
+        part = store.resolve(joined, slice(2100, 3000))
         many = store.read_many([(joined, 0, 10), (second, 1000, 1200), (joined, 0, 3700)])
     np.testing.assert_array_equal(part, expected[2100:3000])
     np.testing.assert_array_equal(many[0], expected[:10])

@@ -176,3 +176,18 @@ def test_expiry_is_counted_and_named() -> None:
     assert table.stats().expired_bytes == 7
     with pytest.raises(RoutesExpired, match="TTL"):
         table.acquire(["p1"], "late", run=RUN)
+
+
+def test_leaks_say_who_holds_what_since_when() -> None:
+    clock = Clock()
+    table: LeaseTable[object] = LeaseTable(RUN, clock=clock, wall_clock=lambda: 1_700_000_000.0)
+    table.add("p1", object(), rows=2, nbytes=20)
+    table.add("p2", object(), rows=3, nbytes=30)
+    table.acquire(["p1", "p2"], "session/abc", run=RUN)
+    clock.now = 12.5
+    [leak] = table.leaks()
+    assert leak.holder == "session/abc"
+    assert leak.since == 1_700_000_000.0
+    assert leak.age_s == 12.5
+    assert leak.payloads == ("p1", "p2")
+    assert leak.nbytes == 50

@@ -23,7 +23,7 @@ from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, Stor
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import RoutesLost, RunMismatch
+from routeplay.errors import HandleError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.lease import Lease
@@ -188,6 +188,15 @@ class RouteStore:
         return dict(zip(calls, self._call(list(calls.values()), "transfer"), strict=True))
 
     # -- reading ----------------------------------------------------------------------
+    def resolve(
+        self, handle: Handle, rows: slice = slice(None), *, holder: str = ""
+    ) -> npt.NDArray[Any]:
+        """Rows ``handle[rows]`` (a contiguous slice), copied out once: ``read`` by slice."""
+        start, stop, step = rows.indices(handle.rows)
+        if step != 1:
+            raise HandleError("routing rows resolve by contiguous slices", found=rows)
+        return self.read(handle, start, max(start, stop), holder=holder)
+
     def read(
         self, handle: Handle, start: int = 0, stop: int | None = None, *, holder: str = ""
     ) -> npt.NDArray[Any]:

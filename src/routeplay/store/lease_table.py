@@ -59,6 +59,7 @@ class _Lease:
     run: str
     payloads: tuple[str, ...]
     since: float
+    since_wall: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,10 +93,17 @@ class LeakRecord:
     """One lease still held: by whom, since when, over what."""
 
     lease_id: str
+    """The lease still held."""
     holder: str
+    """Who holds it (e.g. ``buffer/group-17``)."""
     since: float
+    """Wall-clock time (epoch seconds) it was granted."""
+    age_s: float
+    """Seconds it has been held."""
     payloads: tuple[str, ...]
+    """Payloads it keeps alive."""
     nbytes: int
+    """Canonical bytes of those payloads."""
 
 
 class LeaseTable(Generic[Ref]):
@@ -108,11 +116,13 @@ class LeaseTable(Generic[Ref]):
         ttl_s: float | None = 600.0,
         clock: Callable[[], float] = time.monotonic,
         lease_prefix: str = "",
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.run = run
         self._lease_prefix = lease_prefix or run
         self.ttl_s = ttl_s
         self._clock = clock
+        self._wall_clock = wall_clock
         self._payloads: dict[str, _Payload[Ref]] = {}
         self._leases: dict[str, _Lease] = {}
         self._ids = itertools.count()
@@ -242,11 +252,13 @@ class LeaseTable(Generic[Ref]):
 
     def leaks(self) -> list[LeakRecord]:
         """Every lease still held, oldest first."""
+        now = self._clock()
         records = [
             LeakRecord(
                 lease_id=lid,
                 holder=lease.holder,
-                since=lease.since,
+                since=lease.since_wall,
+                age_s=now - lease.since,
                 payloads=lease.payloads,
                 nbytes=sum(self._payloads[pid].nbytes for pid in lease.payloads),
             )
@@ -258,7 +270,11 @@ class LeaseTable(Generic[Ref]):
     def _grant(self, payload_ids: tuple[str, ...], holder: str) -> str:
         lease_id = f"{self._lease_prefix}/lease-{next(self._ids)}"
         self._leases[lease_id] = _Lease(
-            holder=holder, run=self.run, payloads=payload_ids, since=self._clock()
+            holder=holder,
+            run=self.run,
+            payloads=payload_ids,
+            since=self._clock(),
+            since_wall=self._wall_clock(),
         )
         for pid in payload_ids:
             record = self._payloads[pid]
