@@ -10,6 +10,7 @@ zero-copy view would pin the object after its last lease is gone).
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -17,15 +18,13 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import ray
 
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, RoutesLost, RunMismatch
-from routeplay.store import ray_calls
-from routeplay.store.actors import StoreShardActor
+from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import split_blocks
@@ -75,15 +74,16 @@ class StoreStats(TableStats):
 
 
 class RouteStore:
-    """Client of one run's route store (picklable; safe to pass to actors)."""
+    """Client of one run's route store (picklable with the Ray backend)."""
 
-    def __init__(self, config: StoreConfig, shards: Sequence[Any]) -> None:
+    def __init__(self, config: StoreConfig, backend: Backend) -> None:
         self.config = config
-        self._shards = list(shards)
+        self._backend = backend
+        self._puts = itertools.count()
 
     @classmethod
     def start(cls, config: StoreConfig) -> RouteStore:
-        """Create the run's shard actors, or join them if they exist."""
+        """Create the run's shard actors on Ray, or join them if they exist."""
         options: dict[str, Any] = {
             "namespace": config.namespace,
             "get_if_exists": True,
@@ -91,29 +91,40 @@ class RouteStore:
         }
         if config.detached:
             options["lifetime"] = "detached"
-        shards = [
-            StoreShardActor.options(name=cls._actor_name(config.run, i), **options).remote(
-                config.run, i, config.ttl_s
-            )
-            for i in range(config.shards)
-        ]
-        return cls(config, shards)
+        backend = RayBackend.start(
+            config.run,
+            shards=config.shards,
+            ttl_s=config.ttl_s,
+            timeout_s=config.timeout_s,
+            options=options,
+        )
+        return cls(config, backend)
+
+    @classmethod
+    def local(cls, config: StoreConfig) -> RouteStore:
+        """The same store with its shards in this process (tests, single-process tools)."""
+        return cls(config, LocalBackend(config.run, shards=config.shards, ttl_s=config.ttl_s))
 
     @property
     def run(self) -> str:
         """Run this client belongs to."""
         return self.config.run
 
+    @property
+    def backend(self) -> Backend:
+        """Where the shards live."""
+        return self._backend
+
     # -- writing ----------------------------------------------------------------------
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Write from *this* process, which then owns the bytes: for long-lived callers
         (the driver, a store-side service). Rollout workers use ``RoutesProducer``."""
         blocks = split_blocks(routes.array, self.block_rows_for(routes.spec))
-        refs = [ray.put(block) for block in blocks]
-        shard = self._shards[self._pick_shard(refs[0].hex())]
+        refs = self._backend.put_blocks(blocks)
         block_rows = self.block_rows_for(routes.spec) if len(blocks) > 1 else 0
-        stored = self._call(
-            shard.adopt.remote(refs, routes.rows, routes.nbytes, block_rows), "adopt"
+        shard = self._pick_shard(f"{self.run}/{next(self._puts)}/{id(routes)}")
+        [stored] = self._call(
+            [(shard, "adopt", (refs, routes.rows, routes.nbytes, block_rows))], "adopt"
         )
         return self._handle(stored, routes.spec, weight_version)
 
@@ -125,30 +136,18 @@ class RouteStore:
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
     ) -> Handle:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
-        shard = self._shards[self._pick_shard(token)]
-        stored = self._call(
-            shard.adopt_from.remote(
-                producer,
-                token,
-                blocks,
-                routes.rows,
-                routes.nbytes,
-                self.block_rows_for(routes.spec) if blocks > 1 else 0,
-            ),
-            f"adopt {token}",
-        )
+        block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
+        args = (producer, token, blocks, routes.rows, routes.nbytes, block_rows)
+        [stored] = self._call([(self._pick_shard(token), "adopt_from", args)], f"adopt {token}")
         return self._handle(stored, routes.spec, weight_version)
 
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
         """Take an engine-store key over without reading it: the shard borrows the engine
         store's reference (the bytes stay where the engine wrote them) and the key is
         consumed. Rows are validated when they are read."""
-        engine_store = ray.get_actor(key.actor, namespace=key.namespace)
-        wrapped = self._call(engine_store.get_ref.remote(key.key), f"engine key {key.key}")
-        shard = self._shards[self._pick_shard(key.key)]
-        stored = self._call(
-            shard.adopt.remote(wrapped, key.rows, spec.nbytes(key.rows), 0), "adopt"
-        )
+        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
+        args = (wrapped, key.rows, spec.nbytes(key.rows), 0)
+        [stored] = self._call([(self._pick_shard(key.key), "adopt", args)], "adopt")
         raw = StoreRef(payload_id=stored.payload_id, run=stored.run, rows=key.rows, canonical=False)
         return self._handle(raw, spec, weight_version)
 
@@ -156,10 +155,9 @@ class RouteStore:
         """Release the engine-store keys a dropped sample still references (never read);
         returns how many were live. Keys already consumed or expired are skipped."""
         keys = [src for src in handle.sources() if isinstance(src, EngineKey)]
-        freed = [
-            ray.get_actor(key.actor, namespace=key.namespace).free.remote(key.key) for key in keys
-        ]
-        return sum(bool(flag) for flag in self._call(freed, "free engine keys"))
+        return sum(
+            bool(self._backend.engine_call(k.actor, k.namespace, "free", k.key)) for k in keys
+        )
 
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:
@@ -169,23 +167,20 @@ class RouteStore:
             if isinstance(source, StoreRef):
                 self._check_run(source)
                 by_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
-        calls = {
-            i: self._shards[i].acquire.remote(pids, holder, self.run)
-            for i, pids in by_shard.items()
-        }
-        lease_ids = self._call(list(calls.values()), f"acquire for {holder}")
-        return Lease(self, handle, holder, dict(zip(calls, lease_ids, strict=True)))
+        calls = [(i, "acquire", (pids, holder, self.run)) for i, pids in by_shard.items()]
+        lease_ids = self._call(calls, f"acquire for {holder}")
+        return Lease(self, handle, holder, dict(zip(by_shard, lease_ids, strict=True)))
 
     def _release_parts(self, parts: dict[int, str]) -> None:
-        self._call([self._shards[i].release.remote(lid) for i, lid in parts.items()], "release")
+        self._call([(i, "release", (lid,)) for i, lid in parts.items()], "release")
 
     def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        calls = {i: self._shards[i].clone.remote(lid, holder) for i, lid in parts.items()}
-        return dict(zip(calls, self._call(list(calls.values()), "clone"), strict=True))
+        new_ids = self._call([(i, "clone", (lid, holder)) for i, lid in parts.items()], "clone")
+        return dict(zip(parts, new_ids, strict=True))
 
     def _transfer_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        calls = {i: self._shards[i].transfer.remote(lid, holder) for i, lid in parts.items()}
-        return dict(zip(calls, self._call(list(calls.values()), "transfer"), strict=True))
+        calls = [(i, "transfer", (lid, holder)) for i, lid in parts.items()]
+        return dict(zip(parts, self._call(calls, "transfer"), strict=True))
 
     # -- reading ----------------------------------------------------------------------
     def resolve(
@@ -232,9 +227,7 @@ class RouteStore:
     def _fetch_blocks(self, plan: ReadPlan, holder: str) -> dict[tuple[str, int], Any]:
         shards = sorted(plan.wanted)
         wanted = {i: plan.locate_requests(i) for i in shards}
-        located = self._call(
-            [self._shards[i].locate.remote(wanted[i], self.run) for i in shards], "locate"
-        )
+        located = self._call([(i, "locate", (wanted[i], self.run)) for i in shards], "locate")
         keys: list[tuple[str, int]] = []
         refs: list[Any] = []
         for i, per_shard in zip(shards, located, strict=True):
@@ -242,9 +235,9 @@ class RouteStore:
                 keys.extend((pid, b) for b in blocks)
                 refs.extend(block_refs)
         try:
-            values = ray_calls.get(refs, timeout_s=self.config.timeout_s, what="blocks")
+            values = self._backend.fetch(refs, "blocks")
         except RoutesLost as exc:
-            lost = ray_calls.first_lost(refs, timeout_s=self.config.timeout_s)
+            lost = self._backend.first_lost(refs)
             payload = keys[lost][0] if lost is not None else "?"
             reader = holder or "an unnamed reader"
             raise RoutesLost(
@@ -277,10 +270,9 @@ class RouteStore:
     def _consume_engine_key(self, seg: Segment) -> npt.NDArray[Any]:
         key = seg.source
         assert isinstance(key, EngineKey)
-        engine_store = ray.get_actor(key.actor, namespace=key.namespace)
-        [ref] = self._call(engine_store.get_ref.remote(key.key), f"engine key {key.key}")
-        full = ray_calls.get(ref, timeout_s=self.config.timeout_s, what=f"engine key {key.key}")
         where = f"engine key {key.key}"
+        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
+        [full] = self._backend.fetch(wrapped, where)
         return canonicalize(
             full[seg.start : seg.stop], seg.spec, start_row=seg.start, where=where
         ).array
@@ -288,25 +280,26 @@ class RouteStore:
     # -- accounting -------------------------------------------------------------------
     def stats(self) -> StoreStats:
         """Sum of every shard's snapshot."""
-        parts: list[TableStats] = self._call([s.stats.remote() for s in self._shards], "stats")
+        shards = range(self._backend.shard_count)
+        parts: list[TableStats] = self._call([(i, "stats", ()) for i in shards], "stats")
         return _merge_stats(parts)
 
     def leaks(self) -> list[LeakRecord]:
         """Leases still held, oldest first, across shards."""
-        per_shard = self._call([s.leaks.remote() for s in self._shards], "leaks")
+        shards = range(self._backend.shard_count)
+        per_shard = self._call([(i, "leaks", ()) for i in shards], "leaks")
         return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
 
     def shutdown(self) -> None:
-        """Kill the shard actors (their references go, so Ray reclaims every payload)."""
-        for shard in self._shards:
-            ray.kill(shard)
+        """Stop the shards (their references go, so every payload can be reclaimed)."""
+        self._backend.shutdown()
 
     # -- internals --------------------------------------------------------------------
-    def _call(self, refs: Any, what: str) -> Any:
-        return ray_calls.get(refs, timeout_s=self.config.timeout_s, what=f"{self.run}: {what}")
+    def _call(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+        return self._backend.call(calls, f"{self.run}: {what}")
 
     def _pick_shard(self, key: str) -> int:
-        return zlib.crc32(key.encode()) % len(self._shards)
+        return zlib.crc32(key.encode()) % self._backend.shard_count
 
     def _check_run(self, source: StoreRef) -> None:
         if source.run != self.run:
@@ -322,10 +315,6 @@ class RouteStore:
             source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
         )
         return Handle.of(segment)
-
-    @staticmethod
-    def _actor_name(run: str, index: int) -> str:
-        return f"routeplay.store.{run}.{index}"
 
 
 def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:

@@ -49,7 +49,7 @@ class StoreShard:
         self._ids = itertools.count()
         self._call_producer = call_producer
 
-    def adopt(self, refs: Sequence[Any], *, rows: int, nbytes: int, block_rows: int) -> StoreRef:
+    def adopt(self, refs: Sequence[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         """Keep references to a stored payload's blocks; returns the payload's StoreRef."""
         self._table.expire()
         payload_id = f"{self.index}.{next(self._ids):x}"
@@ -57,7 +57,7 @@ class StoreShard:
         return StoreRef(payload_id=payload_id, run=self.run, rows=rows, block_rows=block_rows)
 
     def adopt_from(
-        self, producer: Any, token: str, *, blocks: int, rows: int, nbytes: int, block_rows: int
+        self, producer: Any, token: str, blocks: int, rows: int, nbytes: int, block_rows: int
     ) -> StoreRef:
         """Call the producer for its staged blocks, so this shard owns them (one write)."""
         if self._call_producer is None:

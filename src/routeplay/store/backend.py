@@ -1,0 +1,162 @@
+"""How a ``RouteStore`` client reaches its shards: Ray actors, or plain objects in process.
+
+``RayBackend`` is the real one. ``LocalBackend`` runs the very same ``StoreShard`` and
+``EngineStore`` classes in the calling process (the "fake for actors" of our tests and
+of single-process tools); its block references are the arrays themselves. Both speak
+in batches: ``call`` takes every shard call of one step and answers them together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import ray
+
+from routeplay.store import ray_calls
+from routeplay.store.actors import StoreShardActor
+from routeplay.store.engine_store import EngineStore
+from routeplay.store.shard import StoreShard
+
+__all__ = ["Backend", "LocalBackend", "RayBackend", "ShardCall"]
+
+# (shard index, method name, positional arguments)
+ShardCall = tuple[int, str, tuple[Any, ...]]
+
+
+class Backend(Protocol):
+    """What the client needs from wherever the shards live."""
+
+    @property
+    def shard_count(self) -> int: ...
+
+    def call(self, calls: Sequence[ShardCall], what: str) -> list[Any]: ...
+
+    def put_blocks(self, blocks: Sequence[Any]) -> list[Any]: ...
+
+    def fetch(self, refs: Sequence[Any], what: str) -> list[Any]: ...
+
+    def first_lost(self, refs: Sequence[Any]) -> int | None: ...
+
+    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any: ...
+
+    def shutdown(self) -> None: ...
+
+
+class RayBackend:
+    """Shards are Ray actors; every call has the configured deadline."""
+
+    def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
+        self._shards = list(shards)
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def start(
+        cls,
+        run: str,
+        *,
+        shards: int,
+        ttl_s: float | None,
+        timeout_s: float,
+        options: dict[str, Any],
+    ) -> RayBackend:
+        """Create the run's shard actors (or join them)."""
+        handles = [
+            StoreShardActor.options(name=f"routeplay.store.{run}.{i}", **options).remote(
+                run, i, ttl_s
+            )
+            for i in range(shards)
+        ]
+        return cls(handles, timeout_s)
+
+    @property
+    def shard_count(self) -> int:
+        return len(self._shards)
+
+    def call(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+        pending = [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
+        return list(ray_calls.get(pending, timeout_s=self._timeout_s, what=what))
+
+    def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
+        return [ray.put(block) for block in blocks]
+
+    def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
+        return list(ray_calls.get(list(refs), timeout_s=self._timeout_s, what=what))
+
+    def first_lost(self, refs: Sequence[Any]) -> int | None:
+        return ray_calls.first_lost(list(refs), timeout_s=self._timeout_s)
+
+    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
+        store = ray.get_actor(actor, namespace=namespace)
+        what = f"{namespace}/{actor}.{method}"
+        return ray_calls.get(
+            getattr(store, method).remote(*args), timeout_s=self._timeout_s, what=what
+        )
+
+    def shutdown(self) -> None:
+        for shard in self._shards:
+            ray.kill(shard)
+
+
+class LocalBackend:
+    """Shards and engine stores as plain objects in this process (tests, tools)."""
+
+    def __init__(self, run: str, *, shards: int, ttl_s: float | None) -> None:
+        self._shards = [StoreShard(run, i, ttl_s=ttl_s) for i in range(shards)]
+        self._engine_stores: dict[tuple[str, str], EngineStore[Any]] = {}
+
+    @property
+    def shard_count(self) -> int:
+        return len(self._shards)
+
+    def call(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+        return [getattr(self._shards[i], name)(*args) for i, name, args in calls]
+
+    def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
+        return [block.copy() for block in blocks]  # the "object store" owns its bytes
+
+    def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
+        return list(refs)
+
+    def first_lost(self, refs: Sequence[Any]) -> int | None:
+        return None
+
+    def engine_store(
+        self, actor: str = "shared_store", namespace: str = "lmdeploy", ttl_s: float | None = 600.0
+    ) -> EngineStore[Any]:
+        """The in-process engine store with that name (created on first use)."""
+        key = (actor, namespace)
+        if key not in self._engine_stores:
+            self._engine_stores[key] = EngineStore(
+                put_object=_LocalObject,
+                get_object=_LocalObject.value,
+                key_of=_LocalObject.key,
+                ttl_s=ttl_s,
+            )
+        return self._engine_stores[key]
+
+    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
+        result = getattr(self.engine_store(actor, namespace), method)(*args)
+        if method == "get_ref":  # unwrap to what a block reference is here: the value
+            return [ref.value() for ref in result]
+        return result
+
+    def shutdown(self) -> None:
+        self._shards.clear()
+
+
+class _LocalObject:
+    """An in-process stand-in for an ObjectRef: a value and a Ray-shaped hex key."""
+
+    _count = 0
+
+    def __init__(self, data: Any) -> None:
+        _LocalObject._count += 1
+        self._data = data
+        self._key = f"{_LocalObject._count:056x}"
+
+    def value(self) -> Any:
+        return self._data
+
+    def key(self) -> str:
+        return self._key
