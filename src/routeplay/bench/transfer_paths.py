@@ -55,7 +55,7 @@ class _FakeLMDeployEngine(RoutesProducer):
         payload = make_routing(self.spec, rows, all_layers=True, seed=seed, dtype=dtype)
         token, _ = self._outbox().stage(payload, block_rows=0)
         me = ray.get_runtime_context().current_actor
-        return str(ray.get(store.put_from.remote(me, token)))
+        return str(ray.get(store.put_from.remote(me, token, payload.shape, str(payload.dtype))))
 
 
 class _RolloutHop:

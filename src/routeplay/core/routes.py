@@ -52,6 +52,19 @@ class Routes:
         """Hex digest of the canonical C-contiguous bytes (what ``inspect --json`` reports)."""
         return hashlib.sha256(self.array.data).hexdigest()
 
+    def tail(self, start_row: int) -> Routes:
+        """Rows from absolute ``start_row`` on (a view: the rows a resume must append)."""
+        if not self.start_row <= start_row <= self.stop_row:
+            raise HandleError(
+                "resume point outside the payload's rows",
+                expected=f"a row in [{self.start_row}, {self.stop_row}]",
+                found=start_row,
+            )
+        rows = self.array[start_row - self.start_row :]
+        return Routes(
+            array=rows, spec=self.spec, start_row=start_row, source_dtype=self.source_dtype
+        )
+
     def segment(self, *, weight_version: int = 0) -> Segment:
         """The rows as an inline segment (by value: tests, checkpoints, store-less engines)."""
         return Segment(

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import ray
 
 from routeplay.core.handle import StoreRef
-from routeplay.store.engine_store import EngineStore, EngineStoreStats
+from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.shard import StoreShard
 
@@ -111,10 +111,16 @@ class EngineStoreShell(_Reaped):
     def put(self, data: Any) -> str:
         return self._locked(lambda: self._store.put(data))
 
-    def put_from(self, producer: Any, token: str) -> str:
+    def put_from(
+        self, producer: Any, token: str, shape: tuple[int, ...] | None = None, dtype: str = ""
+    ) -> str:
         """One-write put: call the producer for its staged payload, so this actor owns it."""
         [ref] = call_producer(producer, token, 1)
-        return self._locked(lambda: self._store.adopt(ref))
+        meta = PayloadMeta(shape=tuple(shape), dtype=dtype) if shape is not None else None
+        return self._locked(lambda: self._store.adopt(ref, meta))
+
+    def meta(self, key: str) -> PayloadMeta | None:
+        return self._locked(lambda: self._store.meta(key))
 
     def get(self, key: str) -> Any:
         return self._locked(lambda: self._store.get(key))

@@ -22,9 +22,16 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize
-from routeplay.errors import HandleError, RoutesLost, RunMismatch
+from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
+from routeplay.errors import (
+    HandleError,
+    RoutesDataError,
+    RoutesLost,
+    RowCountMismatch,
+    RunMismatch,
+)
 from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
+from routeplay.store.engine_store import PayloadMeta
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import split_blocks
@@ -144,7 +151,15 @@ class RouteStore:
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
         """Take an engine-store key over without reading it: the shard borrows the engine
         store's reference (the bytes stay where the engine wrote them) and the key is
-        consumed. Rows are validated when they are read."""
+        consumed. Shape, dtype and row count are checked from the engine store's metadata
+        now (a refused key is freed, not leaked); ids are validated when rows are read."""
+        meta = self._backend.engine_call(key.actor, key.namespace, "meta", key.key)
+        if meta is not None:
+            try:
+                _check_key_meta(meta, key, spec)
+            except RoutesDataError:
+                self._backend.engine_call(key.actor, key.namespace, "free", key.key)
+                raise
         wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
         args = (wrapped, key.rows, spec.nbytes(key.rows), 0)
         [stored] = self._call([(self._pick_shard(key.key), "adopt", args)], "adopt")
@@ -254,6 +269,13 @@ class RouteStore:
         seg = copy.segment
         source = seg.source
         assert isinstance(source, StoreRef)
+        if rows.shape[0] != copy.hi - copy.lo:  # only possible for an adopted engine payload
+            raise RowCountMismatch(
+                "stored payload has fewer rows than its handle claims",
+                expected=f"rows up to {copy.first_row + copy.hi - copy.lo}",
+                found=f"{copy.lo + rows.shape[0]} rows in block {copy.block}",
+                where=f"payload {source.payload_id}",
+            )
         if not source.canonical:  # an adopted engine key: validate the rows we read
             where = f"payload {source.payload_id}"
             rows = canonicalize(rows, seg.spec, start_row=copy.first_row, where=where).array
@@ -315,6 +337,13 @@ class RouteStore:
             source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
         )
         return Handle.of(segment)
+
+
+def _check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:
+    where = f"engine key {key.key}"
+    check_dtype(np.dtype(meta.dtype), spec, where=where)
+    check_shape(meta.shape, spec, where=where)
+    check_row_count(meta.shape[0], key.rows, where=where)
 
 
 def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:

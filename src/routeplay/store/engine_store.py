@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from routeplay.errors import AlreadyConsumed, KeyExpired
 
-__all__ = ["EngineStore", "EngineStoreStats"]
+__all__ = ["EngineStore", "EngineStoreStats", "PayloadMeta"]
 
 Ref = TypeVar("Ref")
 _FORGOTTEN_MEMORY = 1 << 16
@@ -48,10 +48,29 @@ class EngineStoreStats:
     """Keys dropped because nobody consumed them within the TTL."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadMeta:
+    """Shape and dtype of a stored payload, known without reading its bytes."""
+
+    shape: tuple[int, ...]
+    """Array shape (``[T, L, K]`` for routing)."""
+    dtype: str
+    """Element type name."""
+
+    @classmethod
+    def of(cls, data: Any) -> PayloadMeta | None:
+        """Metadata of an array-like, or None for anything else."""
+        shape, dtype = getattr(data, "shape", None), getattr(data, "dtype", None)
+        if shape is None or dtype is None:
+            return None
+        return cls(shape=tuple(int(n) for n in shape), dtype=str(dtype))
+
+
 @dataclass(slots=True)
 class _Entry(Generic[Ref]):
     ref: Ref
     created: float
+    meta: PayloadMeta | None
 
 
 class EngineStore(Generic[Ref]):
@@ -79,15 +98,15 @@ class EngineStore(Generic[Ref]):
     # -- LMDeploy's contract ---------------------------------------------------------
     def put(self, data: Any) -> str:
         """Store ``data``; the key is the hex of its object reference, as LMDeploy returns."""
-        return self.adopt(self._put_object(data))
+        return self.adopt(self._put_object(data), PayloadMeta.of(data))
 
-    def adopt(self, ref: Ref) -> str:
+    def adopt(self, ref: Ref, meta: PayloadMeta | None = None) -> str:
         """Keep a reference this process already owns (the one-write path: the actor shell
         got it by calling the producer); the key is its hex, as for ``put``."""
         self.expire()
         key = self._key_of(ref)
         now = self._clock()
-        self._entries[key] = _Entry(ref=ref, created=now)
+        self._entries[key] = _Entry(ref=ref, created=now, meta=meta)
         if self.ttl_s is not None:
             heapq.heappush(self._by_age, (now, key))
         self._counts["puts"] += 1
@@ -106,6 +125,10 @@ class EngineStore(Generic[Ref]):
     def peek(self, key: str) -> Any:
         """The payload without consuming the key."""
         return self._get_object(self._entry(key).ref)
+
+    def meta(self, key: str) -> PayloadMeta | None:
+        """Shape and dtype of a live key's payload (recorded at put; nothing is read)."""
+        return self._entry(key).meta
 
     def get_ref(self, key: str) -> list[Ref]:
         """Consume the key and hand out its reference, wrapped in a list so Ray passes it

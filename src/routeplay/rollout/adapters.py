@@ -1,0 +1,179 @@
+"""Engine adapters: one engine response in, one routing handle in the route store out.
+
+Every adapter ends in ``stitch``, which is also the partial-rollout rule: the sample's
+history rows (with their own weight versions) are kept, and only rows the history does
+not have yet are stored and appended as a new segment:
+
+- a full-sequence response (vLLM, LMDeploy, SGLang without start_len) contributes
+  ``current[len(history):]`` (never the whole array again: no duplicated rows);
+- a response with ``routed_experts_start_len`` must start exactly at ``len(history)``;
+- an LMDeploy key stays lazy: it is adopted by the store without being read, and the
+  handle points at its rows ``[len(history), T)``.
+
+Row counts are checked at every resume against the response's token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from routeplay.core.formats import Engine, EngineRouting, read_response, vllm
+from routeplay.core.handle import EngineKey, Handle
+from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import expected_rows
+from routeplay.errors import HandleError, RowCountMismatch
+
+__all__ = [
+    "ADAPTERS",
+    "EngineAdapter",
+    "HttpAdapter",
+    "RoutesWriter",
+    "VllmInProcessAdapter",
+    "stitch",
+]
+
+
+class RoutesWriter(Protocol):
+    """Where adapters put routing: a ``RouteStore`` (or a producer actor's one-write put)."""
+
+    def put(self, routes: Routes, *, weight_version: int = 0) -> Handle: ...
+
+    def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle: ...
+
+
+class EngineAdapter(Protocol):
+    """Turns one engine response into the sample's full routing handle."""
+
+    @property
+    def name(self) -> str: ...
+
+    def ingest(
+        self,
+        response: Any,
+        *,
+        spec: RouteSpec,
+        writer: RoutesWriter,
+        weight_version: int,
+        history: Handle | None = None,
+        where: str = "",
+    ) -> Handle: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpAdapter:
+    """Reads a whole HTTP response body of one engine (its wire format, its fields)."""
+
+    name: str
+    """Adapter name (e.g. ``sglang``)."""
+    engine: Engine
+    """Engine whose response format this reads."""
+    choice: int = 0
+    """Choice index of OpenAI-style bodies."""
+
+    def ingest(
+        self,
+        response: Any,
+        *,
+        spec: RouteSpec,
+        writer: RoutesWriter,
+        weight_version: int,
+        history: Handle | None = None,
+        where: str = "",
+    ) -> Handle:
+        """Decode, validate, store (or adopt the key) and stitch onto ``history``."""
+        routing = read_response(self.engine, response, spec, choice=self.choice, where=where)
+        return stitch(
+            routing, spec=spec, writer=writer, weight_version=weight_version, history=history
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmInProcessAdapter:
+    """Reads a vLLM ``RequestOutput`` (prompt rows + each completion's rows)."""
+
+    name: str = "vllm-inprocess"
+    """Adapter name."""
+    choice: int = 0
+    """Which completion of the request."""
+
+    def ingest(
+        self,
+        response: Any,
+        *,
+        spec: RouteSpec,
+        writer: RoutesWriter,
+        weight_version: int,
+        history: Handle | None = None,
+        where: str = "",
+    ) -> Handle:
+        """Concatenate prompt and completion routing, validate, store, stitch."""
+        completion = response.outputs[self.choice]
+        prompt_tokens, completion_tokens = len(response.prompt_token_ids), len(completion.token_ids)
+        routes = vllm.from_outputs(
+            response.prompt_routed_experts,
+            completion.routed_experts,
+            spec,
+            expected=expected_rows(prompt_tokens, completion_tokens),
+            where=where or "vllm RequestOutput",
+        )
+        routing = EngineRouting(
+            engine=Engine.VLLM,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            routes=routes,
+        )
+        return stitch(
+            routing, spec=spec, writer=writer, weight_version=weight_version, history=history
+        )
+
+
+def stitch(
+    routing: EngineRouting,
+    *,
+    spec: RouteSpec,
+    writer: RoutesWriter,
+    weight_version: int,
+    history: Handle | None = None,
+) -> Handle:
+    """The sample's routing after this response: history rows, then only the new rows."""
+    kept = history if history is not None else Handle(spec)
+    total = _total_rows(routing)
+    if total is not None and total < kept.rows:
+        raise RowCountMismatch(
+            "the resumed response has fewer rows than the history it continues",
+            expected=f"at least {kept.rows} rows",
+            found=f"{total} rows",
+        )
+    if routing.key is not None:
+        adopted = writer.adopt_key(routing.key, spec, weight_version=weight_version)
+        return kept + adopted[kept.rows :]
+    routes = routing.routes
+    assert routes is not None  # read_response returns data or a key
+    if routes.start_row > kept.rows:
+        raise HandleError(
+            "the response skips rows the history does not have",
+            expected=f"rows from {kept.rows} (routed_experts_start_len <= history)",
+            found=f"rows from {routes.start_row}",
+        )
+    new_rows = routes.tail(kept.rows)
+    if new_rows.rows == 0:
+        return kept
+    return kept + writer.put(new_rows, weight_version=weight_version)
+
+
+def _total_rows(routing: EngineRouting) -> int | None:
+    if routing.prompt_tokens is None or routing.completion_tokens is None:
+        if routing.routes is not None:
+            return routing.routes.stop_row
+        return routing.key.rows if routing.key is not None else None
+    return expected_rows(routing.prompt_tokens, routing.completion_tokens)
+
+
+ADAPTERS: dict[str, EngineAdapter] = {
+    "vllm": HttpAdapter(name="vllm", engine=Engine.VLLM),
+    "vllm-inprocess": VllmInProcessAdapter(),
+    "sglang": HttpAdapter(name="sglang", engine=Engine.SGLANG),
+    "lmdeploy": HttpAdapter(name="lmdeploy", engine=Engine.LMDEPLOY),
+}
