@@ -13,7 +13,8 @@ from store_probe import created_bytes, used_bytes, wait_until
 
 from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import RoutesExpired, RoutesLost, RunMismatch, StoreTimeout
-from routeplay.store import Lease, RoutesProducer, RouteStore, StoreConfig
+from routeplay.store import Lease, RoutesProducer, RouteStore, StoreConfig, producer_actor
+from routeplay.store.producer import TAKE_GROUP
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -28,8 +29,7 @@ def routing(rows: int, seed: int) -> Routes:
     return canonicalize(table[picks].astype(np.uint8), SPEC)
 
 
-@ray.remote(num_cpus=0)
-class Worker(RoutesProducer):
+class _Worker(RoutesProducer):
     """A rollout worker: decodes routing and hands it to the store."""
 
     def __init__(self, store: RouteStore) -> None:
@@ -42,17 +42,21 @@ class Worker(RoutesProducer):
         return self.store.put(routing(rows, seed))  # this short-lived worker owns the bytes
 
 
-@ray.remote(num_cpus=0)
-class SlowWorker(RoutesProducer):
+class _SlowWorker(RoutesProducer):
     def __init__(self, store: RouteStore) -> None:
         self.store = store
 
     def produce(self, rows: int, seed: int) -> Handle:
         return self.put_routes(self.store, routing(rows, seed))
 
+    @ray.method(concurrency_group=TAKE_GROUP)
     def take_staged(self, token: str) -> Any:
         time.sleep(3)
         return super().take_staged(token)
+
+
+Worker = producer_actor(_Worker, num_cpus=0)
+SlowWorker = producer_actor(_SlowWorker, num_cpus=0)
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +70,12 @@ def _created() -> int:
 
 def test_one_write_put_survives_the_producer(store: RouteStore) -> None:
     worker = Worker.remote(store)
+    ray.get(worker.__ray_ready__.remote())
     before = _created()
     handle = ray.get(worker.produce.remote(3500, seed=1))
+    ray.kill(worker)  # at once: when put_routes returned, the shard already owned the blocks
     nbytes = routing(3500, 1).nbytes
-    assert wait_until(lambda: _created() - before >= nbytes)
     assert nbytes <= _created() - before < nbytes + 16 * 1024  # one write, 4 blocks
-    assert ray.get(worker.staged_count.remote()) == 0
-    ray.kill(worker)
     with store.acquire(handle, "train/step-0"):
         np.testing.assert_array_equal(store.read(handle), routing(3500, 1).array)
 
@@ -219,12 +222,10 @@ def _eventually_lost(lease: Lease) -> RoutesLost:
     pytest.fail("reads of a dead owner's payload kept succeeding")
 
 
-def test_a_read_that_cannot_finish_times_out_with_a_clear_error() -> None:
+def test_a_put_that_cannot_finish_times_out_with_a_clear_error() -> None:
     impatient = StoreConfig(run="run-timeout", timeout_s=0.5).build()
     slow = SlowWorker.remote(impatient)
-    handle = ray.get(slow.produce.remote(100, seed=11))
-    lease = impatient.acquire(handle, "train/slow")
-    with pytest.raises(StoreTimeout, match=r"0\.5s"):
-        impatient.read(handle)
-    lease.release()
+    with pytest.raises(StoreTimeout, match=r"did not hand over .* within 0\.5s"):
+        ray.get(slow.produce.remote(100, seed=11))
+    assert impatient.stats().live_payloads == 0  # nothing half-adopted
     impatient.shutdown()

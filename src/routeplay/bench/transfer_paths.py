@@ -23,7 +23,7 @@ import numpy.typing as npt
 import ray
 
 from routeplay.core import EngineKey, Handle, RouteSpec
-from routeplay.store import RoutesProducer, RouteStore
+from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
 __all__ = ["FakeLMDeployEngine", "RolloutHop", "TrainerReader", "actors_on", "make_routing"]
 
@@ -53,7 +53,7 @@ class _FakeLMDeployEngine(RoutesProducer):
         """Same result, but the store takes the staged array: one object-store write."""
         store = ray.get_actor("shared_store", namespace="lmdeploy")
         payload = make_routing(self.spec, rows, all_layers=True, seed=seed, dtype=dtype)
-        token, _ = self._outbox().stage(payload, block_rows=0)
+        token, _ = self.stage_routes(payload, block_rows=0)
         me = ray.get_runtime_context().current_actor
         return str(ray.get(store.put_from.remote(me, token, payload.shape, str(payload.dtype))))
 
@@ -107,7 +107,7 @@ class Roles:
     trainer: Any
 
 
-FakeLMDeployEngine: Any = ray.remote(num_cpus=0)(_FakeLMDeployEngine)
+FakeLMDeployEngine: Any = producer_actor(_FakeLMDeployEngine, num_cpus=0)
 RolloutHop: Any = ray.remote(num_cpus=0)(_RolloutHop)
 TrainerReader: Any = ray.remote(num_cpus=0)(_TrainerReader)
 

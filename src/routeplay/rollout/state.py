@@ -125,6 +125,10 @@ class RolloutState:
             raise MisuseError("a dense-model state cannot carry routing", where=self.sample_id)
         return dataclasses.replace(self, routing=routing, lease=lease, origin=origin)
 
+    def with_lease(self, lease: Lease) -> RolloutState:
+        """The same routing under a new lease of this state (after a transfer or clone)."""
+        return dataclasses.replace(self, lease=lease)
+
     def extend(
         self,
         response_ids: tuple[int, ...],

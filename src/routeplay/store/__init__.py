@@ -10,7 +10,7 @@ from routeplay.store.engine_service import start_engine_store
 from routeplay.store.engine_store import EngineStore, EngineStoreStats
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
-from routeplay.store.producer import RoutesProducer
+from routeplay.store.producer import RoutesProducer, producer_actor
 
 __all__ = [
     "EngineStore",
@@ -24,5 +24,6 @@ __all__ = [
     "StoreConfig",
     "StoreStats",
     "TableStats",
+    "producer_actor",
     "start_engine_store",
 ]

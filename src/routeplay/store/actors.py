@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 import ray
 
 from routeplay.core.handle import StoreRef
+from routeplay.errors import StoreTimeout
+from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.shard import StoreShard
@@ -20,6 +22,7 @@ __all__ = [
     "StoreShardActor",
     "StoreShardShell",
     "call_producer",
+    "take_and_wait",
 ]
 
 T = TypeVar("T")
@@ -29,6 +32,25 @@ def call_producer(producer: Any, token: str, blocks: int) -> list[Any]:
     """Ask a producer actor for its staged blocks; the caller owns the returned refs."""
     refs = producer.take_staged.options(num_returns=blocks).remote(token)
     return [refs] if blocks == 1 else list(refs)
+
+
+def take_and_wait(producer: Any, token: str, blocks: int, timeout_s: float) -> list[Any]:
+    """Call the producer and wait until its blocks exist in the object store (without
+    fetching them here), so the payload survives the producer from the moment the
+    producer's put returns. The producer runs ``take_staged`` in its own concurrency
+    group, so it can answer while its put is still waiting on us."""
+    refs = call_producer(producer, token, blocks)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    if len(ready) < len(refs):
+        raise StoreTimeout(
+            "the producer did not hand over its staged payload in time",
+            where=f"token {token}",
+            expected=f"{len(refs)} blocks within {timeout_s}s",
+            found=f"{len(ready)} ready",
+            hint="Create producer actors with routeplay.store.producer_actor(...) so that "
+            "take_staged has its own concurrency group.",
+        )
+    return refs
 
 
 class _Reaped:
@@ -55,23 +77,19 @@ class _Reaped:
 class StoreShardShell(_Reaped):
     """One shard of a run's route store. Holds references and leases, never bytes."""
 
-    def __init__(self, run: str, index: int, ttl_s: float | None) -> None:
-        self._shard = StoreShard(run, index, ttl_s=ttl_s, call_producer=call_producer)
+    def __init__(self, run: str, index: int, ttl_s: float | None, timeout_s: float = 60.0) -> None:
+        self._shard = StoreShard(run, index, ttl_s=ttl_s)
+        self._timeout_s = timeout_s
         self._start_reaper(self._shard.expire, ttl_s)
 
     def adopt(self, refs: list[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
-        return self._locked(
-            lambda: self._shard.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
-        )
+        return self._locked(lambda: self._shard.adopt(refs, rows, nbytes, block_rows))
 
     def adopt_from(
         self, producer: Any, token: str, blocks: int, rows: int, nbytes: int, block_rows: int
     ) -> StoreRef:
-        return self._locked(
-            lambda: self._shard.adopt_from(
-                producer, token, blocks=blocks, rows=rows, nbytes=nbytes, block_rows=block_rows
-            )
-        )
+        refs = take_and_wait(producer, token, blocks, self._timeout_s)  # outside the lock
+        return self._locked(lambda: self._shard.adopt(refs, rows, nbytes, block_rows))
 
     def acquire(self, payload_ids: Sequence[str], holder: str, run: str) -> str:
         return self._locked(lambda: self._shard.acquire(payload_ids, holder, run))
@@ -102,10 +120,11 @@ def _ref_key(ref: Any) -> str:
 class EngineStoreShell(_Reaped):
     """Drop-in for LMDeploy's ``shared_store`` (and an SGLang-side Ray store)."""
 
-    def __init__(self, ttl_s: float | None = 600.0) -> None:
+    def __init__(self, ttl_s: float | None = 600.0, timeout_s: float = 60.0) -> None:
         self._store: EngineStore[Any] = EngineStore(
             put_object=ray.put, get_object=ray.get, key_of=_ref_key, ttl_s=ttl_s
         )
+        self._timeout_s = timeout_s
         self._start_reaper(self._store.expire, ttl_s)
 
     def put(self, data: Any) -> str:
@@ -115,7 +134,7 @@ class EngineStoreShell(_Reaped):
         self, producer: Any, token: str, shape: tuple[int, ...] | None = None, dtype: str = ""
     ) -> str:
         """One-write put: call the producer for its staged payload, so this actor owns it."""
-        [ref] = call_producer(producer, token, 1)
+        [ref] = take_and_wait(producer, token, 1, self._timeout_s)  # outside the lock
         meta = PayloadMeta(shape=tuple(shape), dtype=dtype) if shape is not None else None
         return self._locked(lambda: self._store.adopt(ref, meta))
 
@@ -123,13 +142,17 @@ class EngineStoreShell(_Reaped):
         return self._locked(lambda: self._store.meta(key))
 
     def get(self, key: str) -> Any:
-        return self._locked(lambda: self._store.get(key))
+        [ref] = self._locked(lambda: self._store.get_ref(key))
+        return self._value(ref, key)  # fetched outside the lock: other keys keep flowing
 
     def clear(self) -> None:
         self._locked(self._store.clear)
 
     def peek(self, key: str) -> Any:
-        return self._locked(lambda: self._store.peek(key))
+        return self._value(self._locked(lambda: self._store.peek_ref(key)), key)
+
+    def _value(self, ref: Any, key: str) -> Any:
+        return ray_calls.get(ref, timeout_s=self._timeout_s, what=f"engine key {key}")
 
     def get_ref(self, key: str) -> list[Any]:
         return self._locked(lambda: self._store.get_ref(key))
@@ -145,5 +168,8 @@ class EngineStoreShell(_Reaped):
 
 
 # The Ray actor classes (typed Any: ray.remote's result has no useful static type).
-StoreShardActor: Any = ray.remote(num_cpus=0)(StoreShardShell)
-EngineStoreActor: Any = ray.remote(num_cpus=0)(EngineStoreShell)
+# Threaded (max_concurrency): a call that waits on a producer or fetches a payload does
+# not hold up the others; the shell's lock keeps the plain class single-threaded.
+_remote: Any = ray.remote  # its overloads do not list actor options such as max_concurrency
+StoreShardActor: Any = _remote(num_cpus=0, max_concurrency=8)(StoreShardShell)
+EngineStoreActor: Any = _remote(num_cpus=0, max_concurrency=8)(EngineStoreShell)

@@ -30,7 +30,9 @@ class Backend(Protocol):
     @property
     def shard_count(self) -> int: ...
 
-    def call(self, calls: Sequence[ShardCall], what: str) -> list[Any]: ...
+    def call(
+        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
+    ) -> list[Any]: ...
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]: ...
 
@@ -63,7 +65,7 @@ class RayBackend:
         """Create the run's shard actors (or join them)."""
         handles = [
             StoreShardActor.options(name=f"routeplay.store.{run}.{i}", **options).remote(
-                run, i, ttl_s
+                run, i, ttl_s, timeout_s
             )
             for i in range(shards)
         ]
@@ -73,9 +75,12 @@ class RayBackend:
     def shard_count(self) -> int:
         return len(self._shards)
 
-    def call(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def call(
+        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
+    ) -> list[Any]:
         pending = [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
-        return list(ray_calls.get(pending, timeout_s=self._timeout_s, what=what))
+        deadline = self._timeout_s if timeout_s is None else timeout_s
+        return list(ray_calls.get(pending, timeout_s=deadline, what=what))
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return [ray.put(block) for block in blocks]
@@ -109,7 +114,9 @@ class LocalBackend:
     def shard_count(self) -> int:
         return len(self._shards)
 
-    def call(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def call(
+        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
+    ) -> list[Any]:
         return [getattr(self._shards[i], name)(*args) for i, name, args in calls]
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:

@@ -145,7 +145,12 @@ class RouteStore:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
         args = (producer, token, blocks, routes.rows, routes.nbytes, block_rows)
-        [stored] = self._call([(self._pick_shard(token), "adopt_from", args)], f"adopt {token}")
+        # The shard itself waits up to timeout_s for the producer; give its answer room.
+        [stored] = self._backend.call(
+            [(self._pick_shard(token), "adopt_from", args)],
+            f"{self.run}: adopt {token}",
+            timeout_s=2 * self.config.timeout_s,
+        )
         return self._handle(stored, routes.spec, weight_version)
 
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:

@@ -25,6 +25,7 @@ def start_engine_store(
     namespace: str = LMDEPLOY_NAMESPACE,
     ttl_s: float | None = 600.0,
     resources: dict[str, float] | None = None,
+    timeout_s: float = 60.0,
 ) -> Any:
     """Start (or join) the detached engine store actor, as LMDeploy would create its own.
 
@@ -37,4 +38,4 @@ def start_engine_store(
         get_if_exists=True,
         num_cpus=0,
         resources=resources or {},
-    ).remote(ttl_s)
+    ).remote(ttl_s, timeout_s)

@@ -126,6 +126,10 @@ class EngineStore(Generic[Ref]):
         """The payload without consuming the key."""
         return self._get_object(self._entry(key).ref)
 
+    def peek_ref(self, key: str) -> Ref:
+        """The reference of a live key, without consuming it."""
+        return self._entry(key).ref
+
     def meta(self, key: str) -> PayloadMeta | None:
         """Shape and dtype of a live key's payload (recorded at put; nothing is read)."""
         return self._entry(key).meta

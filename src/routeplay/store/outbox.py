@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ class PayloadOutbox:
     """Arrays staged by a producer until a store shard takes them (once)."""
 
     def __init__(self) -> None:
+        # stage() and take() run on different threads of a producer actor.
+        self._lock = threading.Lock()
         self._staged: dict[str, tuple[npt.NDArray[Any], ...]] = {}
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
@@ -41,19 +44,22 @@ class PayloadOutbox:
         """Keep ``array`` until taken; returns the token and the number of blocks."""
         token = f"{self._prefix}-{next(self._ids)}"
         blocks = split_blocks(array, block_rows)
-        self._staged[token] = blocks
+        with self._lock:
+            self._staged[token] = blocks
         return token, len(blocks)
 
     def take(self, token: str) -> tuple[npt.NDArray[Any], ...] | npt.NDArray[Any]:
         """Hand the blocks over (a single block is returned bare, as Ray's num_returns=1 wants)."""
-        blocks = self._staged.pop(token, None)
+        with self._lock:
+            blocks = self._staged.pop(token, None)
         if blocks is None:
             raise AlreadyConsumed("staged payload already taken or never staged", found=token)
         return blocks[0] if len(blocks) == 1 else blocks
 
     def discard(self, token: str) -> None:
         """Forget a staged payload that will never be adopted (idempotent)."""
-        self._staged.pop(token, None)
+        with self._lock:
+            self._staged.pop(token, None)
 
     def __len__(self) -> int:
         return len(self._staged)

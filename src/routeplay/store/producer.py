@@ -2,16 +2,19 @@
 engine adapters) to get the one-write put.
 
 ``put_routes`` stages the canonical array in this actor's outbox and asks a store shard
-to adopt it; the shard then calls ``take_staged`` on this actor, which makes the shard
-the owner of the blocks this actor returns. The bytes are written once, into this
-node's object store, survive this actor's death, and never travel through the shard.
-Do not block inside the same actor call on reading those routes back: ``take_staged``
-runs after the current call returns (for a non-concurrent actor).
+to adopt it; the shard calls ``take_staged`` on this actor, which makes the shard the
+owner of the blocks this actor returns, and waits until they exist. So when
+``put_routes`` returns, the bytes have been written once, into this node's object
+store, they survive this actor's death, and they never travel through the shard.
+
+``take_staged`` runs in its own concurrency group (it must answer while ``put_routes``
+is waiting), so producer actors are created with ``producer_actor(cls)`` instead of
+plain ``ray.remote(cls)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import ray
 
@@ -20,7 +23,17 @@ from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore
 from routeplay.store.outbox import PayloadOutbox
 
-__all__ = ["RoutesProducer"]
+__all__ = ["PRODUCER_CONCURRENCY", "TAKE_GROUP", "RoutesProducer", "producer_actor"]
+
+TAKE_GROUP: Final = "routeplay-take"
+PRODUCER_CONCURRENCY: Final = {TAKE_GROUP: 1}
+
+
+def producer_actor(cls: type, **options: Any) -> Any:
+    """``ray.remote(cls)`` with the concurrency group ``take_staged`` needs."""
+    groups = {**options.pop("concurrency_groups", {}), **PRODUCER_CONCURRENCY}
+    remote: Any = ray.remote  # its overloads do not list concurrency_groups
+    return remote(concurrency_groups=groups, **options)(cls)
 
 
 class RoutesProducer:
@@ -30,17 +43,22 @@ class RoutesProducer:
 
     def put_routes(self, store: RouteStore, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Store ``routes`` with one object-store write, owned by a store shard."""
-        outbox = self._outbox()
-        token, blocks = outbox.stage(routes.array, block_rows=store.block_rows_for(routes.spec))
+        token, blocks = self.stage_routes(
+            routes.array, block_rows=store.block_rows_for(routes.spec)
+        )
         me = ray.get_runtime_context().current_actor
         try:
             return store.put_staged(me, token, blocks, routes, weight_version=weight_version)
-        except BaseException:
-            outbox.discard(token)
-            raise
+        finally:
+            self._outbox().discard(token)  # a no-op once taken; frees it if the put failed
 
+    def stage_routes(self, array: Any, *, block_rows: int) -> tuple[str, int]:
+        """Keep ``array`` until a store takes it; returns (token, block count)."""
+        return self._outbox().stage(array, block_rows=block_rows)
+
+    @ray.method(concurrency_group=TAKE_GROUP)
     def take_staged(self, token: str) -> Any:
-        """Called by a store shard: return the staged blocks (and forget them)."""
+        """Called by a store: return the staged blocks (and forget them)."""
         return self._outbox().take(token)
 
     def staged_count(self) -> int:

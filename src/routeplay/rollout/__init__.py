@@ -1,0 +1,43 @@
+"""routeplay.rollout: samples between the engine and the trainer, on handles and leases.
+
+``RolloutState`` (one sample), engine adapters (``ADAPTERS``, ``stitch`` for partial
+rollouts), the per-session token-trie ``TraceStore``, the ``ReplayBuffer`` with
+staleness retries, and the ``TrainingBatch`` hand-off. Every holder releases only its
+own lease; nothing here ever guesses who owns routing.
+"""
+
+from routeplay.rollout.adapters import ADAPTERS, EngineAdapter, HttpAdapter, RoutesWriter, stitch
+from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
+from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
+from routeplay.rollout.token_trie import TokenTrie
+from routeplay.rollout.trace_store import (
+    Exported,
+    PrefixMatch,
+    TraceStore,
+    TraceStoreActor,
+    TraceStoreStats,
+    session_holder,
+)
+
+__all__ = [
+    "ADAPTERS",
+    "BufferConfig",
+    "EngineAdapter",
+    "Exported",
+    "Group",
+    "HttpAdapter",
+    "Origin",
+    "PrefixMatch",
+    "ReplayBuffer",
+    "RolloutState",
+    "RoutesWriter",
+    "RoutingKind",
+    "SamplingPolicy",
+    "Status",
+    "TokenTrie",
+    "TraceStore",
+    "TraceStoreActor",
+    "TraceStoreStats",
+    "session_holder",
+    "stitch",
+]

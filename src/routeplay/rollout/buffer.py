@@ -1,0 +1,195 @@
+"""The replay buffer: groups of completed samples waiting for training.
+
+The buffer holds one lease per sample, as holder ``buffer/<group id>``; it never
+releases anyone else's. Staleness is measured from per-token weight versions. When a
+group goes stale: if its samples may still be retried, each sample releases the
+*buffer's* lease and is reset for regeneration (routing borrowed from a trace session
+stays valid, because the session holds its own lease); otherwise the group is
+discarded with the buffer's leases. ``sample`` hands groups out still leased; a
+``TrainingBatch`` then takes those leases over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from routeplay.errors import MisuseError
+from routeplay.rollout.state import RolloutState
+from routeplay.store.client import RouteStore
+
+__all__ = ["BufferConfig", "BufferStats", "Group", "ReplayBuffer", "SamplingPolicy"]
+
+
+class SamplingPolicy(Enum):
+    """Which groups ``sample`` takes first."""
+
+    FIFO = "fifo"
+    """Oldest added first."""
+    STALENESS_FIRST = "staleness_first"
+    """Most stale first (use samples before they age out), ties by age."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BufferConfig:
+    """Staleness and sampling rules of a replay buffer."""
+
+    max_staleness: int = 1
+    """A group whose oldest token is more versions behind than this is stale."""
+    max_retries: int = 1
+    """How often a stale sample may be regenerated before its group is discarded."""
+    policy: SamplingPolicy = SamplingPolicy.FIFO
+    """Order in which groups are sampled."""
+
+    def build(self, store: RouteStore) -> ReplayBuffer:
+        """An empty buffer over ``store``."""
+        return ReplayBuffer(store, self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group:
+    """The samples of one prompt, trained together."""
+
+    group_id: str
+    """Group id (also the buffer's holder suffix)."""
+    states: tuple[RolloutState, ...]
+    """The samples, each holding its own lease."""
+    added: int = 0
+    """Insertion order (FIFO)."""
+
+    def staleness(self, current_version: int) -> int:
+        """Staleness of the stalest sample."""
+        return max((s.staleness(current_version) for s in self.states), default=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BufferStats:
+    """Counts since the buffer was created."""
+
+    groups: int
+    samples: int
+    retried_samples: int
+    discarded_groups: int
+    sampled_groups: int
+    waiting_retries: int
+
+
+@dataclass(slots=True)
+class _Counters:
+    retried: int = 0
+    discarded: int = 0
+    sampled: int = 0
+    order: int = 0
+    retry_queue: list[RolloutState] = field(default_factory=list)
+
+
+class ReplayBuffer:
+    """Completed groups, their leases, staleness retries and discards."""
+
+    def __init__(self, store: RouteStore, config: BufferConfig) -> None:
+        self.store = store
+        self.config = config
+        self._groups: dict[str, Group] = {}
+        self._counts = _Counters()
+
+    @staticmethod
+    def holder(group_id: str) -> str:
+        """The lease holder name the buffer uses for a group."""
+        return f"buffer/{group_id}"
+
+    def add(self, group_id: str, states: Sequence[RolloutState]) -> None:
+        """Take over the samples: each sample's lease moves to the buffer (no data moves)."""
+        if group_id in self._groups:
+            raise MisuseError("group already in the buffer", where=f"group {group_id}")
+        holder = self.holder(group_id)
+        taken = tuple(self._take_over(state, holder) for state in states)
+        self._groups[group_id] = Group(group_id=group_id, states=taken, added=self._counts.order)
+        self._counts.order += 1
+
+    def refresh(self, current_version: int) -> tuple[list[str], list[str]]:
+        """Retry or discard stale groups; returns (retried sample ids, discarded group ids)."""
+        retried, discarded = [], []
+        for group in list(self._groups.values()):
+            if group.staleness(current_version) <= self.config.max_staleness:
+                continue
+            del self._groups[group.group_id]
+            if all(s.retries < self.config.max_retries for s in group.states):
+                for state in group.states:
+                    self._counts.retry_queue.append(state.release().reset_response())
+                    retried.append(state.sample_id)
+            else:
+                self._release_group(group)
+                discarded.append(group.group_id)
+        self._counts.retried += len(retried)
+        self._counts.discarded += len(discarded)
+        return retried, discarded
+
+    def take_retries(self) -> list[RolloutState]:
+        """Samples reset for regeneration (they hold no lease)."""
+        out, self._counts.retry_queue = self._counts.retry_queue, []
+        return out
+
+    def sample(self, groups: int, current_version: int) -> list[Group]:
+        """Up to ``groups`` fresh groups, removed from the buffer, still holding its leases."""
+        self.refresh(current_version)
+        order = sorted(self._groups.values(), key=lambda g: self._rank(g, current_version))
+        picked = order[:groups]
+        for group in picked:
+            del self._groups[group.group_id]
+        self._counts.sampled += len(picked)
+        return picked
+
+    def discard(self, group_id: str) -> bool:
+        """Drop a group and the buffer's leases on it; False if it is not here."""
+        group = self._groups.pop(group_id, None)
+        if group is None:
+            return False
+        self._release_group(group)
+        self._counts.discarded += 1
+        return True
+
+    def groups(self) -> list[Group]:
+        """Groups waiting, in insertion order (for checkpoints and inspection)."""
+        return sorted(self._groups.values(), key=lambda g: g.added)
+
+    def stats(self) -> BufferStats:
+        """Counts of groups, samples, retries and discards."""
+        return BufferStats(
+            groups=len(self._groups),
+            samples=sum(len(g.states) for g in self._groups.values()),
+            retried_samples=self._counts.retried,
+            discarded_groups=self._counts.discarded,
+            sampled_groups=self._counts.sampled,
+            waiting_retries=len(self._counts.retry_queue),
+        )
+
+    def close(self) -> None:
+        """Release every lease the buffer holds (idempotent)."""
+        for group_id in list(self._groups):
+            self.discard(group_id)
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def _take_over(self, state: RolloutState, holder: str) -> RolloutState:
+        if state.lease is not None and not state.lease.released:
+            return state.with_lease(state.lease.transfer(holder))
+        if state.routing is not None:
+            return state.with_lease(self.store.acquire(state.routing, holder))
+        return state
+
+    def _release_group(self, group: Group) -> None:
+        for state in group.states:
+            state.release()
+
+    def _rank(self, group: Group, current_version: int) -> tuple[int, int]:
+        if self.config.policy is SamplingPolicy.STALENESS_FIRST:
+            return (-group.staleness(current_version), group.added)
+        return (0, group.added)

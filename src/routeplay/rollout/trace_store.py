@@ -1,0 +1,263 @@
+"""``TraceStore``: per-session routing of every token sequence a multi-turn session saw.
+
+Routing row ``i`` is the routing of input token ``i`` and depends only on tokens
+``0..i`` (causal), so a stored sequence of ``n`` tokens carries rows ``[0, n - 1)``,
+and a query sharing its first ``m`` tokens with it may reuse rows
+``[0, min(m, n - 1))``. Each session keeps a ``TokenTrie`` of those sequences.
+
+Ownership (the rules that keep routing neither freed early nor leaked):
+- every trie value holds its own lease, holder ``session/<id>``; that lease is released
+  exactly when the value is overwritten, or when the session is released;
+- ``export`` gives the caller a *separate* lease (its own holder), so releasing the
+  session never invalidates an exported sample, and releasing the sample never touches
+  the session;
+- ``release_session`` is the one place a session's leases end; it is idempotent, and
+  ``session()`` / ``close()`` call it on exit so an exception cannot leak a session.
+
+The trace store never writes payloads: a later turn's handle normally reuses the
+earlier turn's segments and appends only the new rows, so shared prefixes are stored
+once in the route store and the trie holds one node per inserted sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import ray
+
+from routeplay.core.handle import Handle
+from routeplay.errors import HandleError
+from routeplay.rollout.token_trie import TokenTrie, as_key
+from routeplay.store.client import RouteStore
+from routeplay.store.lease import Lease
+
+__all__ = [
+    "Exported",
+    "PrefixMatch",
+    "TraceEntry",
+    "TraceStore",
+    "TraceStoreActor",
+    "TraceStoreShell",
+    "TraceStoreStats",
+    "session_holder",
+]
+
+
+def session_holder(session_id: str) -> str:
+    """The lease holder name of a session's trie entries."""
+    return f"session/{session_id}"
+
+
+class TraceEntry(NamedTuple):
+    """One stored sequence: its routing handle and the session's lease on it."""
+
+    handle: Handle
+    """Rows ``[0, len(tokens) - 1)`` of the sequence."""
+    lease: Lease
+    """The session's lease over the handle's payloads."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixMatch:
+    """How much stored routing a query can reuse."""
+
+    matched: int
+    """Leading tokens of the query found in the session's trie."""
+    rows: int
+    """Routing rows ``[0, rows)`` valid for the query (0 when nothing is reusable)."""
+    handle: Handle | None
+    """Those rows of a stored sequence (``handle.rows == rows``); None when ``rows == 0``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Exported:
+    """A prefix match handed to a caller together with the caller's own lease."""
+
+    matched: int
+    """Leading tokens of the query found in the session's trie."""
+    rows: int
+    """Routing rows ``[0, rows)`` valid for the query (always > 0)."""
+    lease: Lease
+    """The caller's lease on exactly those rows; the caller releases it."""
+
+    @property
+    def handle(self) -> Handle:
+        """The exported rows (the lease's handle)."""
+        return self.lease.handle
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceStoreStats:
+    """A snapshot of what the trace store holds."""
+
+    sessions: int
+    """Live sessions."""
+    nodes: int
+    """Trie nodes over all sessions (stored sequences plus branch points)."""
+    leases: int
+    """Session leases held: one per stored sequence."""
+    rows: int
+    """Routing rows the stored handles cover, summed per sequence (rows shared by two
+    sequences count twice here; their bytes live once in the route store)."""
+
+
+_NO_MATCH = PrefixMatch(matched=0, rows=0, handle=None)
+
+
+class TraceStore:
+    """Session tries of ``(Handle, Lease)`` entries over a ``RouteStore`` client."""
+
+    def __init__(self, store: RouteStore) -> None:
+        self._store = store
+        self._tries: dict[str, TokenTrie[TraceEntry]] = {}
+
+    # -- writing ----------------------------------------------------------------------
+    def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
+        """Store the routing of a full token sequence; the session leases the handle.
+
+        An entry already stored under the same tokens is replaced and only the session's
+        lease on it is released (leases of samples exported from it stay valid).
+        """
+        tokens = as_key(token_ids)
+        if handle.rows != len(tokens) - 1:
+            raise HandleError(
+                "a routing handle has one row per token except the last",
+                expected=f"{len(tokens) - 1} rows for {len(tokens)} tokens",
+                found=f"{handle.rows} rows",
+                where=f"session {session}",
+                hint="Pass the handle of the whole sequence (history rows + new rows).",
+            )
+        lease = self._store.acquire(handle, session_holder(session))
+        trie = self._tries.setdefault(session, TokenTrie())
+        old = trie.insert(tokens, TraceEntry(handle, lease))
+        if old is not None:  # acquired first, so shared payloads never reach zero leases
+            old.lease.release()
+
+    # -- reading ----------------------------------------------------------------------
+    def longest_prefix(self, session: str, token_ids: Iterable[int]) -> PrefixMatch:
+        """The stored routing rows a query can reuse (none for an unknown session)."""
+        trie = self._tries.get(session)
+        if trie is None:
+            return _NO_MATCH
+        matched, exact, below = trie.longest_match(token_ids)
+        entry = below if below is not None else exact  # below: longer key, more rows
+        if entry is None:
+            return PrefixMatch(matched=matched, rows=0, handle=None)
+        rows = min(matched, entry.handle.rows)
+        if rows == 0:
+            return PrefixMatch(matched=matched, rows=0, handle=None)
+        return PrefixMatch(matched=matched, rows=rows, handle=entry.handle[:rows])
+
+    def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
+        """``longest_prefix`` plus a lease of ``holder`` on the matched rows (None when no
+        row is reusable). The exported sample outlives the session until it is released."""
+        match = self.longest_prefix(session, token_ids)
+        if match.handle is None:
+            return None
+        lease = self._store.acquire(match.handle, holder)
+        return Exported(matched=match.matched, rows=match.rows, lease=lease)
+
+    def sessions(self) -> list[str]:
+        """Live session ids, in order of their first insert."""
+        return list(self._tries)
+
+    def stats(self) -> TraceStoreStats:
+        """Sessions, nodes, session leases and rows held right now."""
+        tries = list(self._tries.values())
+        return TraceStoreStats(
+            sessions=len(tries),
+            nodes=sum(trie.node_count() for trie in tries),
+            leases=sum(len(trie) for trie in tries),
+            rows=sum(entry.handle.rows for trie in tries for entry in trie.values()),
+        )
+
+    # -- releasing --------------------------------------------------------------------
+    def release_session(self, session: str) -> int:
+        """Release every lease the session holds and drop its trie (idempotent).
+
+        Returns the leases released. Every lease is attempted even if one release fails;
+        the first failure is raised afterwards.
+        """
+        trie = self._tries.pop(session, None)
+        if trie is None:
+            return 0
+        return _release([entry.lease for entry in trie.values()])
+
+    def release_all(self) -> int:
+        """Release every session; returns the leases released."""
+        return sum(self.release_session(session) for session in self.sessions())
+
+    def close(self) -> None:
+        """Release every session (idempotent)."""
+        self.release_all()
+
+    @contextlib.contextmanager
+    def session(self, session_id: str) -> Iterator[str]:
+        """``with store.session(sid):`` releases the session on exit, exceptions included."""
+        try:
+            yield session_id
+        finally:
+            self.release_session(session_id)
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _release(leases: list[Lease]) -> int:
+    released = 0
+    failure: Exception | None = None
+    for lease in leases:
+        if lease.released:
+            continue
+        try:
+            lease.release()
+            released += 1
+        except Exception as exc:  # keep releasing the rest; report the first failure
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return released
+
+
+class TraceStoreShell:
+    """Ray actor shell: each method forwards to a ``TraceStore``."""
+
+    def __init__(self, store: RouteStore) -> None:
+        self._traces = TraceStore(store)
+
+    def insert(self, session: str, token_ids: list[int], handle: Handle) -> None:
+        self._traces.insert(session, token_ids, handle)
+
+    def longest_prefix(self, session: str, token_ids: list[int]) -> PrefixMatch:
+        return self._traces.longest_prefix(session, token_ids)
+
+    def export(self, session: str, token_ids: list[int], holder: str) -> Exported | None:
+        return self._traces.export(session, token_ids, holder)
+
+    def release_session(self, session: str) -> int:
+        return self._traces.release_session(session)
+
+    def release_all(self) -> int:
+        return self._traces.release_all()
+
+    def sessions(self) -> list[str]:
+        return self._traces.sessions()
+
+    def stats(self) -> TraceStoreStats:
+        return self._traces.stats()
+
+
+# The Ray actor class (typed Any: ray.remote's result has no useful static type).
+TraceStoreActor: Any = ray.remote(num_cpus=0)(TraceStoreShell)
