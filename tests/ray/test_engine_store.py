@@ -130,7 +130,7 @@ def test_trainer_can_consume_a_key_directly_once(engine: object) -> None:
 def test_inline_segments_read_without_the_store(store: RouteStore) -> None:
     spec = RouteSpec(num_layers=2, top_k=2, num_experts=4)
     array = np.array([[[0, 1], [2, 3]], [[3, 2], [1, 0]]], np.uint8)
-    handle = Handle.of(Segment(source=InlineSource(array), start=0, stop=2, spec=spec))
+    handle = Handle.of(Segment(source=InlineSource(array=array), start=0, stop=2, spec=spec))
     np.testing.assert_array_equal(store.read(handle, 1, 2), array[1:])
 
 

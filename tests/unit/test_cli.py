@@ -416,3 +416,17 @@ def test_console_script_usage_error_exits_1(tmp_path: Path) -> None:
     )
     assert done.returncode == EXIT_USAGE
     assert "usage error" in done.stderr
+
+
+def test_a_body_that_is_not_utf8_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"meta_info": "\xff\xfe"}')
+    status = main(
+        ["inspect", str(path), "--engine", "sglang", "--preset", "qwen3-30b-a3b", "--json"]
+    )
+    assert status == 2
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["error"] == "MalformedPayload"
+    assert "UTF-8" in report["message"]

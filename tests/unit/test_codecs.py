@@ -474,3 +474,16 @@ def test_engine_may_be_given_as_enum_or_string() -> None:
         assert result.engine is Engine.SGLANG
         assert result.routes is not None
         check_canonical(result.routes, full, spec)
+
+
+def test_vllm_prompt_start_omits_leading_rows() -> None:
+    spec = RouteSpec(num_layers=2, top_k=2, num_experts=8)
+    full = np.argsort(np.random.default_rng(3).random((9, 2, 8)), axis=-1)[..., :2].astype(np.uint8)
+    body = {
+        "choices": [{"routed_experts": vllm.encode(full[4:], spec)}],
+        "usage": {"prompt_tokens": 6, "completion_tokens": 4},
+    }
+    routes = read_response("vllm", body, spec, start_row=4).routes
+    assert routes is not None
+    assert routes.start_row == 4
+    np.testing.assert_array_equal(routes.array, full[4:])

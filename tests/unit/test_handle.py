@@ -21,7 +21,7 @@ def _inline(rows: int, seed: int) -> InlineSource:
     rng = np.random.default_rng(seed)
     keys = rng.random((rows, SPEC.num_layers, SPEC.num_experts))
     ids = np.argsort(keys, axis=-1)[..., : SPEC.top_k].astype(SPEC.dtype)
-    return InlineSource(ids)
+    return InlineSource(array=ids)
 
 
 @st.composite
@@ -158,7 +158,7 @@ def test_stepped_slices_are_refused() -> None:
 
 def test_inline_sources_compare_by_identity_store_refs_by_value() -> None:
     array = _inline(3, seed=5).array
-    assert InlineSource(array) != InlineSource(array)
+    assert InlineSource(array=array) != InlineSource(array=array)
     assert StoreRef(payload_id="p1", run="r", rows=3) == StoreRef(payload_id="p1", run="r", rows=3)
     assert StoreRef(payload_id="p1", run="r", rows=3) != StoreRef(payload_id="p1", run="s", rows=3)
 

@@ -39,6 +39,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.table: LeaseTable[Bytes] = LeaseTable(RUN, ttl_s=10.0, clock=self.clock)
         self.model_leases: dict[str, tuple[str, frozenset[str]]] = {}  # id -> holder, payloads
         self.ever_leased: set[str] = set()
+        self.fresh: dict[str, set[str]] = {}  # lease -> payloads it was the first to lease
         self.alive: dict[str, tuple[int, float]] = {}  # payload -> nbytes, created
         self.refs: dict[str, weakref.ref[Bytes]] = {}
         self.count = 0
@@ -56,8 +57,10 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(target=leases, chosen=st.lists(payloads, min_size=1, max_size=3), holder=HOLDERS)
     def acquire(self, chosen: list[str], holder: str) -> str:
         if all(pid in self.alive for pid in chosen):
+            fresh = {pid for pid in chosen if not self._held(pid)}
             lid = self.table.acquire(chosen, holder, run=RUN)
             self.model_leases[lid] = (holder, frozenset(chosen))
+            self.fresh[lid] = fresh
             self.ever_leased.update(chosen)
             return lid
         with pytest.raises((RoutesLost, RoutesExpired)):
@@ -76,6 +79,26 @@ class LeaseMachine(RuleBasedStateMachine):
                     del self.alive[pid]
         assert set(dropped) == expected
         assert self.table.release(lease) == []  # idempotent
+
+    @rule(lease=leases)
+    def revoke(self, lease: str) -> None:
+        """A rolled-back grant: payloads it first leased return to STORED (TTL again)."""
+        dropped = self.table.revoke(lease)
+        entry = self.model_leases.pop(lease, None)
+        expected = set()
+        if entry is not None:
+            for pid in entry[1]:
+                if self._held(pid):
+                    continue
+                if pid in self.fresh.get(lease, set()):
+                    self.ever_leased.discard(pid)
+                else:
+                    expected.add(pid)
+                    del self.alive[pid]
+        assert set(dropped) == expected
+
+    def _held(self, pid: str) -> bool:
+        return any(pid in pids for _, pids in self.model_leases.values())
 
     @rule(target=leases, lease=leases, holder=HOLDERS)
     def clone(self, lease: str, holder: str) -> str:

@@ -3,13 +3,23 @@ client behaves the same on both (puts, leases, reads, engine keys, accounting)."
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
-from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
-from routeplay.errors import AlreadyConsumed, RoutesLost, RunMismatch
+from routeplay.core import EngineKey, Handle, Routes, RouteSpec, Segment, canonicalize
+from routeplay.errors import (
+    AlreadyConsumed,
+    MisuseError,
+    RoutesLost,
+    RowCountMismatch,
+    RunMismatch,
+    StoreTimeout,
+)
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.backend import LocalBackend
+from routeplay.store.shard import shard_of
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
 
@@ -54,8 +64,6 @@ def test_unread_keys_of_a_dropped_sample_are_freed(store: RouteStore) -> None:
     assert isinstance(backend, LocalBackend)
     key = backend.engine_store().put(routing(10, seed=3).array)
     handle = EngineKey(key=key, rows=10)
-    from routeplay.core import Handle, Segment
-
     dropped = Handle.of(Segment(source=handle, start=0, stop=10, spec=SPEC))
     assert store.free_engine_keys(dropped) == 1
     assert store.free_engine_keys(dropped) == 0
@@ -69,3 +77,77 @@ def test_runs_are_isolated(store: RouteStore) -> None:
         other.acquire(handle, "intruder")
     with pytest.raises(RunMismatch):
         other.read(handle)
+
+
+def _on_two_shards(store: RouteStore) -> tuple[Any, Any]:
+    """Two payloads that landed on different shards."""
+    first = store.put(routing(3, seed=10))
+    for seed in range(11, 60):
+        other = store.put(routing(3, seed=seed))
+        if shard_of(other.segments[0].source.payload_id) != shard_of(  # type: ignore[union-attr]
+            first.segments[0].source.payload_id  # type: ignore[union-attr]
+        ):
+            return first, other
+    raise AssertionError("hash never picked the second shard")
+
+
+def test_a_half_failed_multi_shard_acquire_leaves_no_lease(store: RouteStore) -> None:
+    alive, doomed = _on_two_shards(store)
+    store.acquire(doomed, "gone").release()  # doomed's payload is dropped
+    with pytest.raises(RoutesLost):
+        store.acquire(alive + doomed, "train/step-1")
+    assert store.leaks() == []  # the shard that granted its part was rolled back
+    assert store.stats().unleased_payloads == 1  # alive is unleased again, TTL applies
+
+
+def test_a_failed_release_can_be_retried(
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = store.acquire(store.put(routing(4, seed=5)), "buffer/retry")
+    real_release = store._release_parts
+    calls = {"n": 0}
+
+    def flaky(parts: dict[int, str]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise StoreTimeout("release timed out")
+        real_release(parts)
+
+    monkeypatch.setattr(store, "_release_parts", flaky)
+    with pytest.raises(StoreTimeout):
+        lease.release()
+    assert not lease.released
+    lease.release()
+    assert lease.released
+    assert store.leaks() == []
+
+
+def test_an_engine_key_handle_reads_in_slices_within_one_call(store: RouteStore) -> None:
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    full = routing(40, seed=6).array
+    key = backend.engine_store().put(full.astype(np.uint16))
+    handle = Handle.of(Segment(source=EngineKey(key=key, rows=40), start=0, stop=40, spec=SPEC))
+    first, second = store.read_many([(handle, 0, 20), (handle, 20, 40)])
+    np.testing.assert_array_equal(np.concatenate([first, second]), full)
+    with pytest.raises(AlreadyConsumed):  # single-use across calls: adopt_key to share
+        store.read(handle)
+
+
+def test_a_key_whose_payload_disagrees_with_its_row_count_is_refused_and_freed(
+    store: RouteStore,
+) -> None:
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    key = backend.engine_store().put(routing(12, seed=7).array)
+    with pytest.raises(RowCountMismatch, match="12 rows"):
+        store.adopt_key(EngineKey(key=key, rows=10), SPEC)
+    assert backend.engine_store().stats().freed == 1  # set aside, not leaked
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"shards": 0}, {"ttl_s": 0}, {"ttl_s": -1.0}, {"block_rows": -1}, {"timeout_s": 0}]
+)
+def test_invalid_store_configs_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(MisuseError):
+        StoreConfig(run="bad", **kwargs)

@@ -155,7 +155,7 @@ def worlds_and_requests(draw: st.DrawFn) -> tuple[World, list[tuple[Handle, int,
         rows = draw(st.integers(1, 20))
         array = _tagged(rows, tag=tag)
         if draw(st.integers(0, 3)) == 0:
-            sources.append(InlineSource(array))
+            sources.append(InlineSource(array=array))
             continue
         block_rows = draw(st.sampled_from([0, 0, 1, 2, 3, 4, 5, 6, 7]))
         shard = shards[draw(st.sampled_from(sorted(shards)))]
@@ -297,7 +297,7 @@ def test_empty_ranges_plan_nothing() -> None:
 
 
 def test_inline_and_engine_key_segments_are_direct_copies() -> None:
-    inline = InlineSource(_tagged(4, tag=1))
+    inline = InlineSource(array=_tagged(4, tag=1))
     key = EngineKey(key="ab" * 28, rows=5)
     handle = Handle(
         SPEC,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from routeplay.core import StoreRef
-from routeplay.errors import RoutesExpired, RoutesLost, RunMismatch
+from routeplay.errors import MisuseError, RoutesExpired, RoutesLost, RunMismatch
 from routeplay.store.shard import StoreShard, shard_of
 
 RUN = "run-a"
@@ -113,7 +113,7 @@ def test_adopt_from_calls_the_producer_once_and_owns_its_blocks() -> None:
 
 def test_adopt_from_without_a_way_to_call_producers_is_refused() -> None:
     shard = StoreShard(RUN, 0)
-    with pytest.raises(RuntimeError, match="call producers"):
+    with pytest.raises(MisuseError, match="call producers"):
         shard.adopt_from("producer-actor", "tok", blocks=1, rows=1, nbytes=1, block_rows=0)
     assert shard.stats().live_payloads == 0
 

@@ -33,7 +33,7 @@ def inspect_command(
     console = Console()
     try:
         spec = _spec(layers, top_k, experts, model)
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes()
     except (typer.BadParameter, SpecMismatch, OSError) as exc:
         Console(stderr=True).print(f"usage error: {exc}", markup=False)
         raise typer.Exit(EXIT_USAGE) from exc
@@ -62,9 +62,16 @@ def _spec(
     return RouteSpec(num_layers=layers, top_k=top_k, num_experts=experts)
 
 
-def _parse_json(text: str, path: Path) -> Any:
+def _parse_json(text: bytes, path: Path) -> Any:
     try:
         return json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise MalformedPayload(
+            "response body is not UTF-8 text",
+            expected="a UTF-8 JSON document",
+            found=f"byte {exc.start} = {text[exc.start : exc.start + 1]!r}",
+            where=path.name,
+        ) from exc
     except json.JSONDecodeError as exc:
         raise MalformedPayload(
             "response body is not JSON",

@@ -30,7 +30,7 @@ from routeplay.errors import HandleError, SpecMismatch
 __all__ = ["EngineKey", "Handle", "InlineSource", "Piece", "Segment", "Source", "StoreRef"]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class InlineSource:
     """Routing carried by value; equal only to itself (identity), never compared by content."""
 

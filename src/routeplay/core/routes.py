@@ -68,7 +68,7 @@ class Routes:
     def segment(self, *, weight_version: int = 0) -> Segment:
         """The rows as an inline segment (by value: tests, checkpoints, store-less engines)."""
         return Segment(
-            source=InlineSource(self.array),
+            source=InlineSource(array=self.array),
             start=0,
             stop=self.rows,
             spec=self.spec,

@@ -58,6 +58,7 @@ class EngineAdapter(Protocol):
         weight_version: int,
         history: Handle | None = None,
         where: str = "",
+        start_row: int = 0,
     ) -> Handle: ...
 
 
@@ -81,9 +82,15 @@ class HttpAdapter:
         weight_version: int,
         history: Handle | None = None,
         where: str = "",
+        start_row: int = 0,
     ) -> Handle:
-        """Decode, validate, store (or adopt the key) and stitch onto ``history``."""
-        routing = read_response(self.engine, response, spec, choice=self.choice, where=where)
+        """Decode, validate, store (or adopt the key) and stitch onto ``history``.
+
+        ``start_row``: vLLM's ``routed_experts_prompt_start`` when the request set it.
+        """
+        routing = read_response(
+            self.engine, response, spec, choice=self.choice, where=where, start_row=start_row
+        )
         return stitch(
             routing, spec=spec, writer=writer, weight_version=weight_version, history=history
         )
@@ -107,6 +114,7 @@ class VllmInProcessAdapter:
         weight_version: int,
         history: Handle | None = None,
         where: str = "",
+        start_row: int = 0,
     ) -> Handle:
         """Concatenate prompt and completion routing, validate, store, stitch."""
         completion = response.outputs[self.choice]

@@ -97,6 +97,9 @@ class StoreShardShell(_Reaped):
     def release(self, lease_id: str) -> list[str]:
         return self._locked(lambda: self._shard.release(lease_id))
 
+    def revoke(self, lease_id: str) -> list[str]:
+        return self._locked(lambda: self._shard.revoke(lease_id))
+
     def clone(self, lease_id: str, holder: str) -> str:
         return self._locked(lambda: self._shard.clone(lease_id, holder))
 

@@ -8,11 +8,12 @@ in batches: ``call`` takes every shard call of one step and answers them togethe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import ray
 
+from routeplay.errors import RouteplayError, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
@@ -38,7 +39,9 @@ class Backend(Protocol):
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]: ...
 
-    def first_lost(self, refs: Sequence[Any]) -> int | None: ...
+    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]: ...
+
+    def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None: ...
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any: ...
 
@@ -61,8 +64,11 @@ class RayBackend:
         ttl_s: float | None,
         timeout_s: float,
         options: dict[str, Any],
+        join: bool,
     ) -> RayBackend:
-        """Create the run's shard actors (or join them)."""
+        """Create the run's shard actors; join existing ones only when ``join`` is set."""
+        if not join:
+            _refuse_existing(f"routeplay.store.{run}.0", options["namespace"], run)
         handles = [
             StoreShardActor.options(name=f"routeplay.store.{run}.{i}", **options).remote(
                 run, i, ttl_s, timeout_s
@@ -88,8 +94,16 @@ class RayBackend:
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return list(ray_calls.get(list(refs), timeout_s=self._timeout_s, what=what))
 
-    def first_lost(self, refs: Sequence[Any]) -> int | None:
-        return ray_calls.first_lost(list(refs), timeout_s=self._timeout_s)
+    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+        """Like ``call``, but each result is a value or the RouteplayError it raised."""
+        pending = [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
+        return [
+            _outcome(lambda ref=ref: ray_calls.get(ref, timeout_s=self._timeout_s, what=what))
+            for ref in pending
+        ]
+
+    def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
+        return ray_calls.lost_index(list(refs), error)
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
         store = ray.get_actor(actor, namespace=namespace)
@@ -101,6 +115,18 @@ class RayBackend:
     def shutdown(self) -> None:
         for shard in self._shards:
             ray.kill(shard)
+
+
+def _refuse_existing(name: str, namespace: str, run: str) -> None:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return
+    raise RunMismatch(
+        "a route store for this run already exists on the cluster",
+        where=f"run {run}",
+        hint="Use a unique run id per job, or StoreConfig(join=True) to share that store.",
+    )
 
 
 class LocalBackend:
@@ -125,7 +151,10 @@ class LocalBackend:
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return list(refs)
 
-    def first_lost(self, refs: Sequence[Any]) -> int | None:
+    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+        return [_outcome(getattr(self._shards[i], name), *args) for i, name, args in calls]
+
+    def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return None
 
     def engine_store(
@@ -150,6 +179,13 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         self._shards.clear()
+
+
+def _outcome(call: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return call(*args)
+    except RouteplayError as exc:
+        return exc
 
 
 class _LocalObject:

@@ -10,7 +10,7 @@ zero-copy view would pin the object after its last lease is gone).
 
 from __future__ import annotations
 
-import itertools
+import uuid
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -25,9 +25,9 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
 from routeplay.errors import (
     HandleError,
+    MisuseError,
     RoutesDataError,
     RoutesLost,
-    RowCountMismatch,
     RunMismatch,
 )
 from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
@@ -66,6 +66,19 @@ class StoreConfig:
     """Keep the actors after the driver exits (long-lived clusters)."""
     resources: tuple[tuple[str, float], ...] = ()
     """Custom resources that place the shard actors (e.g. on the head node)."""
+    join: bool = False
+    """Share an existing store of the same run (otherwise a clash is refused)."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("shards", self.shards >= 1, ">= 1", self.shards),
+            ("ttl_s", self.ttl_s is None or self.ttl_s > 0, "None or > 0", self.ttl_s),
+            ("block_rows", self.block_rows >= 0, ">= 0", self.block_rows),
+            ("timeout_s", self.timeout_s > 0, "> 0", self.timeout_s),
+        )
+        for name, ok, expected, found in checks:
+            if not ok:
+                raise MisuseError(f"invalid StoreConfig.{name}", expected=expected, found=found)
 
     def build(self) -> RouteStore:
         """Start (or join) the run's store actors."""
@@ -86,7 +99,6 @@ class RouteStore:
     def __init__(self, config: StoreConfig, backend: Backend) -> None:
         self.config = config
         self._backend = backend
-        self._puts = itertools.count()
 
     @classmethod
     def start(cls, config: StoreConfig) -> RouteStore:
@@ -104,6 +116,7 @@ class RouteStore:
             ttl_s=config.ttl_s,
             timeout_s=config.timeout_s,
             options=options,
+            join=config.join,
         )
         return cls(config, backend)
 
@@ -129,7 +142,7 @@ class RouteStore:
         blocks = split_blocks(routes.array, self.block_rows_for(routes.spec))
         refs = self._backend.put_blocks(blocks)
         block_rows = self.block_rows_for(routes.spec) if len(blocks) > 1 else 0
-        shard = self._pick_shard(f"{self.run}/{next(self._puts)}/{id(routes)}")
+        shard = self._pick_shard(uuid.uuid4().hex)
         [stored] = self._call(
             [(shard, "adopt", (refs, routes.rows, routes.nbytes, block_rows))], "adopt"
         )
@@ -166,7 +179,8 @@ class RouteStore:
                 self._backend.engine_call(key.actor, key.namespace, "free", key.key)
                 raise
         wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
-        args = (wrapped, key.rows, spec.nbytes(key.rows), 0)
+        nbytes = _meta_nbytes(meta) if meta is not None else spec.nbytes(key.rows)
+        args = (wrapped, key.rows, nbytes, 0)
         [stored] = self._call([(self._pick_shard(key.key), "adopt", args)], "adopt")
         raw = StoreRef(payload_id=stored.payload_id, run=stored.run, rows=key.rows, canonical=False)
         return self._handle(raw, spec, weight_version)
@@ -188,19 +202,35 @@ class RouteStore:
                 self._check_run(source)
                 by_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
         calls = [(i, "acquire", (pids, holder, self.run)) for i, pids in by_shard.items()]
-        lease_ids = self._call(calls, f"acquire for {holder}")
-        return Lease(self, handle, holder, dict(zip(by_shard, lease_ids, strict=True)))
+        return Lease(self, handle, holder, self._grant_all(calls, f"acquire for {holder}"))
 
     def _release_parts(self, parts: dict[int, str]) -> None:
         self._call([(i, "release", (lid,)) for i, lid in parts.items()], "release")
 
     def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        new_ids = self._call([(i, "clone", (lid, holder)) for i, lid in parts.items()], "clone")
-        return dict(zip(parts, new_ids, strict=True))
+        calls = [(i, "clone", (lid, holder)) for i, lid in parts.items()]
+        return self._grant_all(calls, f"clone for {holder}")
 
     def _transfer_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        calls = [(i, "transfer", (lid, holder)) for i, lid in parts.items()]
-        return dict(zip(parts, self._call(calls, "transfer"), strict=True))
+        """Clone on every shard (all or nothing), then end the old parts."""
+        moved = self._clone_parts(parts, holder)
+        self._release_parts(parts)
+        return moved
+
+    def _grant_all(self, calls: Sequence[ShardCall], what: str) -> dict[int, str]:
+        """Per-shard lease ids, or none at all: a shard that fails rolls the others back,
+        so a half-granted lease can never be left behind with nobody to release it."""
+        results = self._backend.call_each(calls, f"{self.run}: {what}")
+        granted = {
+            shard: result
+            for (shard, _, _), result in zip(calls, results, strict=True)
+            if not isinstance(result, BaseException)
+        }
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            self._call([(i, "revoke", (lid,)) for i, lid in granted.items()], "roll back")
+            raise failures[0]
+        return granted
 
     # -- reading ----------------------------------------------------------------------
     def resolve(
@@ -235,13 +265,17 @@ class RouteStore:
             np.empty((rows, *h.spec.row_shape), h.spec.dtype)
             for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
         ]
+        consumed: dict[str, npt.NDArray[Any]] = {}  # each engine key is read once per call
         for direct in plan.direct:
-            self._copy_direct(direct, outs[direct.request])
-        if plan.copies:
-            blocks = self._fetch_blocks(plan, holder)
+            self._copy_direct(direct, outs[direct.request], consumed)
+        blocks: dict[tuple[str, int], Any] = {}
+        try:
+            if plan.copies:
+                blocks = self._fetch_blocks(plan, holder)
             for copy in plan.copies:
                 self._copy_block(copy, blocks[(copy.payload_id, copy.block)], outs[copy.request])
-            del blocks  # drop the zero-copy views now, so no object stays pinned
+        finally:
+            blocks.clear()  # drop the zero-copy views, also on errors: nothing stays pinned
         return outs
 
     def _fetch_blocks(self, plan: ReadPlan, holder: str) -> dict[tuple[str, int], Any]:
@@ -257,7 +291,7 @@ class RouteStore:
         try:
             values = self._backend.fetch(refs, "blocks")
         except RoutesLost as exc:
-            lost = self._backend.first_lost(refs)
+            lost = self._backend.lost_index(refs, exc)
             payload = keys[lost][0] if lost is not None else "?"
             reader = holder or "an unnamed reader"
             raise RoutesLost(
@@ -270,39 +304,45 @@ class RouteStore:
 
     @staticmethod
     def _copy_block(copy: BlockCopy, block: npt.NDArray[Any], out: npt.NDArray[Any]) -> None:
-        rows = block[copy.lo : copy.hi]
         seg = copy.segment
         source = seg.source
         assert isinstance(source, StoreRef)
-        if rows.shape[0] != copy.hi - copy.lo:  # only possible for an adopted engine payload
-            raise RowCountMismatch(
-                "stored payload has fewer rows than its handle claims",
-                expected=f"rows up to {copy.first_row + copy.hi - copy.lo}",
-                found=f"{copy.lo + rows.shape[0]} rows in block {copy.block}",
-                where=f"payload {source.payload_id}",
-            )
-        if not source.canonical:  # an adopted engine key: validate the rows we read
-            where = f"payload {source.payload_id}"
-            rows = canonicalize(rows, seg.spec, start_row=copy.first_row, where=where).array
-        out[copy.offset : copy.offset + (copy.hi - copy.lo)] = rows
+        if source.canonical:
+            out[copy.offset : copy.offset + (copy.hi - copy.lo)] = block[copy.lo : copy.hi]
+            return
+        # An adopted engine payload: check its length, copy the rows out of the view
+        # (an error's traceback must not pin the object), then validate them.
+        where = f"payload {source.payload_id}"
+        check_row_count(block.shape[0], source.rows, where=where)
+        rows = np.array(block[copy.lo : copy.hi])
+        del block
+        out[copy.offset : copy.offset + rows.shape[0]] = canonicalize(
+            rows, seg.spec, start_row=copy.first_row, where=where
+        ).array
 
-    def _copy_direct(self, copy: DirectCopy, out: npt.NDArray[Any]) -> None:
+    def _copy_direct(
+        self, copy: DirectCopy, out: npt.NDArray[Any], consumed: dict[str, npt.NDArray[Any]]
+    ) -> None:
         seg = copy.segment
-        if isinstance(seg.source, InlineSource):
-            rows = seg.source.array[seg.start : seg.stop]
+        source = seg.source
+        if isinstance(source, InlineSource):
+            rows = source.array[seg.start : seg.stop]
         else:
-            rows = self._consume_engine_key(seg)
+            assert isinstance(source, EngineKey)
+            if source.key not in consumed:
+                consumed[source.key] = self._consume_engine_key(source, seg.spec)
+            rows = consumed[source.key][seg.start : seg.stop]
         out[copy.offset : copy.offset + seg.rows] = rows
 
-    def _consume_engine_key(self, seg: Segment) -> npt.NDArray[Any]:
-        key = seg.source
-        assert isinstance(key, EngineKey)
+    def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
+        """Read a key's whole payload once (the key is single-use), validated, canonical."""
         where = f"engine key {key.key}"
         wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
-        [full] = self._backend.fetch(wrapped, where)
-        return canonicalize(
-            full[seg.start : seg.stop], seg.spec, start_row=seg.start, where=where
-        ).array
+        [view] = self._backend.fetch(wrapped, where)
+        full = np.array(view)  # copy out, then drop the view so nothing stays pinned
+        del view, wrapped
+        check_row_count(full.shape[0], key.rows, where=where)
+        return canonicalize(full, spec, where=where).array
 
     # -- accounting -------------------------------------------------------------------
     def stats(self) -> StoreStats:
@@ -342,6 +382,11 @@ class RouteStore:
             source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
         )
         return Handle.of(segment)
+
+
+def _meta_nbytes(meta: PayloadMeta) -> int:
+    """Bytes the engine store really holds (LMDeploy: uint16, every decoder layer)."""
+    return int(np.prod(meta.shape, dtype=np.int64)) * np.dtype(meta.dtype).itemsize
 
 
 def _check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:

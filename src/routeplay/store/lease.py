@@ -56,8 +56,8 @@ class Lease:
         """End this lease (idempotent). Payloads whose last lease this was are dropped."""
         if self._released:
             return
+        self._store._release_parts(self._parts)  # may raise: then a retry releases for real
         self._released = True
-        self._store._release_parts(self._parts)
 
     def clone(self, holder: str) -> Lease:
         """A new lease over the same payloads for ``holder``; this one stays valid."""

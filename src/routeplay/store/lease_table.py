@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
-from routeplay.errors import AlreadyReleased, RoutesExpired, RoutesLost, RunMismatch
+from routeplay.errors import AlreadyReleased, HandleError, RoutesExpired, RoutesLost, RunMismatch
 
 __all__ = ["LeakRecord", "LeaseTable", "PayloadState", "TableStats"]
 
@@ -60,6 +60,7 @@ class _Lease:
     payloads: tuple[str, ...]
     since: float
     since_wall: float
+    fresh: frozenset[str]  # payloads that were STORED (never leased) when this was granted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,7 +136,7 @@ class LeaseTable(Generic[Ref]):
     def add(self, payload_id: str, ref: Ref, *, rows: int, nbytes: int) -> None:
         """Record a stored payload (state STORED, TTL clock starts now)."""
         if payload_id in self._payloads or payload_id in self._gone:
-            raise ValueError(f"payload id {payload_id!r} was already used")
+            raise HandleError("payload id already used", found=payload_id, where=f"run {self.run}")
         created = self._clock()
         self._payloads[payload_id] = _Payload(
             run=self.run, rows=rows, nbytes=nbytes, created=created, ref=ref
@@ -194,6 +195,14 @@ class LeaseTable(Generic[Ref]):
 
     def release(self, lease_id: str) -> list[str]:
         """End a lease (idempotent); returns payloads whose last lease this was."""
+        return self._end(lease_id, restore_fresh=False)
+
+    def revoke(self, lease_id: str) -> list[str]:
+        """Undo a lease as if it had never been granted (rolling back a failed multi-shard
+        grant): payloads it first leased go back to STORED, TTL and all; returns dropped."""
+        return self._end(lease_id, restore_fresh=True)
+
+    def _end(self, lease_id: str, *, restore_fresh: bool) -> list[str]:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return []
@@ -201,10 +210,19 @@ class LeaseTable(Generic[Ref]):
         for pid in lease.payloads:
             record = self._payloads[pid]
             record.leases.discard(lease_id)
-            if not record.leases:
+            if record.leases:
+                continue
+            if restore_fresh and pid in lease.fresh:
+                self._restore(pid, record)
+            else:
                 self._drop(pid, PayloadState.RELEASED)
                 dropped.append(pid)
         return dropped
+
+    def _restore(self, pid: str, record: _Payload[Ref]) -> None:
+        record.state = PayloadState.STORED
+        if self.ttl_s is not None:
+            heapq.heappush(self._unleased, (record.created, pid))
 
     def clone(self, lease_id: str, holder: str) -> str:
         """A second lease over the same payloads for another holder."""
@@ -275,6 +293,9 @@ class LeaseTable(Generic[Ref]):
             payloads=payload_ids,
             since=self._clock(),
             since_wall=self._wall_clock(),
+            fresh=frozenset(
+                pid for pid in payload_ids if self._payloads[pid].state is PayloadState.STORED
+            ),
         )
         for pid in payload_ids:
             record = self._payloads[pid]

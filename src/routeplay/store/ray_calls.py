@@ -8,9 +8,9 @@ from typing import Any
 import ray
 from ray import exceptions as rex
 
-from routeplay.errors import RouteplayError, RoutesLost, StoreTimeout
+from routeplay.errors import RouteplayError, RoutesLost, StoreFailure, StoreTimeout
 
-__all__ = ["first_lost", "get"]
+__all__ = ["get", "lost_index"]
 
 _LOST = (
     rex.OwnerDiedError,
@@ -46,14 +46,13 @@ def get(refs: Any, *, timeout_s: float, what: str) -> Any:
         cause = exc.cause
         if isinstance(cause, RouteplayError):
             raise cause from exc  # our own typed error, raised inside an actor
-        raise
+        raise StoreFailure(
+            "a store actor failed", where=what, found=f"{type(cause).__name__}: {cause}"
+        ) from exc
 
 
-def first_lost(refs: list[Any], *, timeout_s: float) -> int | None:
-    """Index of the first reference that cannot be read (error path only: one get each)."""
-    for index, ref in enumerate(refs):
-        try:
-            ray.get(ref, timeout=timeout_s)
-        except (rex.RayError, rex.GetTimeoutError):
-            return index
-    return None
+def lost_index(refs: list[Any], error: BaseException) -> int | None:
+    """Which reference a lost-object error was about (Ray names it; nothing is fetched)."""
+    lost_hex = getattr(error.__cause__, "object_ref_hex", None)
+    hexes = [ref.hex() for ref in refs]
+    return hexes.index(lost_hex) if lost_hex in hexes else None

@@ -22,14 +22,21 @@ class BlockCopy:
     """Copy rows ``[lo, hi)`` of a stored block into output ``request`` at ``offset``."""
 
     request: int
+    """Index of the output (the request) the rows go to."""
     offset: int
+    """Row of that output where they land."""
     payload_id: str
+    """Stored payload holding the block."""
     block: int
+    """Block index within the payload."""
     lo: int
+    """First row within the block."""
     hi: int
+    """One past the last row within the block."""
     first_row: int
     """Row of the payload where this copy starts (for error messages and validation)."""
     segment: Segment
+    """The segment being read (spec and source)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,13 +44,19 @@ class DirectCopy:
     """Rows of a segment that is not in the route store (inline array or engine key)."""
 
     request: int
+    """Index of the output the rows go to."""
     offset: int
+    """Row of that output where they land."""
     segment: Segment
+    """The segment (its start/stop index the source)."""
 
 
 @dataclass(slots=True)
 class ReadPlan:
-    """Everything a batched read needs: one locate list per shard, then copies."""
+    """Everything a batched read needs: one locate list per shard, then copies.
+
+    Mutable while ``plan_reads`` builds it; callers only read it.
+    """
 
     rows: list[int] = field(default_factory=list)
     wanted: dict[int, dict[str, list[int]]] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from routeplay.core.handle import StoreRef
-from routeplay.errors import HandleError
+from routeplay.errors import HandleError, MisuseError
 from routeplay.store.lease_table import LeakRecord, LeaseTable, TableStats
 
 __all__ = ["CallProducer", "StoreShard", "shard_of"]
@@ -61,7 +61,10 @@ class StoreShard:
     ) -> StoreRef:
         """Call the producer for its staged blocks, so this shard owns them (one write)."""
         if self._call_producer is None:
-            raise RuntimeError("this shard was built without a way to call producers")
+            raise MisuseError(
+                "this shard was built without a way to call producers",
+                hint="Pass call_producer= (the Ray actor shell does) or use adopt().",
+            )
         refs = self._call_producer(producer, token, blocks)
         return self.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
 
@@ -73,6 +76,10 @@ class StoreShard:
     def release(self, lease_id: str) -> list[str]:
         """End a lease (idempotent); returns payloads dropped by it."""
         return self._table.release(lease_id)
+
+    def revoke(self, lease_id: str) -> list[str]:
+        """Undo a lease granted in a multi-shard step that failed elsewhere."""
+        return self._table.revoke(lease_id)
 
     def clone(self, lease_id: str, holder: str) -> str:
         """Another lease over the same payloads."""

@@ -48,9 +48,19 @@ class EngineRouting:
 
 
 def read_response(
-    engine: Engine | str, body: object, spec: RouteSpec, *, choice: int = 0, where: str = ""
+    engine: Engine | str,
+    body: object,
+    spec: RouteSpec,
+    *,
+    choice: int = 0,
+    where: str = "",
+    start_row: int = 0,
 ) -> EngineRouting:
-    """Decode and validate the routing in ``body`` (a parsed JSON response)."""
+    """Decode and validate the routing in ``body`` (a parsed JSON response).
+
+    ``start_row`` is vLLM's ``routed_experts_prompt_start`` (the request's, not echoed in
+    the response); SGLang bodies carry their own ``routed_experts_start_len``.
+    """
     kind = Engine(engine)
     if isinstance(body, list) and len(body) == 1:
         body = body[0]  # SGLang /generate answers a one-prompt batch with a list
@@ -61,18 +71,21 @@ def read_response(
             found=type(body).__name__,
             where=where,
         )
-    reader = {Engine.VLLM: _read_vllm, Engine.SGLANG: _read_sglang, Engine.LMDEPLOY: _read_lmdeploy}
+    if kind is Engine.VLLM:
+        return _read_vllm(body, spec, choice, where or kind.value, start_row)
+    reader = {Engine.SGLANG: _read_sglang, Engine.LMDEPLOY: _read_lmdeploy}
     return reader[kind](body, spec, choice, where or kind.value)
 
 
-def _read_vllm(body: Mapping[str, Any], spec: RouteSpec, choice: int, where: str) -> EngineRouting:
+def _read_vllm(
+    body: Mapping[str, Any], spec: RouteSpec, choice: int, where: str, start: int
+) -> EngineRouting:
     picked = _choice(body, choice, where)
     path = f"{where} choices[{choice}].routed_experts"
     prompt, completion = _choice_counts(body, picked, where)
-    expected = _expected(prompt, completion, 0)
-    routes = vllm.decode(
-        _field(picked, "routed_experts", path), spec, expected=expected, where=path
-    )
+    payload = _field(picked, "routed_experts", path)
+    expected = _expected(prompt, completion, start)
+    routes = vllm.decode(payload, spec, start_row=start, expected=expected, where=path)
     return EngineRouting(
         engine=Engine.VLLM, prompt_tokens=prompt, completion_tokens=completion, routes=routes
     )

@@ -52,8 +52,6 @@ def _layer_count(nbytes: int, spec: RouteSpec, expected: int | None, where: str)
         return fitting[0]  # whole rows, wrong count: the row check names both counts
     row_bytes = spec.num_layers * spec.top_k * WIRE_DTYPE.itemsize
     found = f"{nbytes} bytes"
-    if expected is not None and nbytes % row_bytes == 0:
-        found += f" = {nbytes // row_bytes} rows"
     raise MalformedPayload(
         "SGLang routing byte length does not fit the spec",
         expected=(
