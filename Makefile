@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.routeplay-installed
 TORCH_PIN := torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup test lint typecheck unit demo bench clean
+.PHONY: setup test lint typecheck pytest demo bench clean
 
 setup: $(STAMP)
 
@@ -31,10 +31,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+pytest: $(STAMP)
 	$(BIN)/pytest tests
 
-test: lint typecheck unit
+test: lint typecheck pytest
 
 # Until the end-to-end RL demo lands (reference engine + trainer), the demo is the tour
 # of engine wire formats through `routeplay inspect`.

@@ -18,6 +18,7 @@ FORBIDDEN = {
     "core": {"ray", "torch", "transformers", "fastapi", "httpx", "typer", "rich"},
     "store": {"torch", "transformers"},
     "rollout": {"torch", "transformers"},
+    "cli": {"torch", "transformers"},  # torch lives in train and engine only
 }
 
 
@@ -32,8 +33,9 @@ def _imports(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import (absolute imports only)"
+            names.append(node.module or "")
     return names
 
 
