@@ -7,7 +7,9 @@ own lease; nothing here ever guesses who owns routing.
 """
 
 from routeplay.rollout.adapters import ADAPTERS, EngineAdapter, HttpAdapter, RoutesWriter, stitch
+from routeplay.rollout.batch import TrainingBatch
 from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
+from routeplay.rollout.checkpoint import load_buffer, save_buffer
 from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
 from routeplay.rollout.token_trie import TokenTrie
 from routeplay.rollout.trace_store import (
@@ -38,6 +40,9 @@ __all__ = [
     "TraceStore",
     "TraceStoreActor",
     "TraceStoreStats",
+    "TrainingBatch",
+    "load_buffer",
+    "save_buffer",
     "session_holder",
     "stitch",
 ]

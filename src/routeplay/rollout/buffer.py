@@ -125,6 +125,17 @@ class ReplayBuffer:
         self._counts.discarded += len(discarded)
         return retried, discarded
 
+    def requeue(self, states: Sequence[RolloutState]) -> None:
+        """Put samples (holding no lease) on the retry queue, e.g. after a restore."""
+        for state in states:
+            if state.holds_lease:
+                raise MisuseError("a queued retry must not hold a lease", where=state.sample_id)
+        self._counts.retry_queue.extend(states)
+
+    def pending_retries(self) -> tuple[RolloutState, ...]:
+        """Samples waiting for regeneration (not removed)."""
+        return tuple(self._counts.retry_queue)
+
     def take_retries(self) -> list[RolloutState]:
         """Samples reset for regeneration (they hold no lease)."""
         out, self._counts.retry_queue = self._counts.retry_queue, []

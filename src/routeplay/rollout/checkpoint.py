@@ -1,0 +1,176 @@
+"""Replay-buffer checkpoints: routing saved by value, leases recreated on load.
+
+A checkpoint is a folder with ``buffer.json`` (samples, tokens, statuses, and each
+routing handle's segments as ``[rows, weight_version]``) and ``routing.npz`` (one
+canonical array per sample). References to the object store are never saved: they
+would not survive the process, and pickled refs have no owner. ``np.load`` runs with
+``allow_pickle=False`` and every array is validated again on load (a checkpoint is
+outside data). Loading puts each array into the store once and the buffer leases it.
+
+Format versions: 2 (current) records ``origin``, ``retries``, ``routing_kind`` and
+per-segment weight versions; 1 (older) had none of them and still loads, with routing
+marked ``RESTORED``, one weight version per sample, and retries 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from routeplay.core.handle import Handle, Segment
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import canonicalize
+from routeplay.errors import MalformedPayload
+from routeplay.rollout.buffer import BufferConfig, ReplayBuffer
+from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
+from routeplay.store.client import RouteStore
+
+__all__ = ["FORMAT", "VERSION", "load_buffer", "save_buffer"]
+
+FORMAT = "routeplay.replay_buffer"
+VERSION = 2
+
+
+def save_buffer(buffer: ReplayBuffer, folder: Path, spec: RouteSpec) -> None:
+    """Write every waiting group and queued retry, routing by value."""
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {}
+    groups = [
+        {
+            "group_id": g.group_id,
+            "states": [_state_record(s, buffer.store, arrays) for s in g.states],
+        }
+        for g in buffer.groups()
+    ]
+    retries = [_state_record(s, buffer.store, arrays) for s in buffer.pending_retries()]
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "spec": _spec_record(spec),
+        "groups": groups,
+        "retries": retries,
+    }
+    save: Any = np.savez  # its stub types **arrays as the allow_pickle flag
+    save(folder / "routing.npz", allow_pickle=False, **arrays)
+    (folder / "buffer.json").write_text(json.dumps(meta), encoding="utf-8")
+
+
+def load_buffer(folder: Path, store: RouteStore, config: BufferConfig) -> ReplayBuffer:
+    """A buffer holding the checkpoint's groups, its routing stored anew and leased."""
+    meta = json.loads((folder / "buffer.json").read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, 2):
+        raise MalformedPayload(
+            "not a routeplay replay-buffer checkpoint",
+            expected=f"format {FORMAT}, version 1 or 2",
+            found=f"format {meta.get('format')}, version {meta.get('version')}",
+            where=str(folder),
+        )
+    spec = _spec_from_record(meta["spec"])
+    buffer = config.build(store)
+    with np.load(folder / "routing.npz", allow_pickle=False) as arrays:
+        for group in meta["groups"]:
+            states = [_restore(rec, spec, store, arrays) for rec in group["states"]]
+            buffer.add(group["group_id"], states)
+        retries = [_restore(rec, spec, store, arrays) for rec in meta.get("retries", [])]
+    buffer.requeue([s.release() if s.holds_lease else s for s in retries])
+    return buffer
+
+
+def _state_record(
+    state: RolloutState, store: RouteStore, arrays: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    routing = None
+    if state.routing is not None:
+        name = f"r{len(arrays)}"
+        arrays[name] = store.read(state.routing)
+        segments = [[seg.rows, seg.weight_version] for seg in state.routing.segments]
+        routing = {"array": name, "segments": segments}
+    return {
+        "sample_id": state.sample_id,
+        "group_id": state.group_id,
+        "session_id": state.session_id,
+        "prompt_ids": list(state.prompt_ids),
+        "response_ids": list(state.response_ids),
+        "logprobs": list(state.logprobs),
+        "weight_versions": list(state.weight_versions),
+        "status": state.status.value,
+        "finish_reason": state.finish_reason,
+        "routing_kind": state.routing_kind.value,
+        "origin": state.origin.value,
+        "retries": state.retries,
+        "routing": routing,
+    }
+
+
+def _restore(
+    record: dict[str, Any], spec: RouteSpec, store: RouteStore, arrays: Any
+) -> RolloutState:
+    routing = record.get("routing")
+    handle = None
+    if routing is not None:
+        where = f"checkpoint sample {record['sample_id']}"
+        routes = canonicalize(arrays[routing["array"]], spec, where=where)
+        stored = store.put(routes)
+        handle = _with_versions(stored, spec, _segments(routing, record))
+    kind = record.get("routing_kind", RoutingKind.MOE.value)
+    return RolloutState(
+        sample_id=record["sample_id"],
+        group_id=record["group_id"],
+        session_id=record.get("session_id"),
+        prompt_ids=tuple(record["prompt_ids"]),
+        response_ids=tuple(record["response_ids"]),
+        logprobs=tuple(record["logprobs"]),
+        weight_versions=tuple(record["weight_versions"]),
+        status=Status(record["status"]),
+        finish_reason=record.get("finish_reason"),
+        routing_kind=RoutingKind(kind),
+        routing=handle,
+        origin=Origin.RESTORED if handle is not None else Origin.NONE,
+        retries=int(record.get("retries", 0)),
+    )
+
+
+def _segments(routing: dict[str, Any], record: dict[str, Any]) -> list[tuple[int, int]]:
+    if "segments" in routing:  # version 2
+        return [(int(rows), int(version)) for rows, version in routing["segments"]]
+    versions = record.get("weight_versions") or [0]  # version 1: one version for the sample
+    return [(-1, int(routing.get("weight_version", min(versions))))]
+
+
+def _with_versions(stored: Handle, spec: RouteSpec, segments: list[tuple[int, int]]) -> Handle:
+    """The stored payload, cut back into the recorded (rows, weight version) segments."""
+    source = stored.segments[0].source
+    parts, start = [], 0
+    for rows, version in segments:
+        stop = stored.rows if rows < 0 else start + rows
+        parts.append(
+            Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
+        )
+        start = stop
+    return Handle(spec, parts)
+
+
+def _spec_from_record(record: dict[str, Any]) -> RouteSpec:
+    layer_map = record.get("layer_map")
+    return RouteSpec(
+        num_layers=int(record["num_layers"]),
+        top_k=int(record["top_k"]),
+        num_experts=int(record["num_experts"]),
+        layer_map=tuple(int(i) for i in layer_map) if layer_map else None,
+        total_layers=record.get("total_layers"),
+        name=str(record.get("name", "")),
+    )
+
+
+def _spec_record(spec: RouteSpec) -> dict[str, Any]:
+    return {
+        "num_layers": spec.num_layers,
+        "top_k": spec.top_k,
+        "num_experts": spec.num_experts,
+        "layer_map": list(spec.layer_map) if spec.layer_map else None,
+        "total_layers": spec.total_layers,
+        "name": spec.name,
+    }
