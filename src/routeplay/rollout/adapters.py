@@ -24,11 +24,14 @@ from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import expected_rows
 from routeplay.errors import HandleError, RowCountMismatch
+from routeplay.store.client import RouteStore
+from routeplay.store.producer import RoutesProducer
 
 __all__ = [
     "ADAPTERS",
     "EngineAdapter",
     "HttpAdapter",
+    "ProducerWriter",
     "RoutesWriter",
     "VllmInProcessAdapter",
     "stitch",
@@ -41,6 +44,24 @@ class RoutesWriter(Protocol):
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle: ...
 
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProducerWriter:
+    """The ``RoutesWriter`` of a producer actor: one-write puts, owned by the store."""
+
+    producer: RoutesProducer
+    """The actor itself (``self`` inside a ``producer_actor`` class)."""
+    store: RouteStore
+    """The run's route store."""
+
+    def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
+        """Stage in the producer, adopted by a shard: one object-store write."""
+        return self.producer.put_routes(self.store, routes, weight_version=weight_version)
+
+    def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
+        """Engine-store keys stay lazy: adopted without reading."""
+        return self.store.adopt_key(key, spec, weight_version=weight_version)
 
 
 class EngineAdapter(Protocol):

@@ -1,0 +1,139 @@
+"""The rollout lifecycle on real Ray: a rollout worker actor (one-write puts), the trace
+store actor, partial resumes, multi-turn exports, stale retries, a training step that
+raises, a checkpoint round trip; at the end no lease is left and the object store is
+back to its baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from store_probe import used_bytes, wait_until
+
+from routeplay.core import Handle, RouteSpec
+from routeplay.rollout import (
+    ADAPTERS,
+    BufferConfig,
+    Origin,
+    RolloutState,
+    Status,
+    TraceStoreActor,
+    TrainingBatch,
+    load_buffer,
+    save_buffer,
+)
+from routeplay.rollout.adapters import ProducerWriter
+from routeplay.rollout.fake_engines import FakeSglang
+from routeplay.store import RoutesProducer, RouteStore, StoreConfig, producer_actor
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+SPEC = RouteSpec(num_layers=48, top_k=8, num_experts=128)  # 384 B a row: real blocks
+
+
+def truth(rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    table = np.argsort(rng.random((256, SPEC.num_experts)), axis=1)[:, : SPEC.top_k]
+    return table[rng.integers(0, 256, size=(rows, SPEC.num_layers))].astype(np.uint8)
+
+
+class _RolloutWorker(RoutesProducer):
+    def __init__(self, store: RouteStore) -> None:
+        self.store = store
+
+    def generate(
+        self,
+        full: np.ndarray,
+        prompt: int,
+        completion: int,
+        version: int,
+        history: Handle | None = None,
+    ) -> Handle:
+        start = history.rows if history is not None else 0
+        body = FakeSglang(spec=SPEC).respond(
+            full, prompt_tokens=prompt, completion_tokens=completion, start_row=start
+        )
+        writer = ProducerWriter(producer=self, store=self.store)
+        return ADAPTERS["sglang"].ingest(
+            body, spec=SPEC, writer=writer, weight_version=version, history=history
+        )
+
+
+RolloutWorker = producer_actor(_RolloutWorker, num_cpus=0)
+
+
+def _state(
+    sid: str, group: str, tokens: int, prompt: int, version: int, **extra: Any
+) -> RolloutState:
+    response = tuple(range(100, 100 + tokens - prompt))
+    state = RolloutState(sample_id=sid, group_id=group, prompt_ids=tuple(range(prompt)), **extra)
+    return state.extend(response, (0.0,) * len(response), version).with_status(Status.COMPLETED)
+
+
+def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
+    baseline = used_bytes()
+    store = StoreConfig(run="run-lifecycle", block_rows=700, timeout_s=30).build()
+    worker, trace = RolloutWorker.remote(store), TraceStoreActor.remote(store)
+    turn1, sample_b = truth(1600, seed=1), truth(2200, seed=2)
+
+    # multi-turn session, turn 1: stored once, leased by the trace session and the sample
+    h1 = ray.get(worker.generate.remote(turn1, 1000, 601, 0))
+    tokens1 = list(range(1601))
+    ray.get(trace.insert.remote("s1", tokens1, h1))
+    a = _state("a", "g1", 1601, 1000, 0, session_id="s1")
+    a = a.with_routing(h1, store.acquire(h1, "rollout/a"), Origin.PRODUCED)
+
+    # partial rollout: interrupted, resumed with start_len; the input's lease released
+    first = ray.get(worker.generate.remote(sample_b, 1200, 300, 0))
+    first_lease = store.acquire(first, "rollout/b-partial")
+    resumed = ray.get(worker.generate.remote(sample_b, 1200, 1000, 1, first))
+    b = _state("b", "g1", 2200, 1200, 1).with_routing(
+        resumed, store.acquire(resumed, "rollout/b"), Origin.PRODUCED
+    )
+    first_lease.release()
+    np.testing.assert_array_equal(store.read(resumed), sample_b[:2199])
+
+    # turn 2 borrows turn 1's rows from the trace (its own lease), appends the new ones
+    turn2 = np.concatenate([turn1[:1600], truth(400, seed=3)])
+    exported = ray.get(trace.export.remote("s1", [*tokens1, *range(5000, 5400)], "rollout/c"))
+    c_handle = ray.get(worker.generate.remote(turn2, 1700, 301, 2, exported.handle))
+    c = _state("c", "g2", 2001, 1700, 2, session_id="s1")
+    c = c.with_routing(c_handle, store.acquire(c_handle, "rollout/c"), Origin.BORROWED)
+    exported.lease.release()
+    np.testing.assert_array_equal(store.read(c_handle), turn2[:2000])
+
+    # the buffer takes over; g1 goes stale and is retried (only the buffer's leases end)
+    buffer = BufferConfig(max_staleness=1).build(store)
+    buffer.add("g1", [a, b])
+    buffer.add("g2", [c])
+    retried, _ = buffer.refresh(current_version=3)
+    assert sorted(retried) == ["a", "b"]
+    again = ray.get(trace.export.remote("s1", tokens1, "rollout/a-retry"))
+    np.testing.assert_array_equal(store.read(again.handle), turn1[:1600])  # borrowed data lives
+    again.lease.release()
+
+    # a checkpoint round trip, then a training step that raises
+    save_buffer(buffer, tmp_path, SPEC)
+    buffer.close()
+    restored = load_buffer(tmp_path, store, BufferConfig(max_staleness=5))
+
+    def failing_step() -> None:
+        release = lambda session: ray.get(trace.release_session.remote(session))  # noqa: E731
+        with TrainingBatch(
+            1, restored.sample(1, current_version=3), release_session=release
+        ) as batch:
+            np.testing.assert_array_equal(store.read(batch.states[0].routing), turn2[:2000])  # type: ignore[arg-type]
+            raise RuntimeError("optimizer step failed")
+
+    with pytest.raises(RuntimeError, match="optimizer"):
+        failing_step()
+    restored.close()
+    ray.get(trace.release_all.remote())
+
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+    assert wait_until(lambda: used_bytes() <= baseline), (used_bytes(), baseline)
+    store.shutdown()
