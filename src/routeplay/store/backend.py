@@ -8,6 +8,7 @@ in batches: ``call`` takes every shard call of one step and answers them togethe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -133,6 +134,9 @@ class LocalBackend:
     """Shards and engine stores as plain objects in this process (tests, tools)."""
 
     def __init__(self, run: str, *, shards: int, ttl_s: float | None) -> None:
+        # One lock for all shards: like the actors' locks, it keeps each plain shard
+        # single-threaded when several threads (e.g. a prefetching reader) share the store.
+        self._lock = threading.RLock()
         self._shards = [StoreShard(run, i, ttl_s=ttl_s) for i in range(shards)]
         self._engine_stores: dict[tuple[str, str], EngineStore[Any]] = {}
 
@@ -143,7 +147,8 @@ class LocalBackend:
     def call(
         self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
     ) -> list[Any]:
-        return [getattr(self._shards[i], name)(*args) for i, name, args in calls]
+        with self._lock:
+            return [getattr(self._shards[i], name)(*args) for i, name, args in calls]
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return [block.copy() for block in blocks]  # the "object store" owns its bytes
@@ -152,7 +157,8 @@ class LocalBackend:
         return list(refs)
 
     def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
-        return [_outcome(getattr(self._shards[i], name), *args) for i, name, args in calls]
+        with self._lock:
+            return [_outcome(getattr(self._shards[i], name), *args) for i, name, args in calls]
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return None
@@ -172,7 +178,8 @@ class LocalBackend:
         return self._engine_stores[key]
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
-        result = getattr(self.engine_store(actor, namespace), method)(*args)
+        with self._lock:
+            result = getattr(self.engine_store(actor, namespace), method)(*args)
         if method == "get_ref":  # unwrap to what a block reference is here: the value
             return [ref.value() for ref in result]
         return result

@@ -1,0 +1,431 @@
+"""The materializer: one trainer rank's routing, one micro-batch at a time.
+
+Given a step's ``PackingPlan``, the rank's ``RankCoords`` and the leases of its samples,
+it yields, per micro-batch, the ``[local_tokens, L, K]`` canonical array aligned with the
+rank's input ids (packs in micro-batch order, each sliced by ``local_ranges``) and the mask
+of real rows. Padding rows hold distinct ids (``arange(K) % E``), never zeros, so a
+dispatcher never sees an expert twice in one top-k row.
+
+How the bytes move (what this module owns):
+- **Only the rank's rows are read, copied once.** For each micro-batch the rank's rows are
+  described as one handle: the slices of sample handles its ranges cover, with padding
+  runs from a zero-stride inline source in between. A single ``read_many`` of that handle
+  fetches only the store blocks those slices touch and copies them straight into the
+  micro-batch array: no whole sample, no whole pack, no second assembly copy.
+- **Bounded memory.** A background thread reads ahead ``prefetch`` micro-batches; a
+  semaphore of ``prefetch + 1`` slots (one for the micro-batch the consumer holds) stops
+  it from reading further, so resident routing bytes never exceed ``(prefetch + 1)``
+  micro-batch shards, however many samples the step has. ``stats()`` tracks the peak.
+- **Leases end as soon as they can.** A micro-batch is consumed when the consumer asks
+  for the next one (or closes); then the leases of samples that appear in no later
+  micro-batch of this rank are released. ``close()`` (also on exceptions, via ``with``)
+  stops the thread and releases every lease left; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import MisuseError
+from routeplay.store.lease import Lease
+from routeplay.train.packing import Pack, PackedSample, PackingPlan, RankCoords, local_ranges
+
+__all__ = [
+    "Materializer",
+    "MaterializerStats",
+    "MicroBatchRoutes",
+    "RowReader",
+    "padding_rows",
+]
+
+
+class RowReader(Protocol):
+    """What the materializer needs from a store: ``RouteStore.read_many``."""
+
+    def read_many(
+        self, requests: Sequence[tuple[Handle, int, int]], *, holder: str = ""
+    ) -> list[npt.NDArray[Any]]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class MicroBatchRoutes:
+    """One micro-batch of one rank: routing rows aligned with the rank's input ids."""
+
+    index: int
+    """Index of the micro-batch in the plan."""
+    packs: tuple[int, ...]
+    """Pack indices it holds, in the order their rows are laid out."""
+    routes: npt.NDArray[np.unsignedinteger]
+    """``[local_tokens, L, K]`` expert ids in the canonical dtype."""
+    mask: npt.NDArray[np.bool_]
+    """``[local_tokens]``: True where a row is a sample's routing, False on padding."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (routes and mask)."""
+        return int(self.routes.nbytes + self.mask.nbytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaterializerStats:
+    """A snapshot of one materializer's reads, memory and leases."""
+
+    micro_batches: int
+    """Micro-batches this rank trains in the step."""
+    micro_batches_done: int
+    """Micro-batches consumed so far."""
+    reads: int
+    """``read_many`` calls made (one per micro-batch read)."""
+    bytes_read: int
+    """Sample routing bytes copied out of the store (padding excluded)."""
+    block_bytes: int
+    """Bytes of the stored blocks those reads touched (what the store ships to this rank)."""
+    bytes_out: int
+    """Bytes of the micro-batch arrays produced (routes and mask, padding included)."""
+    resident_bytes: int
+    """Routing bytes held now: read ahead, or handed out and not yet consumed."""
+    peak_resident_bytes: int
+    """Largest ``resident_bytes`` seen."""
+    leases_released: int
+    """Sample leases released so far."""
+    leases_held: int
+    """Sample leases still held."""
+
+
+def padding_rows(spec: RouteSpec, rows: int) -> npt.NDArray[np.unsignedinteger]:
+    """``rows`` padding rows: ids ``arange(K) % E`` in every layer (distinct in each row).
+
+    A zero-stride read-only view: it costs one row of memory whatever ``rows`` is.
+    """
+    row = (np.arange(spec.top_k) % spec.num_experts).astype(spec.dtype)
+    return np.broadcast_to(row, (rows, *spec.row_shape))
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: BaseException
+
+
+_DONE = object()
+
+
+class Materializer:
+    """Iterates one rank's micro-batches of routing; a context manager.
+
+    ``leases`` maps sample ids to the leases this rank holds on them; the materializer
+    takes them over and releases each once the last micro-batch holding that sample is
+    consumed. ``order`` lists the micro-batch indices in the order the trainer consumes
+    them (default: the plan's micro-batches of ``coords.dp_rank``, in plan order).
+    """
+
+    def __init__(
+        self,
+        store: RowReader,
+        plan: PackingPlan,
+        coords: RankCoords,
+        *,
+        leases: Mapping[str, Lease] | None = None,
+        prefetch: int = 1,
+        order: Sequence[int] | None = None,
+        name: str = "",
+    ) -> None:
+        if prefetch < 0:
+            raise MisuseError("prefetch must be non-negative", found=prefetch)
+        self._store = store
+        self._plan = plan
+        self._coords = coords
+        self._prefetch = prefetch
+        self.name = name or f"materializer {coords.describe()}"
+        self._order = self._check_order(order)
+        # Ranges of every pack length in the plan, computed (and checked) before any read.
+        self._ranges = {
+            length: local_ranges(length, coords) for length in {p.length for p in plan.packs}
+        }
+        self._check_sources()
+        self._leases: dict[str, Lease] = dict(leases or {})
+        self._release_after = self._lease_schedule()
+        longest = max((p.length for p in plan.packs), default=0)
+        self._padding = InlineSource(array=padding_rows(plan.spec, longest))
+        # The local store backend is plain Python without locks: this rank's reads (the
+        # prefetch thread) and releases (the consumer) never touch it at the same time.
+        self._store_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._slots = threading.Semaphore(prefetch + 1)
+        self._ready: queue.Queue[object] = queue.Queue()  # bounded by the slots
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = False
+        self._closed = False
+        self._position = 0  # items handed out so far
+        self._current: MicroBatchRoutes | None = None
+        self._counts = {
+            "done": 0,
+            "reads": 0,
+            "bytes_read": 0,
+            "block_bytes": 0,
+            "bytes_out": 0,
+            "resident": 0,
+            "peak": 0,
+            "released": 0,
+        }
+
+    # -- checks (all before any read) -------------------------------------------------
+    def _check_order(self, order: Sequence[int] | None) -> tuple[int, ...]:
+        mine = self._plan.schedule(self._coords.dp_rank)
+        if order is None:
+            return mine
+        chosen = tuple(order)
+        if sorted(chosen) != sorted(mine):
+            raise MisuseError(
+                "order must list each micro-batch of this DP rank exactly once",
+                expected=sorted(mine),
+                found=chosen,
+                where=self.name,
+            )
+        return chosen
+
+    def _check_sources(self) -> None:
+        for mb in self._order:
+            for sample in self._plan.samples_of(mb):
+                if any(isinstance(src, EngineKey) for src in sample.handle.sources()):
+                    raise MisuseError(
+                        "sample routing is still an engine key (single-use)",
+                        where=f"sample {sample.sample_id}",
+                        hint="Adopt engine keys into the route store (RouteStore.adopt_key) "
+                        "before training: several ranks read slices of the same sample.",
+                    )
+
+    def _lease_schedule(self) -> dict[int, list[str]]:
+        """Position in ``order`` after whose consumption each leased sample is released."""
+        last: dict[str, int] = {}
+        for position, mb in enumerate(self._order):
+            for sample in self._plan.samples_of(mb):
+                last[sample.sample_id] = position
+        stray = sorted(set(self._leases) - set(last))
+        if stray:
+            raise MisuseError(
+                "leases given for samples this rank never reads",
+                found=stray[:5],
+                where=self.name,
+                hint="Pass only the leases of this rank's micro-batches.",
+            )
+        after: dict[int, list[str]] = {}
+        for sample_id in self._leases:
+            after.setdefault(last[sample_id], []).append(sample_id)
+        return after
+
+    # -- building one micro-batch --------------------------------------------------------
+    def _rows_handle(self, packs: Sequence[int]) -> tuple[Handle, npt.NDArray[np.bool_], int]:
+        """The rank's rows of a micro-batch as one handle, their mask, and the sample rows."""
+        spec = self._plan.spec
+        segments: list[Segment] = []
+        spans: list[tuple[int, int]] = []  # output rows that are real
+        out = 0
+
+        def pad(rows: int) -> None:
+            segments.append(Segment(source=self._padding, start=0, stop=rows, spec=spec))
+
+        for index in packs:
+            pack = self._plan.packs[index]
+            for start, stop in self._ranges[pack.length]:
+                position = start
+                for sample in _overlapping(pack, start, stop):
+                    lo, hi = max(start, sample.offset), min(stop, sample.stop)
+                    if lo > position:
+                        pad(lo - position)
+                    segments.extend(
+                        p.segment
+                        for p in sample.handle.pieces(lo - sample.offset, hi - sample.offset)
+                    )
+                    spans.append((out + lo - start, out + hi - start))
+                    position = hi
+                if position < stop:
+                    pad(stop - position)
+                out += stop - start
+        mask = np.zeros(out, dtype=np.bool_)
+        for lo, hi in spans:
+            mask[lo:hi] = True
+        return Handle(spec, segments), mask, sum(hi - lo for lo, hi in spans)
+
+    def _build(self, mb: int) -> MicroBatchRoutes:
+        packs = self._plan.micro_batches[mb]
+        handle, mask, real_rows = self._rows_handle(packs)
+        with self._store_lock:
+            [routes] = self._store.read_many([(handle, 0, handle.rows)], holder=self.name)
+        item = MicroBatchRoutes(index=mb, packs=packs, routes=routes, mask=mask)
+        with self._stats_lock:
+            c = self._counts
+            c["reads"] += 1
+            c["bytes_read"] += self._plan.spec.nbytes(real_rows)
+            c["block_bytes"] += _block_bytes(handle, self._plan.spec)
+            c["bytes_out"] += item.nbytes
+            c["resident"] += item.nbytes
+            c["peak"] = max(c["peak"], c["resident"])
+        return item
+
+    # -- the prefetch thread -----------------------------------------------------------------
+    def _produce(self) -> None:
+        try:
+            for mb in self._order:
+                self._slots.acquire()  # a slot frees when the consumer moves past an item
+                if self._stop.is_set():
+                    return
+                self._ready.put(self._build(mb))
+            self._ready.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, who re-raises it
+            self._ready.put(_Failed(exc))
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self._prefetch > 0:
+            self._thread = threading.Thread(
+                target=self._produce, name=f"routeplay {self.name}", daemon=True
+            )
+            self._thread.start()
+
+    def _next_ready(self) -> object:
+        if self._thread is not None:
+            return self._ready.get()
+        if self._position >= len(self._order):
+            return _DONE
+        try:
+            return self._build(self._order[self._position])
+        except BaseException as exc:
+            return _Failed(exc)
+
+    # -- consuming ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[MicroBatchRoutes]:
+        return self
+
+    def __next__(self) -> MicroBatchRoutes:
+        self._consume_current()
+        if self._closed:
+            raise StopIteration
+        self._start()
+        item = self._next_ready()
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failed):
+            self.close()
+            raise item.error
+        assert isinstance(item, MicroBatchRoutes)
+        self._current = item
+        self._position += 1
+        return item
+
+    def _consume_current(self) -> None:
+        """The consumer moved on: drop the item, free its slot, end finished leases."""
+        if self._current is None:
+            return
+        item, self._current = self._current, None
+        with self._stats_lock:
+            self._counts["resident"] -= item.nbytes
+            self._counts["done"] += 1
+        self._slots.release()
+        self._release(self._release_after.pop(self._position - 1, []))
+
+    def _release(self, sample_ids: Sequence[str]) -> None:
+        errors: list[BaseException] = []
+        for sample_id in sample_ids:
+            lease = self._leases.pop(sample_id)
+            try:
+                with self._store_lock:
+                    lease.release()
+            except Exception as exc:  # keep releasing the rest; the first is re-raised
+                errors.append(exc)
+                continue
+            with self._stats_lock:
+                self._counts["released"] += 1
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Stop reading ahead, drop held rows, release every lease left (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._consume_current()  # the item in hand counts as consumed
+        self._stop.set()
+        self._slots.release()  # wake the thread if it waits for a slot; it then stops
+        if self._thread is not None:
+            self._thread.join()
+        while True:
+            try:
+                item = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, MicroBatchRoutes):
+                with self._stats_lock:
+                    self._counts["resident"] -= item.nbytes
+        self._release(list(self._leases))
+
+    def __enter__(self) -> Materializer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def stats(self) -> MaterializerStats:
+        """A snapshot of reads, resident bytes and leases."""
+        with self._stats_lock:
+            c = dict(self._counts)
+        return MaterializerStats(
+            micro_batches=len(self._order),
+            micro_batches_done=c["done"],
+            reads=c["reads"],
+            bytes_read=c["bytes_read"],
+            block_bytes=c["block_bytes"],
+            bytes_out=c["bytes_out"],
+            resident_bytes=c["resident"],
+            peak_resident_bytes=c["peak"],
+            leases_released=c["released"],
+            leases_held=len(self._leases),
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._position}/{len(self._order)}"
+        return f"Materializer({self.name}, {state})"
+
+
+def _overlapping(pack: Pack, start: int, stop: int) -> Iterator[PackedSample]:
+    """Samples of a pack with rows on positions ``[start, stop)``, in order."""
+    for sample in pack.samples:
+        if sample.offset >= stop:
+            return
+        if sample.stop > start and sample.rows:
+            yield sample
+
+
+def _block_bytes(handle: Handle, spec: RouteSpec) -> int:
+    """Bytes of the distinct stored blocks a read of the whole handle touches."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for seg in handle.segments:
+        src = seg.source
+        if not isinstance(src, StoreRef):
+            continue
+        for block in src.blocks(seg.start, seg.stop):
+            if (src.payload_id, block) in seen:
+                continue
+            seen.add((src.payload_id, block))
+            size = src.rows if src.block_rows <= 0 else src.block_rows
+            total += spec.nbytes(min(size, src.rows - block * size))
+    return total

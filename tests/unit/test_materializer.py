@@ -1,0 +1,460 @@
+"""The materializer against a reference that builds whole packs and slices them.
+
+Also: row counts are checked before any read, a rank reads only the rows (and blocks)
+it needs, leases end as micro-batches are consumed (and on errors), resident bytes stay
+at (prefetch + 1) micro-batch shards however large the step is, padding is distinct.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import random_routing, seeds
+
+from routeplay.core import EngineKey, Handle, RouteSpec, Segment, StoreRef, canonicalize, preset
+from routeplay.errors import MisuseError, RoutesLost, RowCountMismatch, SpecMismatch
+from routeplay.store import RouteStore, StoreConfig
+from routeplay.train.materializer import Materializer, MicroBatchRoutes, padding_rows
+from routeplay.train.packing import (
+    Pack,
+    PackedSample,
+    PackingPlan,
+    RankCoords,
+    local_ranges,
+    local_tokens,
+    pack_samples,
+)
+
+SPEC = RouteSpec(num_layers=2, top_k=3, num_experts=7)
+WIDE = RouteSpec(num_layers=2, top_k=2, num_experts=300)  # uint16
+Arrays = dict[str, npt.NDArray[Any]]
+
+
+class SpyStore:
+    """Forwards ``read_many`` to a store and records every request."""
+
+    def __init__(self, store: RouteStore) -> None:
+        self.store = store
+        self.calls: list[list[tuple[Handle, int, int]]] = []
+
+    def read_many(
+        self, requests: Sequence[tuple[Handle, int, int]], *, holder: str = ""
+    ) -> list[npt.NDArray[Any]]:
+        self.calls.append(list(requests))
+        return self.store.read_many(requests, holder=holder)
+
+    def stored_ranges(self) -> list[tuple[str, int, int]]:
+        """``(payload, start, stop)`` of every stored row range requested, in order."""
+        out = []
+        for call in self.calls:
+            for handle, start, stop in call:
+                for piece in handle.pieces(start, stop):
+                    src = piece.segment.source
+                    if isinstance(src, StoreRef):
+                        out.append((src.payload_id, piece.segment.start, piece.segment.stop))
+        return out
+
+
+def new_store(run: str = "mat", block_rows: int = 4096) -> RouteStore:
+    return RouteStore.local(StoreConfig(run=run, block_rows=block_rows))
+
+
+def put_sample(
+    store: RouteStore, spec: RouteSpec, rows: int, seed: int, split: int | None = None
+) -> tuple[Handle, npt.NDArray[Any]]:
+    """Store ``rows`` rows (in two payloads when ``split`` is given, like a resumed rollout)."""
+    array = random_routing(spec, rows, seed).astype(spec.dtype)
+    if rows == 0:
+        return Handle(spec), array
+    if split is None or not 0 < split < rows:
+        return store.put(canonicalize(array, spec)), array
+    head = store.put(canonicalize(array[:split], spec))
+    return head + store.put(canonicalize(array[split:], spec)), array
+
+
+def reference(plan: PackingPlan, arrays: Arrays, mb: int, coords: RankCoords) -> tuple[Any, Any]:
+    """Build each whole pack (rows at offsets, padding elsewhere), then slice it."""
+    spec = plan.spec
+    routes, masks = [], []
+    for index in plan.micro_batches[mb]:
+        pack = plan.packs[index]
+        full = np.empty((pack.length, *spec.row_shape), spec.dtype)
+        full[:] = np.arange(spec.top_k) % spec.num_experts
+        mask = np.zeros(pack.length, bool)
+        for s in pack.samples:
+            full[s.offset : s.offset + s.tokens - 1] = arrays[s.sample_id]
+            mask[s.offset : s.offset + s.tokens - 1] = True
+        for start, stop in local_ranges(pack.length, coords):
+            routes.append(full[start:stop])
+            masks.append(mask[start:stop])
+    return np.concatenate(routes), np.concatenate(masks)
+
+
+def brute_force_positions(length: int, coords: RankCoords) -> npt.NDArray[np.int64]:
+    """Pack positions of a rank, by the definition (np.split), for checking local_ranges."""
+    positions = np.arange(length)
+    if coords.cp_split == "zigzag":
+        chunks = np.split(positions, 2 * coords.cp_size)
+        mirror = 2 * coords.cp_size - 1 - coords.cp_rank
+        cp_local = np.concatenate([chunks[coords.cp_rank], chunks[mirror]])
+    else:
+        cp_local = np.split(positions, coords.cp_size)[coords.cp_rank]
+    return np.split(cp_local, coords.sp_size)[coords.sp_rank]
+
+
+def all_coords(sp: int, cp: int, split: str, dp: int = 1) -> list[RankCoords]:
+    return [
+        RankCoords(dp_rank=d, sp_rank=s, sp_size=sp, cp_rank=c, cp_size=cp, cp_split=split)
+        for d in range(dp)
+        for c in range(cp)
+        for s in range(sp)
+    ]
+
+
+def holder_leases(store: RouteStore, holder: str) -> int:
+    return dict(store.stats().leases_by_holder).get(holder, 0)
+
+
+# -- layout ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("length", "sp", "cp", "split", "rank", "expected"),
+    [
+        (16, 2, 2, "contiguous", (1, 0), [(8, 12)]),
+        (16, 2, 2, "zigzag", (0, 0), [(0, 4)]),
+        (16, 2, 2, "zigzag", (0, 1), [(12, 16)]),
+        (16, 4, 2, "zigzag", (0, 2), [(12, 14)]),
+        (16, 1, 1, "zigzag", (0, 0), [(0, 16)]),  # chunks 0 and 1 are adjacent: one range
+        (24, 3, 2, "zigzag", (0, 1), [(4, 6), (18, 20)]),  # an SP part straddles both chunks
+    ],
+)
+def test_local_ranges_examples(
+    length: int, sp: int, cp: int, split: str, rank: tuple[int, int], expected: list[Any]
+) -> None:
+    coords = RankCoords(sp_size=sp, cp_size=cp, cp_rank=rank[0], sp_rank=rank[1], cp_split=split)
+    assert local_ranges(length, coords) == expected
+
+
+@given(
+    sp=st.sampled_from([1, 2, 3, 4]),
+    cp=st.sampled_from([1, 2, 4]),
+    split=st.sampled_from(["contiguous", "zigzag"]),
+    multiple=st.integers(1, 5),
+)
+def test_local_ranges_match_the_definition_and_cover_each_pack_once(
+    sp: int, cp: int, split: str, multiple: int
+) -> None:
+    length = 2 * cp * sp * multiple
+    covered = np.zeros(length, int)
+    for coords in all_coords(sp, cp, split):
+        ranges = local_ranges(length, coords)
+        positions = np.concatenate([np.arange(a, b) for a, b in ranges])
+        np.testing.assert_array_equal(positions, brute_force_positions(length, coords))
+        assert local_tokens(length, coords) == length // (sp * cp)
+        covered[positions] += 1
+    assert (covered == 1).all()
+
+
+def test_uneven_splits_and_bad_ranks_are_refused() -> None:
+    with pytest.raises(MisuseError, match="split evenly"):
+        local_ranges(20, RankCoords(cp_size=4, cp_split="zigzag"))  # 20 % 8
+    with pytest.raises(MisuseError, match="split evenly"):
+        local_ranges(18, RankCoords(sp_size=4))
+    with pytest.raises(MisuseError, match="sp_rank"):
+        RankCoords(sp_rank=2, sp_size=2)
+    with pytest.raises(MisuseError, match="cp_split"):
+        RankCoords(cp_split="ring")
+
+
+# -- the property test -------------------------------------------------------------------
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> dict[str, Any]:
+    sp, cp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
+    length = 2 * sp * cp * draw(st.integers(1, 5))
+    tokens = draw(st.lists(st.integers(1, length + 1), min_size=1, max_size=9))
+    return {
+        "spec": draw(st.sampled_from([SPEC, WIDE])),
+        "sp": sp,
+        "cp": cp,
+        "split": draw(st.sampled_from(["contiguous", "zigzag"])),
+        "length": length,
+        "tokens": tokens,
+        "splits": draw(st.lists(st.integers(0, length), min_size=len(tokens), max_size=9)),
+        "per_mb": draw(st.integers(1, 3)),
+        "dp": draw(st.integers(1, 2)),
+        "prefetch": draw(st.integers(0, 2)),
+        "reverse": draw(st.booleans()),
+        "seed": draw(seeds),
+    }
+
+
+@settings(max_examples=100)
+@given(step=steps())
+def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any]) -> None:
+    spec, store = step["spec"], new_store()
+    arrays: Arrays = {}
+    samples = []
+    for i, tokens in enumerate(step["tokens"]):
+        handle, arrays[f"s{i}"] = put_sample(
+            store, spec, tokens - 1, step["seed"] + i, step["splits"][i]
+        )
+        samples.append((f"s{i}", handle, tokens))
+    plan = pack_samples(samples, step["length"], step["per_mb"], dp_size=step["dp"])
+    # The step's batch keeps every payload alive while each rank holds (and ends) its own.
+    batch = [store.acquire(handle, "train/step") for _, handle, _ in samples]
+    for coords in all_coords(step["sp"], step["cp"], step["split"], step["dp"]):
+        mine = plan.schedule(coords.dp_rank)
+        order = mine[::-1] if step["reverse"] else mine
+        holder = f"rank {coords.describe()}"
+        leases = {
+            s.sample_id: store.acquire(s.handle, holder) for mb in mine for s in plan.samples_of(mb)
+        }
+        with Materializer(
+            store, plan, coords, leases=leases, prefetch=step["prefetch"], order=order
+        ) as m:
+            got = list(m)
+        assert [item.index for item in got] == list(order)
+        for item in got:
+            routes, mask = reference(plan, arrays, item.index, coords)
+            assert item.routes.dtype == spec.dtype
+            np.testing.assert_array_equal(item.routes, routes)
+            np.testing.assert_array_equal(item.mask, mask)
+        assert holder_leases(store, holder) == 0
+        stats = m.stats()
+        assert stats.reads == len(mine)
+        assert stats.leases_released == len(leases)
+        assert stats.resident_bytes == 0
+    for lease in batch:
+        lease.release()
+    assert store.leaks() == []
+
+
+# -- checks before any read ------------------------------------------------------------------
+
+
+def test_row_count_mismatch_is_raised_before_any_read() -> None:
+    store = new_store()
+    spy = SpyStore(store)
+    good, _ = put_sample(store, SPEC, 9, seed=1)
+    bad, _ = put_sample(store, SPEC, 10, seed=2)  # 10 rows for 10 tokens: one too many
+    with pytest.raises(RowCountMismatch) as info:
+        pack_samples([("ok", good, 10), ("sample-7", bad, 10)], pack_max_length=32)
+    message = str(info.value)
+    assert "sample-7" in message
+    assert "9 rows" in message
+    assert "10 rows" in message
+    with pytest.raises(RowCountMismatch, match="sample-8"):
+        PackedSample(sample_id="sample-8", handle=bad, tokens=12, offset=0)
+    assert spy.calls == []
+
+
+def test_plans_refuse_overlaps_duplicates_long_samples_and_foreign_specs() -> None:
+    store = new_store()
+    a, _ = put_sample(store, SPEC, 4, seed=1)
+    s1 = PackedSample(sample_id="a", handle=a, tokens=5, offset=0)
+    s2 = PackedSample(sample_id="b", handle=a, tokens=5, offset=2)
+    with pytest.raises(MisuseError, match="disjoint"):
+        Pack(samples=(s1, s2), length=16)
+    with pytest.raises(MisuseError, match="disjoint"):
+        Pack(samples=(s1,), length=3)
+    with pytest.raises(MisuseError, match="twice"):
+        pack_samples([("a", a, 5), ("a", a, 5)], pack_max_length=16)
+    with pytest.raises(MisuseError, match="longer than a pack"):
+        pack_samples([("a", a, 5)], pack_max_length=3)
+    with pytest.raises(SpecMismatch, match="sample a"):
+        pack_samples([("a", a, 5)], pack_max_length=8, spec=WIDE)
+    pack = Pack(samples=(s1,), length=8)
+    with pytest.raises(MisuseError, match="exactly one micro-batch"):
+        PackingPlan(spec=SPEC, packs=(pack,), micro_batches=((0,), (0,)))
+
+
+def test_bad_leases_orders_and_engine_keys_are_refused_before_any_read() -> None:
+    store = new_store()
+    spy = SpyStore(store)
+    a, _ = put_sample(store, SPEC, 4, seed=1)
+    b, _ = put_sample(store, SPEC, 4, seed=2)
+    plan = pack_samples([("a", a, 5), ("b", b, 5)], 4, dp_size=2)  # one pack each
+    coords = RankCoords(dp_rank=0)
+    with pytest.raises(MisuseError, match="never reads"):
+        Materializer(spy, plan, coords, leases={"b": store.acquire(b, "r0")})
+    with pytest.raises(MisuseError, match="exactly once"):
+        Materializer(spy, plan, coords, order=[0, 1])
+    key = EngineKey(key="k", rows=4)
+    keyed = Handle.of(Segment(source=key, start=0, stop=4, spec=SPEC))
+    with pytest.raises(MisuseError, match="engine key"):
+        Materializer(spy, pack_samples([("k", keyed, 5)], 8), coords)
+    assert spy.calls == []
+
+
+# -- what is read ---------------------------------------------------------------------------
+
+
+def test_a_rank_reads_only_its_slice_of_each_sample() -> None:
+    spec = preset("qwen3-235b-a22b")  # 752 B/row; blocks of 512 rows
+    store = new_store(block_rows=512)
+    a, arr_a = put_sample(store, spec, 2000, seed=1)
+    b, arr_b = put_sample(store, spec, 2000, seed=2)
+    plan = pack_samples([("a", a, 2001), ("b", b, 2001)], pack_max_length=4096)
+    spy = SpyStore(store)
+    coords = RankCoords(sp_rank=1, sp_size=4)  # positions [1024, 2048)
+    with Materializer(spy, plan, coords) as m:
+        [item] = list(m)
+    assert len(spy.calls) == 1  # one batched read per micro-batch
+    assert spy.stored_ranges() == [
+        (a.segments[0].source.payload_id, 1024, 2000),
+        (b.segments[0].source.payload_id, 0, 48),
+    ]
+    np.testing.assert_array_equal(item.routes, np.concatenate([arr_a[1024:], arr_b[:48]]))
+    stats = m.stats()
+    assert stats.bytes_read == 1024 * spec.row_nbytes
+    # blocks 2-3 of a (512 + 464 rows) and block 0 of b: not the 4000 rows of both samples
+    assert stats.block_bytes == (512 + 464 + 512) * spec.row_nbytes
+    assert stats.block_bytes < a.nbytes + b.nbytes
+
+
+def test_padding_rows_have_distinct_ids_and_a_false_mask() -> None:
+    spec = RouteSpec(num_layers=3, top_k=4, num_experts=5)
+    store = new_store()
+    a, arr = put_sample(store, spec, 10, seed=3)
+    plan = pack_samples([("a", a, 11)], pack_max_length=32)
+    with Materializer(store, plan, RankCoords()) as m:
+        [item] = list(m)
+    assert item.routes.shape == (32, 3, 4)
+    np.testing.assert_array_equal(item.mask, np.arange(32) < 10)
+    np.testing.assert_array_equal(item.routes[:10], arr)
+    pad = item.routes[~item.mask]
+    np.testing.assert_array_equal(pad, np.broadcast_to([0, 1, 2, 3], pad.shape))
+    ordered = np.sort(pad, axis=-1)
+    assert (ordered[..., 1:] != ordered[..., :-1]).all()
+    wide = padding_rows(WIDE, 3)
+    assert wide.dtype == np.uint16
+    assert wide.shape == (3, 2, 2)
+
+
+# -- leases -----------------------------------------------------------------------------------
+
+
+def three_micro_batches(store: RouteStore, holder: str) -> tuple[PackingPlan, dict[str, Any]]:
+    samples = []
+    for i in range(6):
+        handle, _ = put_sample(store, SPEC, 7, seed=i)
+        samples.append((f"s{i}", handle, 8))
+    plan = pack_samples(samples, pack_max_length=16)  # two samples per pack, one pack per mb
+    leases = {sid: store.acquire(h, holder) for sid, h, _ in samples}
+    return plan, leases
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_leases_are_released_as_micro_batches_are_consumed(prefetch: int) -> None:
+    store = new_store()
+    plan, leases = three_micro_batches(store, "train/step-0/r0")
+    m = Materializer(store, plan, RankCoords(), leases=leases, prefetch=prefetch)
+    held = []
+    for _ in m:
+        held.append(holder_leases(store, "train/step-0/r0"))
+    held.append(holder_leases(store, "train/step-0/r0"))
+    # micro-batch i's two samples go once the consumer moves past it
+    assert held == [6, 4, 2, 0]
+    assert m.stats().leases_released == 6
+    assert m.stats().micro_batches_done == 3
+    m.close()  # idempotent
+    assert store.leaks() == []
+
+
+def test_an_exception_in_the_training_loop_releases_everything() -> None:
+    store = new_store()
+    plan, leases = three_micro_batches(store, "r0")
+    m = Materializer(store, plan, RankCoords(), leases=leases, prefetch=2)
+
+    def failing_step() -> None:
+        with m:
+            next(m)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        failing_step()
+    assert holder_leases(store, "r0") == 0
+    assert m.stats().resident_bytes == 0
+    assert not any(t.name.startswith("routeplay materializer") for t in threading.enumerate())
+    with pytest.raises(StopIteration):
+        next(m)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failed_read_is_raised_to_the_consumer_and_releases_leases(prefetch: int) -> None:
+    store = new_store()
+    plan, leases = three_micro_batches(store, "r0")
+    for sid in ("s4", "s5"):  # the last micro-batch's payloads are dropped behind our back
+        leases.pop(sid).release()
+    m = Materializer(store, plan, RankCoords(), leases=leases, prefetch=prefetch)
+    next(m)
+    next(m)
+    with pytest.raises(RoutesLost, match="payload"):
+        next(m)
+    assert holder_leases(store, "r0") == 0
+    assert store.leaks() == []
+
+
+def test_data_parallel_ranks_take_their_micro_batches_in_the_given_order() -> None:
+    store = new_store()
+    samples = [(f"s{i}", put_sample(store, SPEC, 7, seed=i)[0], 8) for i in range(8)]
+    plan = pack_samples(samples, pack_max_length=8, dp_size=2)  # one sample per pack
+    assert plan.schedule(1) == (1, 3, 5, 7)
+    leases = {f"s{i}": store.acquire(samples[i][1], "dp1") for i in (1, 3, 5, 7)}
+    m = Materializer(store, plan, RankCoords(dp_rank=1), leases=leases, order=[7, 1, 5, 3])
+    seen = []
+    for item in m:
+        seen.append((item.index, holder_leases(store, "dp1")))
+    assert seen == [(7, 4), (1, 3), (5, 2), (3, 1)]
+    assert holder_leases(store, "dp1") == 0
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def consume_slowly(m: Materializer, shard: int, prefetch: int) -> list[MicroBatchRoutes]:
+    """Consume like a trainer slower than the reads: wait until read-ahead is full."""
+    out = []
+    total = m.stats().micro_batches
+    for item in m:
+        out.append(item)
+        want = min(prefetch + 1, total - len(out) + 1) * shard
+        deadline = time.monotonic() + 5
+        while m.stats().resident_bytes < want and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert m.stats().resident_bytes == want
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_peak_resident_bytes_do_not_grow_with_the_step(prefetch: int) -> None:
+    coords = RankCoords(sp_rank=1, sp_size=2)
+    pack_length, per_mb = 64, 2
+    shard = per_mb * local_tokens(pack_length, coords) * (SPEC.row_nbytes + 1)  # routes + mask
+    peaks = []
+    for micro_batches in (3, 30):  # the second step is 10x larger
+        store = new_store()
+        samples = [
+            (f"s{i}", put_sample(store, SPEC, 32, seed=i)[0], 33)
+            for i in range(micro_batches * per_mb * 2)
+        ]
+        plan = pack_samples(samples, pack_length, per_mb)
+        assert len(plan.micro_batches) == micro_batches
+        leases = {sid: store.acquire(h, "r") for sid, h, _ in samples}
+        with Materializer(store, plan, coords, leases=leases, prefetch=prefetch) as m:
+            items = consume_slowly(m, shard, prefetch)
+        assert all(item.nbytes == shard for item in items)
+        assert m.stats().bytes_read == micro_batches * per_mb * 32 * SPEC.row_nbytes
+        peaks.append(m.stats().peak_resident_bytes)
+    assert peaks == [(prefetch + 1) * shard] * 2
