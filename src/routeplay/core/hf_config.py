@@ -40,6 +40,15 @@ def moe_layers(config: Any, total: int) -> list[int]:
     explicit = getattr(config, "moe_layers", None)  # Llama-4 lists them
     if isinstance(explicit, (list, tuple)):
         return sorted(int(i) for i in explicit)
+    kinds = getattr(config, "mlp_layer_types", None)  # Laguna, HY-V3, MiMo-V2, GLM-4.7-Lite
+    if isinstance(kinds, (list, tuple)) and len(kinds) == total:
+        return [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    if getattr(config, "moe_layer_interval", None) is not None:  # ERNIE 4.5
+        return _ernie_layers(config, total)
+    period = getattr(config, "expert_layer_period", None)  # Jamba
+    if period is not None:
+        offset = int(getattr(config, "expert_layer_offset", 0))
+        return [i for i in range(total) if i >= offset and (i - offset) % int(period) == 0]
     # DeepSeek-V2/V3, Kimi-K2, GLM-4.5: the first k layers are dense.
     first_dense = getattr(config, "first_k_dense_replace", None)
     if first_dense is None:
@@ -53,6 +62,14 @@ def moe_layers(config: Any, total: int) -> list[int]:
         dense = set(getattr(config, "mlp_only_layers", None) or ())
         return [i for i in range(total) if i not in dense and (i + 1) % int(step) == 0]
     return list(range(total))
+
+
+def _ernie_layers(config: Any, total: int) -> list[int]:
+    interval = int(config.moe_layer_interval)
+    start = int(getattr(config, "moe_layer_start_index", 0))
+    end = getattr(config, "moe_layer_end_index", None)
+    stop = total - 1 if end is None or int(end) < 0 else int(end)
+    return [i for i in range(total) if (i + 1) % interval == 0 and start <= i <= stop]
 
 
 def _first(config: Any, keys: tuple[str, ...]) -> Any:
