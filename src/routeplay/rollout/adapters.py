@@ -45,6 +45,8 @@ class RoutesWriter(Protocol):
 
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle: ...
 
+    def free_key(self, key: EngineKey) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProducerWriter:
@@ -62,6 +64,10 @@ class ProducerWriter:
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
         """Engine-store keys stay lazy: adopted without reading."""
         return self.store.adopt_key(key, spec, weight_version=weight_version)
+
+    def free_key(self, key: EngineKey) -> bool:
+        """Drop a key nobody will read."""
+        return self.store.free_key(key)
 
 
 class EngineAdapter(Protocol):
@@ -176,6 +182,9 @@ def stitch(
             found=f"{total} rows",
         )
     if routing.key is not None:
+        if routing.key.rows <= kept.rows:  # nothing new: never adopt what no handle keeps
+            writer.free_key(routing.key)
+            return kept
         adopted = writer.adopt_key(routing.key, spec, weight_version=weight_version)
         return kept + adopted[kept.rows :]
     routes = routing.routes

@@ -18,6 +18,7 @@ from enum import Enum
 from routeplay.errors import MisuseError
 from routeplay.rollout.state import RolloutState
 from routeplay.store.client import RouteStore
+from routeplay.store.lease import Lease
 
 __all__ = ["BufferConfig", "BufferStats", "Group", "ReplayBuffer", "SamplingPolicy"]
 
@@ -103,7 +104,16 @@ class ReplayBuffer:
         if group_id in self._groups:
             raise MisuseError("group already in the buffer", where=f"group {group_id}")
         holder = self.holder(group_id)
-        taken = tuple(self._take_over(state, holder) for state in states)
+        claims: list[Lease | None] = []
+        try:  # all or nothing: the buffer's leases first, the callers' end only on success
+            for state in states:
+                claims.append(self._claim(state, holder))
+        except BaseException:
+            for lease in claims:
+                if lease is not None:
+                    lease.release()
+            raise
+        taken = tuple(self._move(state, lease) for state, lease in zip(states, claims, strict=True))
         self._groups[group_id] = Group(group_id=group_id, states=taken, added=self._counts.order)
         self._counts.order += 1
 
@@ -189,12 +199,22 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def _take_over(self, state: RolloutState, holder: str) -> RolloutState:
+    def _claim(self, state: RolloutState, holder: str) -> Lease | None:
+        """The buffer's own lease on the state's routing (a clone of the caller's)."""
         if state.lease is not None and not state.lease.released:
-            return state.with_lease(state.lease.transfer(holder))
+            return state.lease.clone(holder)
         if state.routing is not None:
-            return state.with_lease(self.store.acquire(state.routing, holder))
-        return state
+            return self.store.acquire(state.routing, holder)
+        return None
+
+    @staticmethod
+    def _move(state: RolloutState, lease: Lease | None) -> RolloutState:
+        """Finish the transfer: the caller's lease ends, the buffer's takes its place."""
+        if lease is None:
+            return state
+        if state.lease is not None:
+            state.lease.release()
+        return state.with_lease(lease)
 
     def _release_group(self, group: Group) -> None:
         for state in group.states:

@@ -14,6 +14,8 @@ marked ``RESTORED``, one weight version per sample, and retries 0.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import numpy as np
 from routeplay.core.handle import Handle, Segment
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import MalformedPayload
+from routeplay.errors import MalformedPayload, RouteplayError
 from routeplay.rollout.buffer import BufferConfig, ReplayBuffer
 from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
 from routeplay.store.client import RouteStore
@@ -70,13 +72,31 @@ def load_buffer(folder: Path, store: RouteStore, config: BufferConfig) -> Replay
         )
     spec = _spec_from_record(meta["spec"])
     buffer = config.build(store)
-    with np.load(folder / "routing.npz", allow_pickle=False) as arrays:
-        for group in meta["groups"]:
-            states = [_restore(rec, spec, store, arrays) for rec in group["states"]]
-            buffer.add(group["group_id"], states)
-        retries = [_restore(rec, spec, store, arrays) for rec in meta.get("retries", [])]
-    buffer.requeue([s.release() if s.holds_lease else s for s in retries])
+    pending: list[RolloutState] = []  # stored, not yet owned by the buffer
+    try:
+        with np.load(folder / "routing.npz", allow_pickle=False) as arrays:
+            for group in meta["groups"]:
+                for record in group["states"]:
+                    pending.append(_restore(record, spec, store, arrays))
+                buffer.add(group["group_id"], pending)
+                pending = []
+            for record in meta.get("retries", []):
+                pending.append(_restore(record, spec, store, arrays))
+    except BaseException:
+        buffer.close()  # a half-loaded checkpoint leaves no lease and no payload behind
+        _drop_unowned(store, pending)
+        raise
+    _drop_unowned(store, pending)  # queued retries regenerate: old routing is not kept
+    buffer.requeue([dataclasses.replace(s, routing=None, origin=Origin.NONE) for s in pending])
     return buffer
+
+
+def _drop_unowned(store: RouteStore, states: list[RolloutState]) -> None:
+    """Payloads stored for states nobody will own: one lease and its release drop them."""
+    for state in states:
+        if state.routing is not None and state.routing.rows:
+            with contextlib.suppress(RouteplayError):  # already gone is fine
+                store.acquire(state.routing, "checkpoint/discard").release()
 
 
 def _state_record(
@@ -142,6 +162,8 @@ def _segments(routing: dict[str, Any], record: dict[str, Any]) -> list[tuple[int
 
 def _with_versions(stored: Handle, spec: RouteSpec, segments: list[tuple[int, int]]) -> Handle:
     """The stored payload, cut back into the recorded (rows, weight version) segments."""
+    if not stored.segments:  # a sample with no routing rows yet
+        return stored
     source = stored.segments[0].source
     parts, start = [], 0
     for rows, version in segments:

@@ -139,6 +139,8 @@ class RouteStore:
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Write from *this* process, which then owns the bytes: for long-lived callers
         (the driver, a store-side service). Rollout workers use ``RoutesProducer``."""
+        if routes.rows == 0:
+            return Handle(routes.spec)  # nothing to store: an empty handle keeps nothing alive
         blocks = split_blocks(routes.array, self.block_rows_for(routes.spec))
         refs = self._backend.put_blocks(blocks)
         block_rows = self.block_rows_for(routes.spec) if len(blocks) > 1 else 0
@@ -189,9 +191,11 @@ class RouteStore:
         """Release the engine-store keys a dropped sample still references (never read);
         returns how many were live. Keys already consumed or expired are skipped."""
         keys = [src for src in handle.sources() if isinstance(src, EngineKey)]
-        return sum(
-            bool(self._backend.engine_call(k.actor, k.namespace, "free", k.key)) for k in keys
-        )
+        return sum(self.free_key(key) for key in keys)
+
+    def free_key(self, key: EngineKey) -> bool:
+        """Release one unread engine-store key (idempotent); True if it was live."""
+        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key))
 
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:

@@ -43,6 +43,8 @@ class RoutesProducer:
 
     def put_routes(self, store: RouteStore, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Store ``routes`` with one object-store write, owned by a store shard."""
+        if routes.rows == 0:
+            return Handle(routes.spec)
         token, blocks = self.stage_routes(
             routes.array, block_rows=store.block_rows_for(routes.spec)
         )
