@@ -1,0 +1,311 @@
+"""The reference engine: token generation with routing recording on a tiny HF MoE model.
+
+Decoding is incremental with the HF KV cache (prefill, then one token per forward), and
+the sampled tokens and their log-probs come from that decode, as in a real engine.
+
+Invariant: ``Generation.routing`` is the routing of *one full forward* over
+``prompt + completion[:-1]`` in the engine's precision, recorded after the decode: rows
+``0 .. P + C - 2``, prompt rows then generated rows (the last generated token is never fed
+back, so it has no row). A KV-cache decode step and a full forward run different kernel
+shapes, so in bf16 the router's top-k flips at near-ties (about 0.1% of (token, layer)
+pairs on the default config); real engines' decode and prefill differ the same way.
+Reporting the full forward's routing makes the payload exactly what a trainer forward in
+engine precision sees; ``EngineStats.decode_divergent_rows`` counts the (token, layer)
+pairs where the decode chose otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from routeplay.core.spec import RouteSpec
+from routeplay.engine.model import EngineConfig, build_model
+from routeplay.errors import MisuseError
+from routeplay.train.hf import model_spec, record
+
+__all__ = ["FINISH_REASONS", "EngineStats", "Generation", "ReferenceEngine"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""``stop``: the stop token was sampled (and is the last token); ``length``: ``max_new_tokens``
+reached; ``abort``: interrupted after ``stop_after`` tokens (a partial rollout)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Generation:
+    """One request's result: the completion, its engine log-probs and the routing."""
+
+    token_ids: tuple[int, ...]
+    """Generated tokens only (a sampled stop token included)."""
+    logprobs: tuple[float, ...]
+    """Engine log-prob of each generated token: log-softmax of the raw logits (temperature
+    does not change it), computed in float32 from the engine-precision logits."""
+    routing: npt.NDArray[np.unsignedinteger]
+    """Canonical ``[prompt_tokens + completion_tokens - 1, L, K]`` (uint8/uint16), read-only."""
+    finish_reason: str
+    """One of ``FINISH_REASONS``."""
+    prompt_tokens: int
+    """Tokens in the prompt."""
+    completion_tokens: int
+    """Tokens generated (``len(token_ids)``)."""
+    weight_version: int
+    """Version of the weights that generated every token."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    """What the engine did so far (a snapshot)."""
+
+    generations: int
+    """Requests served."""
+    prompt_tokens: int
+    """Prompt tokens processed, summed over requests."""
+    completion_tokens: int
+    """Tokens generated, summed over requests."""
+    decode_divergent_rows: int
+    """(token, layer) pairs where the KV-cache decode chose other experts than the reported
+    full-forward routing (numerics of different kernel shapes at near-ties)."""
+    weight_version: int
+    """Current weight version."""
+
+
+class ReferenceEngine:
+    """A tiny MoE model that generates while recording routing; thread-safe (one lock)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._model: PreTrainedModel = build_model(config)
+        self._spec = model_spec(self._model)
+        self._lock = threading.Lock()
+        self._weight_version = 0
+        self._generations = self._prompt_tokens = self._completion_tokens = 0
+        self._divergent = 0
+
+    @property
+    def config(self) -> EngineConfig:
+        """The config the engine was built from."""
+        return self._config
+
+    @property
+    def spec(self) -> RouteSpec:
+        """Routing geometry of the model (what ``Generation.routing`` is laid out by)."""
+        return self._spec
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights now loaded (0: the seed's initial weights)."""
+        return self._weight_version
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The engine's model. Use it only while no request runs (e.g. for inspection)."""
+        return self._model
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        stop_after: int | None = None,
+        eos_id: int | Collection[int] | None = None,
+    ) -> Generation:
+        """Sample up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+        Sampling draws from a ``torch.Generator`` seeded with ``seed`` (``temperature`` 0 is
+        greedy), so a request is reproducible for given weights. ``stop_after`` interrupts
+        after that many tokens with finish reason ``"abort"`` (a partial rollout to resume
+        later); ``eos_id`` (one id or several) ends it with ``"stop"``.
+        """
+        prompt = self._check_request(prompt_ids, max_new_tokens, temperature, stop_after)
+        stops = self._stop_ids(eos_id)
+        with self._lock:
+            tokens, logprobs, finish, divergent = self._decode(
+                prompt, max_new_tokens, temperature, seed, stop_after, stops
+            )
+            routing = self._full_forward_routing(prompt + tokens[:-1])
+            self._generations += 1
+            self._prompt_tokens += len(prompt)
+            self._completion_tokens += len(tokens)
+            self._divergent += self._count_divergent(divergent, routing)
+            version = self._weight_version
+        assert routing.shape[0] == len(prompt) + len(tokens) - 1
+        routing.setflags(write=False)
+        return Generation(
+            token_ids=tuple(tokens),
+            logprobs=tuple(logprobs),
+            routing=routing,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(tokens),
+            weight_version=version,
+        )
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy a full state dict (any precision, any device) into the engine's precision.
+
+        ``version`` must exceed the current ``weight_version``; requests in flight finish
+        on the old weights, later ones run on the new.
+        """
+        with self._lock:
+            if version <= self._weight_version:
+                raise MisuseError(
+                    "weight versions must increase",
+                    expected=f"> {self._weight_version}",
+                    found=version,
+                    where="ReferenceEngine.load_weights",
+                )
+            try:
+                self._model.load_state_dict(dict(state_dict), strict=True)
+            except RuntimeError as exc:  # torch reports missing/unexpected keys and shapes so
+                raise MisuseError(
+                    "the state dict does not fit the engine's model",
+                    expected=f"the {len(self._model.state_dict())} tensors of build_model(config)",
+                    found=str(exc).splitlines()[0][:300],
+                    where="ReferenceEngine.load_weights",
+                ) from exc
+            self._weight_version = version
+
+    def stats(self) -> EngineStats:
+        """Counters so far."""
+        with self._lock:
+            return EngineStats(
+                generations=self._generations,
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=self._completion_tokens,
+                decode_divergent_rows=self._divergent,
+                weight_version=self._weight_version,
+            )
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        stop_after: int | None,
+        stops: frozenset[int],
+    ) -> tuple[list[int], list[float], str, npt.NDArray[np.unsignedinteger]]:
+        model = self._model
+        generator = torch.Generator().manual_seed(seed)
+        limit = max_new_tokens if stop_after is None else min(stop_after, max_new_tokens)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        with torch.inference_mode(), record(model) as recorder:
+            cache = DynamicCache(config=model.config)
+            step_input = torch.tensor([prompt], dtype=torch.long)
+            while True:
+                out = model(input_ids=step_input, cache=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[0, -1].float()
+                token = _sample(logits, temperature, generator)
+                tokens.append(token)
+                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+                if token in stops:
+                    finish = "stop"
+                    break
+                if len(tokens) >= limit:
+                    finish = "length" if len(tokens) >= max_new_tokens else "abort"
+                    break
+                step_input = torch.tensor([[token]], dtype=torch.long)
+            decoded = recorder.routes()
+        return tokens, logprobs, finish, decoded
+
+    def _full_forward_routing(self, ids: list[int]) -> npt.NDArray[np.unsignedinteger]:
+        with torch.inference_mode(), record(self._model) as recorder:
+            self._model(
+                input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False, logits_to_keep=1
+            )
+            return recorder.routes()
+
+    @staticmethod
+    def _count_divergent(
+        decoded: npt.NDArray[np.unsignedinteger], reported: npt.NDArray[np.unsignedinteger]
+    ) -> int:
+        # Compare expert sets (the order inside a top-k row carries no meaning for replay).
+        return int((np.sort(decoded, axis=2) != np.sort(reported, axis=2)).any(axis=2).sum())
+
+    def _check_request(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        temperature: float,
+        stop_after: int | None,
+    ) -> list[int]:
+        where = "ReferenceEngine.generate"
+        vocab = self._config.vocab_size
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise MisuseError("the prompt is empty", expected=">= 1 token", found=0, where=where)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise MisuseError(
+                "prompt token ids outside the vocabulary",
+                expected=f"ids in [0, {vocab})",
+                found=bad[:8],
+                where=where,
+            )
+        if isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise MisuseError(
+                "max_new_tokens must be positive",
+                expected=">= 1",
+                found=max_new_tokens,
+                where=where,
+            )
+        room = self._config.max_positions - len(prompt)
+        if max_new_tokens > room:
+            raise MisuseError(
+                "prompt + max_new_tokens exceeds the model's positions",
+                expected=f"max_new_tokens <= {room} for a {len(prompt)}-token prompt",
+                found=max_new_tokens,
+                where=where,
+                hint="Raise EngineConfig.max_positions or shorten the request.",
+            )
+        if not temperature >= 0.0:  # also refuses NaN
+            raise MisuseError(
+                "temperature must be >= 0 (0 is greedy)",
+                expected=">= 0",
+                found=temperature,
+                where=where,
+            )
+        if stop_after is not None and stop_after < 1:
+            raise MisuseError(
+                "stop_after must be positive",
+                expected=">= 1 or None",
+                found=stop_after,
+                where=where,
+            )
+        return prompt
+
+    def _stop_ids(self, eos_id: int | Collection[int] | None) -> frozenset[int]:
+        ids = (
+            frozenset()
+            if eos_id is None
+            else frozenset((eos_id,) if isinstance(eos_id, int) else (int(t) for t in eos_id))
+        )
+        vocab = self._config.vocab_size
+        bad = sorted(t for t in ids if not 0 <= t < vocab)
+        if bad:
+            raise MisuseError(
+                "stop token ids outside the vocabulary",
+                expected=f"ids in [0, {vocab})",
+                found=bad[:8],
+                where="ReferenceEngine.generate",
+            )
+        return ids
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
