@@ -36,10 +36,10 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
-# Until the end-to-end RL demo lands (reference engine + trainer), the demo is the tour
-# of engine wire formats through `routeplay inspect`.
+# The end-to-end RL demo on a local Ray instance (about a minute on 2 CPUs); the report
+# and the timeline plot land in build/demo/. ARGS passes flags, e.g. ARGS="--engine-format vllm".
 demo: $(STAMP)
-	$(BIN)/python examples/formats_tour.py
+	$(BIN)/routeplay demo --json build/demo/report.json --plot build/demo/timeline.png $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec_throughput.py

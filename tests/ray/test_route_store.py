@@ -199,8 +199,7 @@ def test_owner_death_is_a_typed_loss_and_the_store_keeps_serving(store: RouteSto
         store.acquire(healthy, "buffer/ok"),
     )
     ray.kill(doomed)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(doomed.staged_count.remote())  # returns once the kill has taken effect
+    assert wait_until(lambda: _is_dead(doomed))  # ray.kill is asynchronous
     lost_error = _eventually_lost(lost_lease)
     payload = lost.segments[0].source.payload_id  # type: ignore[union-attr]
     assert f"payload {payload}" in str(lost_error)
@@ -208,6 +207,14 @@ def test_owner_death_is_a_typed_loss_and_the_store_keeps_serving(store: RouteSto
     np.testing.assert_array_equal(healthy_lease.read(), routing(2000, 10).array)
     lost_lease.release()
     healthy_lease.release()
+
+
+def _is_dead(actor: Any) -> bool:
+    try:
+        ray.get(actor.staged_count.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def _eventually_lost(lease: Lease) -> RoutesLost:

@@ -1,6 +1,7 @@
 """Entry point of the ``routeplay`` command.
 
-Exit status: 0 success, 1 usage error (bad flags, unreadable file), 2 payload refused.
+Exit status: 0 success, 1 usage error (bad flags, unreadable file), 2 payload refused
+(``inspect``) or a demo invariant broken (``demo``).
 Typer (like click) reports its own usage errors with status 2, which would collide with
 "refused", so ``main`` runs the app in non-standalone mode and maps them to 1.
 """
@@ -12,6 +13,7 @@ import sys
 import typer
 from rich.console import Console
 
+from routeplay.cli.demo_command import demo_command
 from routeplay.cli.inspect_command import inspect_command
 
 EXIT_USAGE = 1
@@ -23,6 +25,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("inspect")(inspect_command)
+app.command("demo")(demo_command)
 
 
 @app.callback()

@@ -1,0 +1,164 @@
+"""The demo's typed configuration: one dataclass per component, each with a ``build()``,
+and named recipes (``default``: the ~1 minute run; ``smoke``: the two-step e2e run).
+
+A run is a Python recipe; the CLI picks one and overrides a few fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from routeplay.core.spec import RouteSpec
+from routeplay.engine.model import EngineConfig
+from routeplay.errors import MisuseError
+from routeplay.pipeline.rollout_worker import RolloutWorker
+from routeplay.pipeline.rollouts import JobPlanner, RolloutPool
+from routeplay.pipeline.trainer import Trainer
+from routeplay.pipeline.wire import WIRES
+from routeplay.rollout import BufferConfig
+from routeplay.store import RouteStore
+
+__all__ = ["RECIPES", "DemoConfig", "RolloutConfig", "TrainerConfig", "recipe"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutConfig:
+    """How many samples each step generates, and how."""
+
+    workers: int = 2
+    """Rollout worker actors."""
+    group_size: int = 4
+    """Samples per prompt (GRPO group)."""
+    groups_per_step: int = 3
+    """New single-turn groups per step."""
+    partial_groups_per_step: int = 1
+    """Of those, groups interrupted after ``stop_after`` tokens and resumed next step."""
+    conversations_per_step: int = 1
+    """New multi-turn groups per step (each sample is a two-turn trace session)."""
+    prompt_tokens: tuple[int, int] = (6, 12)
+    """Prompt length range, inclusive."""
+    user_turn_tokens: int = 4
+    """Tokens the user adds between turn 1 and turn 2."""
+    max_new_tokens: int = 24
+    """Generated tokens per sample (per turn)."""
+    stop_after: int = 8
+    """Where interrupted samples stop (< ``max_new_tokens``)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    timeout_s: float = 60.0
+    """HTTP timeout of one engine request."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stop_after < self.max_new_tokens:
+            raise MisuseError(
+                "an interruption must come before the end of a sample",
+                expected=f"0 < stop_after < max_new_tokens ({self.max_new_tokens})",
+                found=self.stop_after,
+            )
+        if self.partial_groups_per_step > self.groups_per_step or self.workers < 1:
+            raise MisuseError(
+                "partial groups are a subset of the new groups; at least one worker",
+                found=(self.partial_groups_per_step, self.groups_per_step, self.workers),
+            )
+
+    def planner(self, vocab_size: int, seed: int) -> JobPlanner:
+        """The per-step job planner of these settings."""
+        return JobPlanner(self, vocab_size, np.random.default_rng(seed))
+
+    def build(
+        self, *, store: RouteStore, trace: Any, url: str, wire: str, spec: RouteSpec
+    ) -> RolloutPool:
+        """Start the worker actors, talking to the engine at ``url`` in ``wire`` format."""
+        # The engine server listens on loopback: the workers live on the driver's node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        workers = [
+            RolloutWorker.options(scheduling_strategy=here).remote(
+                store, trace, url, wire, spec, self.timeout_s
+            )
+            for _ in range(self.workers)
+        ]
+        ray.get([worker.__ray_ready__.remote() for worker in workers])  # fail fast, start warm
+        return RolloutPool(workers)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerConfig:
+    """The learner: packing, replay, loss and optimizer."""
+
+    groups_per_step: int = 3
+    """Groups sampled from the replay buffer per step: fewer than a step makes (over-
+    sampling), so a backlog builds up, ages, and its stale groups are retried (once)
+    or discarded."""
+    pack_max_length: int = 128
+    """Positions per packed sequence (one micro-batch holds ``packs_per_micro_batch``)."""
+    packs_per_micro_batch: int = 1
+    """Packs per forward."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    clip: float = 0.2
+    """PPO ratio clip."""
+    prefetch: int = 1
+    """Micro-batches the materializer reads ahead."""
+    threads: int = 1
+    """torch intra-op threads (tiny models gain nothing from more)."""
+
+    def build(self, engine: EngineConfig, store: RouteStore) -> Trainer:
+        """A float32 copy of the engine's initial model and its optimizer."""
+        return Trainer(self, engine, store)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    """A whole demo run."""
+
+    steps: int = 16
+    """RL steps (each: rollout, train, weight push)."""
+    wire: str = "lmdeploy-key"
+    """Engine wire format: lmdeploy-key, lmdeploy-inline, vllm or sglang."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The reference engine's model (bf16); the trainer runs the same weights in float32."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers and the per-step sample mix."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The learner."""
+    buffer: BufferConfig = field(default_factory=lambda: BufferConfig(max_staleness=1))
+    """Staleness and retry rules of the replay buffer."""
+    address: str | None = None
+    """Ray cluster to join; None starts a local one (or uses the one already running)."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray instance (None: Ray's default)."""
+    store_shards: int = 1
+    """Route store shard actors."""
+    seed: int = 0
+    """Seed of prompts, user turns and sampling."""
+
+    def __post_init__(self) -> None:
+        if self.wire not in WIRES:
+            raise MisuseError("unknown engine wire format", expected=WIRES, found=self.wire)
+        if self.steps < 1:
+            raise MisuseError("a demo needs at least one step", found=self.steps)
+
+    def replace(self, **changes: Any) -> DemoConfig:
+        """A copy with some fields changed (the CLI's overrides)."""
+        return dataclasses.replace(self, **changes)
+
+
+RECIPES: Final[dict[str, DemoConfig]] = {
+    "default": DemoConfig(),
+    # Two steps: no group can be more than one version old, so staleness 0 is what makes
+    # one go stale: the group interrupted in step 0 and resumed in step 1 is retried.
+    "smoke": DemoConfig(steps=2, buffer=BufferConfig(max_staleness=0)),
+}
+
+
+def recipe(name: str) -> DemoConfig:
+    """A named recipe."""
+    if name not in RECIPES:
+        raise MisuseError("unknown demo recipe", expected=sorted(RECIPES), found=name)
+    return RECIPES[name]

@@ -1,0 +1,75 @@
+"""The demo's RL loop, top to bottom: engine -> rollout workers -> replay buffer ->
+trainer with R3 replay -> weights back to the engine. Set-up and teardown live in
+``services``, the step's jobs in ``rollouts``, the learner in ``trainer``.
+
+Each step, at the engine's weight version ``v``:
+1. stale groups go back to the rollout queue (the buffer releases only its own leases);
+2. workers regenerate them, resume the samples interrupted last step (history rows kept,
+   new rows appended at ``v``), and start new groups and two-turn trace sessions;
+3. the oldest fresh groups become a ``TrainingBatch`` (it takes their leases over and
+   releases them and their sessions when the step ends, also on an exception);
+4. the trainer replays the engine's routing per micro-batch, steps, and pushes its
+   float32 weights to the engine as version ``v + 1``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from routeplay.pipeline.config import DemoConfig
+from routeplay.pipeline.metrics import ReplayTally
+from routeplay.pipeline.progress import DemoProgress, Silent
+from routeplay.pipeline.report import DemoReport, build_report
+from routeplay.pipeline.services import DemoServices, ray_session
+from routeplay.pipeline.trainer import StepStats
+from routeplay.rollout import TrainingBatch
+
+__all__ = ["run_demo"]
+
+
+def run_demo(config: DemoConfig, progress: DemoProgress | None = None) -> DemoReport:
+    """Run ``config`` end to end and return its report (measured after teardown)."""
+    progress = progress or Silent()
+    started = time.monotonic()
+    with ray_session(config.address, config.num_cpus):
+        svc = DemoServices(config)
+        try:
+            meter, tally, steps = svc.meter, ReplayTally(), []
+            planner = config.rollout.planner(config.engine.vocab_size, config.seed)
+            meter.point(0, "start")
+            for step in range(config.steps):
+                version = svc.engine.weight_version
+                _, discarded = svc.buffer.refresh(version)
+                svc.release_sessions(discarded)
+                retries, resumes = svc.buffer.take_retries(), svc.groups.take_interrupted()
+                jobs = planner.jobs(step, retries, resumes)
+                svc.groups.expect(jobs)
+
+                progress.phase(step, "rollout", len(jobs))
+                done, failed = svc.pool.run(jobs, version, on_done=lambda _: progress.advance())
+                svc.groups.lost(failed)
+                for group_id, states in svc.groups.add(done):
+                    svc.buffer.add(group_id, states)
+                meter.point(step, "rollout")
+
+                groups = svc.buffer.sample(config.trainer.groups_per_step, version)
+                progress.phase(step, "train", 1)
+                with TrainingBatch(step, groups, release_session=svc.release_session) as batch:
+                    stats = svc.trainer.step(batch, version, tally)
+                svc.engine.load_weights(svc.trainer.weights(), version + 1)
+                point = meter.point(step, "train")
+                progress.advance()
+
+                steps.append(stats)
+                progress.step_done(step, _summary(version, stats, point.leases))
+            teardown = svc.teardown(config.steps)
+        finally:
+            svc.stop()
+    return build_report(config, svc, tally, steps, teardown, time.monotonic() - started)
+
+
+def _summary(version: int, stats: StepStats, leases: int) -> str:
+    return (
+        f"v{version}: trained {stats.samples} samples, reward {stats.reward:.3f}, "
+        f"loss {stats.loss:+.4f}, {leases} leases live"
+    )

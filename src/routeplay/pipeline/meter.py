@@ -1,0 +1,112 @@
+"""The run's memory picture, read from Ray's raylets and the route store.
+
+Object-store numbers come from ``routeplay.store.accounting`` (every alive node summed):
+bytes in use now, and the cumulative bytes and objects ever created, whose growth over
+the run is what "one write per payload" is measured by. Ray frees an object
+asynchronously (its owner learns from every borrower that the reference is gone, which
+takes up to a few seconds), so bytes in use are sampled in the background rather than
+only at phase ends, and teardown waits for them to settle back to the baseline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from routeplay.pipeline.metrics import Point, Timeline
+from routeplay.store import RouteStore
+from routeplay.store.accounting import node_store_stats
+
+__all__ = ["Meter", "StoreTotals"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreTotals:
+    """Object-store counters summed over nodes."""
+
+    used_bytes: int
+    created_bytes: int
+    created_objects: int
+
+    @classmethod
+    def now(cls) -> StoreTotals:
+        """Read every alive node's raylet."""
+        nodes = node_store_stats().values()
+        return cls(
+            used_bytes=sum(n.used_bytes for n in nodes),
+            created_bytes=sum(n.created_bytes for n in nodes),
+            created_objects=sum(n.created_objects for n in nodes),
+        )
+
+
+class Meter:
+    """Samples the object store (every ``interval_s``, in a thread) and the route store
+    (at each phase end) into a ``Timeline``; a context manager that stops the thread."""
+
+    def __init__(self, store: RouteStore, *, interval_s: float = 0.25) -> None:
+        self._store = store
+        self._t0 = time.monotonic()
+        self.start = StoreTotals.now()
+        self.timeline = Timeline()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._sample, args=(interval_s,), name="routeplay-meter", daemon=True
+        )
+        self._thread.start()
+
+    def _sample(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            used = StoreTotals.now().used_bytes
+            self.timeline.usage.append((round(time.monotonic() - self._t0, 3), used))
+
+    def settle(self, *, timeout_s: float = 10.0) -> int:
+        """Wait until object-store usage is back at the baseline (or ``timeout_s``);
+        returns the bytes in use above the baseline (0 when everything was freed)."""
+        deadline = time.monotonic() + timeout_s
+        excess = StoreTotals.now().used_bytes - self.start.used_bytes
+        while excess > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            excess = StoreTotals.now().used_bytes - self.start.used_bytes
+        return max(0, excess)
+
+    def close(self) -> None:
+        """Stop sampling (idempotent)."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> Meter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def point(self, step: int, phase: str) -> Point:
+        """Record (and return) where memory and leases stand now."""
+        totals = StoreTotals.now()
+        stats = self._store.stats()
+        point = Point(
+            t_s=round(time.monotonic() - self._t0, 3),
+            step=step,
+            phase=phase,
+            object_store_bytes=totals.used_bytes,
+            routing_bytes=stats.live_bytes,
+            leases=stats.leases,
+            live_payloads=stats.live_payloads,
+        )
+        self.timeline.add(point)
+        return point
+
+    def written(self) -> StoreTotals:
+        """Growth of the cumulative counters since the meter started (used: now)."""
+        now = StoreTotals.now()
+        return StoreTotals(
+            used_bytes=now.used_bytes,
+            created_bytes=now.created_bytes - self.start.created_bytes,
+            created_objects=now.created_objects - self.start.created_objects,
+        )
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since the meter started."""
+        return time.monotonic() - self._t0

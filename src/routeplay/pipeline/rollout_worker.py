@@ -1,0 +1,177 @@
+"""Rollout workers: Ray actors that talk to the engine over HTTP and return leased samples.
+
+A worker is a ``producer_actor`` (so its routing puts are one-write, owned by a store
+shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
+``RolloutState`` into the next:
+
+- a fresh sample is generated (``stop_after`` interrupts it: status ``ABORTED``);
+- an interrupted sample is resumed with prompt + partial completion, its routing as the
+  ``history``, so only the rows the history lacks are stored, under the new weight
+  version (SGLang ``routed_experts_start_len`` and vLLM ``routed_experts_prompt_start``
+  = ``history.rows``: the engine sends only those rows; LMDeploy sends all of them);
+- a turn of a trace session borrows the session's prefix rows through ``export`` (the
+  sample's own lease) and appends the rest.
+
+Lease order, always: the new handle is leased (``rollout/<sample>``) *before* the input's
+lease (the interrupted sample's, or the export's) is released, so shared payloads never
+reach zero leases on the way. If anything fails, the input state still holds its lease
+and the caller (who keeps a copy of it) releases it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import ray
+
+from routeplay.core.handle import Handle
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import MalformedPayload
+from routeplay.pipeline.wire import adapter_name, read_completion, request, routing_start
+from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
+from routeplay.rollout.adapters import ProducerWriter
+from routeplay.store import Lease, RoutesProducer, RouteStore, producer_actor
+
+__all__ = ["RolloutWorker", "Sampling", "WorkerShell"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampling:
+    """How one request samples."""
+
+    max_new_tokens: int
+    """Generated tokens a sample has in total (a resume asks for the rest)."""
+    temperature: float = 1.0
+    """Sampling temperature (1.0: log-probabilities are the policy's own)."""
+    seed: int = 0
+    """Sampling seed of this request."""
+    stop_after: int | None = None
+    """Interrupt after this many new tokens (a partial rollout); None: run to the end."""
+
+
+class WorkerShell(RoutesProducer):
+    """One rollout worker: an HTTP client of the engine and a routing producer."""
+
+    def __init__(
+        self,
+        store: RouteStore,
+        trace: Any,
+        url: str,
+        wire: str,
+        spec: RouteSpec,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self._store = store
+        self._trace = trace
+        self._wire = wire
+        self._spec = spec
+        self._adapter = ADAPTERS[adapter_name(wire)]
+        self._writer = ProducerWriter(producer=self, store=store)
+        self._client = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def rollout(self, state: RolloutState, sampling: Sampling, version: int) -> RolloutState:
+        """Generate (or resume) ``state`` once; returns it COMPLETED or ABORTED, leased."""
+        history, borrowed = self._history(state)
+        prompt = state.prompt_ids + state.response_ids
+        start = routing_start(self._wire, history.rows if history is not None else 0)
+        path, body = request(
+            self._wire,
+            prompt,
+            max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
+            temperature=sampling.temperature,
+            seed=sampling.seed,
+            stop_after=sampling.stop_after,
+            start_len=start,
+        )
+        where = f"sample {state.sample_id}"
+        try:
+            answer = self._post(path, body, where)
+            completion = read_completion(self._wire, answer, where=where)
+            handle = self._adapter.ingest(
+                answer,
+                spec=self._spec,
+                writer=self._writer,
+                weight_version=version,
+                history=history,
+                where=where,
+                start_row=start if self._wire == "vllm" else 0,  # SGLang bodies carry theirs
+            )
+            lease = self._store.acquire(handle, f"rollout/{state.sample_id}")
+        finally:
+            if borrowed is not None:
+                borrowed.release()  # the export's lease: ours (if any) is taken by now
+        if state.routing is not None:
+            origin = state.origin  # a resume: the rows keep whoever produced them first
+        else:
+            origin = Origin.BORROWED if borrowed is not None else Origin.PRODUCED
+        status = Status.ABORTED if completion.finish_reason == "abort" else Status.COMPLETED
+        return (
+            state.release()  # the interrupted input's lease; the new lease covers its rows
+            .extend(completion.token_ids, completion.logprobs, version)
+            .with_routing(handle, lease, origin)
+            .with_status(status, completion.finish_reason)
+        )
+
+    def converse(
+        self, state: RolloutState, user_turn: tuple[int, ...], sampling: Sampling, version: int
+    ) -> RolloutState:
+        """A two-turn conversation in ``state.session_id``: turn 1 is stored in the session,
+        turn 2 (prompt = turn 1 + ``user_turn``) borrows its rows and is the sample returned."""
+        assert state.session_id is not None, "a conversation needs a session"
+        opening = dataclasses.replace(state, session_id=None)  # nothing to borrow yet
+        first = self.rollout(opening, dataclasses.replace(sampling, stop_after=None), version)
+        tokens = first.prompt_ids + first.response_ids
+        assert first.routing is not None
+        try:
+            ray.get(self._trace.insert.remote(state.session_id, list(tokens), first.routing))
+        finally:
+            first.release()  # the session holds its own lease now
+        second = RolloutState(
+            sample_id=state.sample_id,
+            group_id=state.group_id,
+            prompt_ids=tokens + user_turn,
+            session_id=state.session_id,
+        )
+        return self.rollout(second, sampling, version)
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self._client.close()
+
+    def _history(self, state: RolloutState) -> tuple[Handle | None, Lease | None]:
+        """Rows the request continues, and a borrowed lease to release once ours exists."""
+        if state.routing is not None:
+            return state.routing, None  # an interrupted sample: its own lease covers them
+        if state.session_id is None:
+            return None, None
+        exported = ray.get(
+            self._trace.export.remote(
+                state.session_id, list(state.prompt_ids), f"rollout/{state.sample_id}/prefix"
+            )
+        )
+        if exported is None:
+            return None, None
+        return exported.handle, exported.lease
+
+    def _post(self, path: str, body: dict[str, Any], where: str) -> Any:
+        try:
+            response = self._client.post(path, json=body)
+            if response.is_error:
+                found = f"HTTP {response.status_code}: {response.text[:300]}"
+            else:
+                return response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            found = f"{type(exc).__name__}: {exc}"
+        raise MalformedPayload(
+            "the engine did not answer with a JSON body",
+            expected=f"200 and JSON from POST {path}",
+            found=found,
+            where=where,
+        )
+
+
+# The Ray actor class (typed Any: ray.remote's result has no useful static type).
+RolloutWorker: Any = producer_actor(WorkerShell, num_cpus=0)

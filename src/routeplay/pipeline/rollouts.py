@@ -1,0 +1,218 @@
+"""The driver's side of rollouts: which requests a step makes, who runs them, and when a
+group is complete.
+
+- ``JobPlanner`` decides a step's jobs: stale samples to regenerate, interrupted samples
+  to resume, new single-turn groups (some interrupted on purpose) and new multi-turn
+  conversations, each with its own sampling seed.
+- ``RolloutPool`` runs jobs on the rollout worker actors and hands back each sample as
+  it finishes. A job that fails releases the lease its input held.
+- ``GroupAssembler`` holds samples until every member of their group is COMPLETED; an
+  interrupted member keeps its group waiting (and leased) until it is resumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+
+from routeplay.pipeline.rollout_worker import Sampling
+from routeplay.pipeline.task import random_tokens
+from routeplay.rollout import RolloutState, Status
+
+if TYPE_CHECKING:
+    from routeplay.pipeline.config import RolloutConfig
+
+__all__ = ["GroupAssembler", "Job", "JobPlanner", "PoolStats", "RolloutPool"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """One worker call: a sample to (re)generate or resume, or a conversation to run."""
+
+    state: RolloutState
+    """The input sample (a resume holds its lease until the worker's new one exists)."""
+    sampling: Sampling
+    """How to sample."""
+    user_turn: tuple[int, ...] | None = None
+    """Set for a new conversation: the user's tokens between turn 1 and turn 2."""
+
+    @property
+    def kind(self) -> str:
+        """``conversation``, ``resume``, ``retry`` or ``new`` (for counters)."""
+        if self.user_turn is not None:
+            return "conversation"
+        if self.state.status is Status.ABORTED:
+            return "resume"
+        return "retry" if self.state.retries else "new"
+
+
+class JobPlanner:
+    """Makes each step's jobs from the rollout settings (prompts and seeds from ``rng``)."""
+
+    def __init__(self, settings: RolloutConfig, vocab_size: int, rng: np.random.Generator) -> None:
+        self.settings = settings
+        self._vocab = vocab_size
+        self._rng = rng
+        self._groups = itertools.count()
+
+    def jobs(
+        self, step: int, retries: Sequence[RolloutState], interrupted: Sequence[RolloutState]
+    ) -> list[Job]:
+        """Retries and resumes first (they are the oldest), then new groups: single-turn
+        ones (the first ``partial_groups_per_step`` interrupted), then conversations."""
+        cfg = self.settings
+        jobs = [Job(state=s, sampling=self._sampling()) for s in (*retries, *interrupted)]
+        for index in range(cfg.groups_per_step + cfg.conversations_per_step):
+            group = f"s{step}-g{next(self._groups)}"
+            conversation = index >= cfg.groups_per_step
+            prompt = random_tokens(self._rng, self._vocab, cfg.prompt_tokens)
+            stop = cfg.stop_after if index < cfg.partial_groups_per_step else None
+            for member in range(cfg.group_size):
+                sample = f"{group}-{member}"
+                state = RolloutState(
+                    sample_id=sample,
+                    group_id=group,
+                    prompt_ids=prompt,
+                    session_id=sample if conversation else None,
+                )
+                turn = self._user_turn() if conversation else None
+                jobs.append(Job(state=state, sampling=self._sampling(stop), user_turn=turn))
+        return jobs
+
+    def _sampling(self, stop_after: int | None = None) -> Sampling:
+        return Sampling(
+            max_new_tokens=self.settings.max_new_tokens,
+            temperature=self.settings.temperature,
+            seed=int(self._rng.integers(0, 2**31 - 1)),
+            stop_after=stop_after,
+        )
+
+    def _user_turn(self) -> tuple[int, ...]:
+        n = self.settings.user_turn_tokens
+        return random_tokens(self._rng, self._vocab, (n, n))
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Jobs run so far, by kind."""
+
+    new: int = 0
+    resume: int = 0
+    retry: int = 0
+    conversation: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class RolloutPool:
+    """Rollout worker actors, fed jobs round-robin."""
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self._workers = list(workers)
+        self._next = itertools.cycle(range(len(self._workers)))
+        self.stats = PoolStats()
+
+    def run(
+        self,
+        jobs: Sequence[Job],
+        version: int,
+        on_done: Callable[[RolloutState], object] = lambda _: None,
+    ) -> tuple[list[RolloutState], list[Job]]:
+        """Run every job; returns the samples in the order they finished, and the failed
+        jobs (counted, their inputs' leases released)."""
+        pending = {self._submit(job, version): job for job in jobs}
+        done: list[RolloutState] = []
+        failed: list[Job] = []
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            job = pending.pop(ready[0])
+            try:
+                state = ray.get(ready[0])
+            except Exception as exc:  # one bad answer must not stop the run
+                job.state.release()
+                self.stats.failed += 1
+                self.stats.errors.append(f"{job.state.sample_id}: {exc}"[:500])
+                failed.append(job)
+                continue
+            setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
+            done.append(state)
+            on_done(state)
+        return done, failed
+
+    def close(self) -> None:
+        """Close the workers' clients and end the actors."""
+        ray.get([worker.close.remote() for worker in self._workers])
+        for worker in self._workers:
+            ray.kill(worker)
+
+    def _submit(self, job: Job, version: int) -> Any:
+        worker = self._workers[next(self._next)]
+        if job.user_turn is not None:
+            return worker.converse.remote(job.state, job.user_turn, job.sampling, version)
+        return worker.rollout.remote(job.state, job.sampling, version)
+
+
+class GroupAssembler:
+    """Samples waiting for the rest of their group."""
+
+    def __init__(self) -> None:
+        self._members: dict[str, dict[str, RolloutState]] = {}
+        self._sizes: dict[str, int] = {}
+        self._sessions: dict[str, list[str]] = {}
+
+    def expect(self, jobs: Iterable[Job]) -> None:
+        """Note each new group's size and sessions (resumes and retries change nothing)."""
+        for job in jobs:
+            if job.kind in ("new", "conversation"):
+                group = job.state.group_id
+                self._sizes[group] = self._sizes.get(group, 0) + 1
+                if job.state.session_id is not None:
+                    self._sessions.setdefault(group, []).append(job.state.session_id)
+
+    def sessions(self, group_id: str) -> list[str]:
+        """Trace sessions of a group's samples (and forget them)."""
+        return self._sessions.pop(group_id, [])
+
+    def lost(self, jobs: Iterable[Job]) -> None:
+        """Failed jobs: their groups complete without them."""
+        for job in jobs:
+            group = job.state.group_id
+            self._sizes[group] = self._sizes.get(group, 1) - 1
+            self._members.get(group, {}).pop(job.state.sample_id, None)
+
+    def add(self, states: Iterable[RolloutState]) -> list[tuple[str, list[RolloutState]]]:
+        """Add finished samples; returns the groups now complete (removed from here)."""
+        for state in states:
+            self._members.setdefault(state.group_id, {})[state.sample_id] = state
+        complete = []
+        for group, members in list(self._members.items()):
+            size = self._sizes.get(group, len(members))
+            if len(members) == size and all(s.status is Status.COMPLETED for s in members.values()):
+                complete.append((group, list(members.values())))
+                del self._members[group]
+        return complete
+
+    def take_interrupted(self) -> list[RolloutState]:
+        """Interrupted samples to resume (their completed siblings stay here, leased)."""
+        out = []
+        for members in self._members.values():
+            for sample_id, state in list(members.items()):
+                if state.status is Status.ABORTED:
+                    out.append(state)
+                    del members[sample_id]
+        return out
+
+    def drop_incomplete(self) -> int:
+        """Release every sample still waiting (groups that lost a member, or teardown)."""
+        released = 0
+        for members in self._members.values():
+            for state in members.values():
+                state.release()
+                released += 1
+        self._members.clear()
+        return released

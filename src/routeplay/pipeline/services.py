@@ -1,0 +1,172 @@
+"""Everything a demo run starts, in order, and the teardown that proves nothing leaked.
+
+Start order: Ray (a local instance unless one is running or an address is given), the
+run's route store, the engine-side store (LMDeploy key mode: before the engine, as
+LMDeploy expects), the reference engine and its HTTP server, the trace store actor, the
+rollout workers, the replay buffer and the trainer.
+
+Teardown releases every holder the run created (buffer, samples waiting for their group
+or for a resume, trace sessions), waits for Ray to free the bytes, *then* reads the
+store's leaks and live bytes (both must be zero); ``stop`` then ends the actors, the
+server and the store (``ray_session`` the Ray instance it started).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from routeplay.engine.generator import ReferenceEngine
+from routeplay.engine.server import EngineServer
+from routeplay.pipeline.config import DemoConfig
+from routeplay.pipeline.meter import Meter, StoreTotals
+from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
+from routeplay.pipeline.trainer import Trainer
+from routeplay.rollout import ReplayBuffer, TraceStoreActor
+from routeplay.store import RouteStore, StoreConfig, start_engine_store
+from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
+
+__all__ = ["DemoServices", "Teardown", "ray_session"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Teardown:
+    """What was left after every holder of the run released its leases."""
+
+    leaked_leases: int
+    """Leases still held (``RouteStore.leaks()``)."""
+    leaked_bytes: int
+    """Payload bytes the store still keeps alive."""
+    leak_holders: tuple[str, ...]
+    """Who holds the leaked leases (empty when nothing leaked)."""
+    payloads: int
+    """Payloads the store took over the run."""
+    payload_bytes: int
+    """Their bytes (as stored: LMDeploy keys keep the engine's uint16)."""
+    engine_keys_left: int
+    """Engine-store keys never consumed (LMDeploy key mode; 0 otherwise)."""
+    written: StoreTotals
+    """Object-store bytes and objects created over the run."""
+    object_store_bytes_after: int
+    """Object-store bytes in use above the run's starting baseline once Ray settled
+    after the releases (0: every payload was freed)."""
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, num_cpus: int | None) -> Iterator[None]:
+    """Use the running Ray, or join ``address``, or start a local instance; only what
+    was started here is shut down on exit."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(
+        address=address or "local",
+        num_cpus=num_cpus if address is None else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class DemoServices:
+    """The run's processes and holders: ``teardown()`` releases every holder and accounts
+    what is left, ``stop()`` ends the processes (also when start-up fails midway)."""
+
+    def __init__(self, config: DemoConfig) -> None:
+        self.config = config
+        self.run = f"demo-{uuid.uuid4().hex[:8]}"
+        self._stack = contextlib.ExitStack()
+        try:
+            self.store: RouteStore = StoreConfig(run=self.run, shards=config.store_shards).build()
+            self._stack.callback(self.store.shutdown)
+            self.engine_store = self._engine_store(config.wire)
+            self.engine: ReferenceEngine = config.engine.build()
+            # Loopback only (the reference engine answers anyone): workers run on this node.
+            self.server = self._stack.enter_context(
+                EngineServer(self.engine, config.wire, engine_store=self.engine_store)
+            )
+            self.trace: Any = TraceStoreActor.remote(self.store)
+            self._stack.callback(ray.kill, self.trace)
+            self.pool: RolloutPool = config.rollout.build(
+                store=self.store,
+                trace=self.trace,
+                url=self.server.url,
+                wire=config.wire,
+                spec=self.engine.spec,
+            )
+            self._stack.callback(self.pool.close)
+            self.buffer: ReplayBuffer = config.buffer.build(self.store)
+            self.groups = GroupAssembler()
+            self.trainer: Trainer = config.trainer.build(config.engine, self.store)
+            self.meter = Meter(self.store)  # last: the baseline is the started system
+            self._stack.callback(self.meter.close)
+        except BaseException:
+            self._stack.close()  # whatever started is stopped again
+            raise
+
+    def release_session(self, session: str) -> int:
+        """Release one trace session (the ``TrainingBatch`` calls this after its step)."""
+        released: int = ray.get(self.trace.release_session.remote(session))
+        return released
+
+    def release_sessions(self, group_ids: list[str]) -> None:
+        """Sessions of discarded groups: nobody will train them."""
+        for group in group_ids:
+            for session in self.groups.sessions(group):
+                self.release_session(session)
+
+    def teardown(self, step: int) -> Teardown:
+        """Release every holder the run created (buffer, samples waiting for their group
+        or a resume, trace sessions), then account what is left: it must be nothing."""
+        self.buffer.close()
+        self.groups.drop_incomplete()
+        ray.get(self.trace.release_all.remote())
+        self.meter.point(step, "teardown")
+        after = self.meter.settle()
+        leaks = self.store.leaks()
+        stats = self.store.stats()
+        keys = 0
+        if self.engine_store is not None:
+            keys = ray.get(self.engine_store.stats.remote()).live_keys
+        return Teardown(
+            leaked_leases=len(leaks),
+            leaked_bytes=stats.live_bytes,
+            leak_holders=tuple(sorted({leak.holder for leak in leaks})),
+            payloads=stats.live_payloads + stats.released_payloads + stats.expired_payloads,
+            payload_bytes=stats.live_bytes + stats.released_bytes + stats.expired_bytes,
+            engine_keys_left=keys,
+            written=self.meter.written(),
+            object_store_bytes_after=after,
+        )
+
+    def _engine_store(self, wire: str) -> Any:
+        if wire != "lmdeploy-key":
+            return None
+        try:
+            ray.get_actor(LMDEPLOY_NAME, namespace=LMDEPLOY_NAMESPACE)
+            existed = True
+        except ValueError:
+            existed = False
+        actor = start_engine_store()
+        if not existed:  # ours: end it with the run (it is detached)
+            self._stack.callback(ray.kill, actor)
+        return actor
+
+    def stop(self) -> None:
+        """Stop the workers, actors, server and store (idempotent; after accounting)."""
+        self._stack.close()
+
+    def __enter__(self) -> DemoServices:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

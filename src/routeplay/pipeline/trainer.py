@@ -1,0 +1,246 @@
+"""The demo's learner: one trainer rank (SP = CP = 1) on the engine's model in float32.
+
+Per step: the batch's samples are packed (``pack_samples``), the rank's routing comes one
+micro-batch at a time from the ``Materializer`` (it holds clones of the batch's leases
+and releases each sample once read), and each micro-batch runs
+
+1. a no-grad forward *without* replay, recording the trainer's own experts: the R3
+   effect (how often float32 training would route otherwise than the bf16 engine);
+2. the training forward and backward *inside* ``replay(model, routes)``, with a
+   ``record`` nested in it that captures the experts the MoE blocks really received:
+   compared with the engine's routing on every real row (must never differ);
+3. a PPO-clip policy-gradient loss against the engine's log-probs (the ratio R3 keeps
+   honest), advantages from the toy reward.
+
+Packed samples are separated by their position ids (each restarts at 0), which
+transformers turns into a block-diagonal causal mask, so a packed forward computes what
+the engine computed for each sample alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from routeplay.engine.model import EngineConfig, build_model
+from routeplay.errors import MisuseError
+from routeplay.pipeline.metrics import ReplayTally, affected_positions, differing_rows
+from routeplay.pipeline.task import advantages, reward
+from routeplay.rollout import RolloutState, TrainingBatch
+from routeplay.store import RouteStore
+from routeplay.train import (
+    Materializer,
+    MicroBatchRoutes,
+    PackingPlan,
+    RankCoords,
+    model_spec,
+    pack_samples,
+    record,
+    replay,
+)
+
+if TYPE_CHECKING:
+    from routeplay.pipeline.config import TrainerConfig
+
+__all__ = ["PackedInputs", "StepStats", "Trainer", "pack_inputs"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStats:
+    """One training step."""
+
+    samples: int
+    """Samples trained."""
+    tokens: int
+    """Generated tokens in the loss."""
+    micro_batches: int
+    """Forwards (with replay) run."""
+    loss: float
+    """Policy-gradient loss of the step."""
+    reward: float
+    """Mean toy reward of the batch."""
+    peak_routing_bytes: int
+    """Most routing bytes the materializer held at once."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackedInputs:
+    """Token-level tensors of one micro-batch, ``[packs, pack_length]`` each."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    """Next token at each position where a generated token is predicted, else 0."""
+    scored: torch.Tensor
+    """True where ``targets`` is a generated token (the loss positions)."""
+    old_logprobs: torch.Tensor
+    """Engine log-prob of the target token (where ``scored``)."""
+    advantages: torch.Tensor
+    """The sample's advantage at its loss positions."""
+    current: torch.Tensor
+    """True at loss positions of samples produced entirely by the weights the trainer
+    holds now (a resumed sample's history rows come from older weights)."""
+    current_rows: npt.NDArray[np.bool_]
+    """Flattened ``[tokens]``: routing rows produced by the weights the trainer holds now."""
+    sample_of: npt.NDArray[np.int64]
+    """Flattened ``[tokens]``: index of the sample at each position, -1 on padding."""
+
+
+class Trainer:
+    """A float32 copy of the engine's initial model, its optimizer, and the step."""
+
+    def __init__(self, config: TrainerConfig, engine: EngineConfig, store: RouteStore) -> None:
+        torch.set_num_threads(config.threads)  # process-wide: the engine runs in it too
+        self.config = config
+        self.store = store
+        self.model = build_model(engine, dtype="float32")
+        self.model.train()
+        self.spec = model_spec(self.model)
+        self.coords = RankCoords()
+        self._optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+
+    def step(self, batch: TrainingBatch, version: int, tally: ReplayTally) -> StepStats:
+        """Train once on ``batch`` (holding weights ``version``); adds to ``tally``."""
+        states = {s.sample_id: s for s in batch.states}
+        if not states:  # every group went stale: nothing to train this step
+            return StepStats(
+                samples=0, tokens=0, micro_batches=0, loss=0.0, reward=0.0, peak_routing_bytes=0
+            )
+        plan = pack_samples(
+            ((s.sample_id, _routing(s), s.tokens) for s in batch.states),
+            self.config.pack_max_length,
+            self.config.packs_per_micro_batch,
+            spec=self.spec,
+        )
+        holder = f"{batch.holder}/{self.coords.describe()}"
+        leases = {sid: s.lease.clone(holder) for sid, s in states.items() if s.lease}
+        scale = 1.0 / max(1, sum(len(s.response_ids) for s in batch.states))
+        gains = advantages(batch.states)
+        self._optimizer.zero_grad(set_to_none=True)
+        loss_sum, micro_batches = 0.0, 0
+        try:
+            materializer = Materializer(
+                self.store, plan, self.coords, leases=leases, prefetch=self.config.prefetch
+            )
+        except BaseException:  # refused before it took the clones over: end them here
+            for lease in leases.values():
+                lease.release()
+            raise
+        with materializer:
+            for routes in materializer:
+                inputs = pack_inputs(plan, routes, states, gains, version)
+                loss_sum += self._micro_batch(inputs, routes, tally, scale)
+                micro_batches += 1
+            peak = materializer.stats().peak_resident_bytes
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self._optimizer.step()
+        return StepStats(
+            samples=len(states),
+            tokens=sum(len(s.response_ids) for s in batch.states),
+            micro_batches=micro_batches,
+            loss=loss_sum,
+            reward=float(np.mean([reward(s.response_ids) for s in batch.states])),
+            peak_routing_bytes=peak,
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A float32 copy of the weights, for the engine's ``load_weights``."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _micro_batch(
+        self, inputs: PackedInputs, routes: MicroBatchRoutes, tally: ReplayTally, scale: float
+    ) -> float:
+        engine = routes.routes
+        with torch.no_grad(), record(self.model) as own:
+            own_logprobs = self._logprobs(inputs)
+        own_routes = own.routes()
+        differs = differing_rows(own_routes, engine).any(axis=1) & routes.mask
+        tally.own(own_routes, engine, routes.mask & inputs.current_rows)
+        with replay(self.model, engine, spec=self.spec), record(self.model) as used:
+            logprobs = self._logprobs(inputs)
+            loss = _ppo_loss(logprobs, inputs, self.config.clip) * scale
+            loss.backward()  # type: ignore[no-untyped-call]  # inside replay: recomputes replay too
+        tally.replayed(used.routes(), engine, routes.mask)
+        at = inputs.scored & inputs.current
+        affected = torch.from_numpy(affected_positions(differs, inputs.sample_of))
+        tally.logprobs(
+            logprobs.detach()[at].numpy(),
+            own_logprobs[at].numpy(),
+            inputs.old_logprobs[at].numpy(),
+            affected.reshape(at.shape)[at].numpy(),
+        )
+        return float(loss.detach())
+
+    def _logprobs(self, inputs: PackedInputs) -> torch.Tensor:
+        out = self.model(
+            input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False
+        )
+        logits = out.logits.float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, inputs.targets[..., None])[..., 0]
+
+
+def pack_inputs(
+    plan: PackingPlan,
+    routes: MicroBatchRoutes,
+    states: Mapping[str, RolloutState],
+    gains: Mapping[str, float],
+    version: int,
+) -> PackedInputs:
+    """The tensors of one micro-batch, aligned with its routing rows (SP = CP = 1)."""
+    packs = [plan.packs[i] for i in routes.packs]
+    shape = (len(packs), max(p.length for p in packs))
+    ids, positions, targets = (np.zeros(shape, np.int64) for _ in range(3))
+    old, gain = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    scored, current = np.zeros(shape, np.bool_), np.zeros(shape, np.bool_)
+    rows = np.zeros(shape, np.bool_)
+    sample_of = np.full(shape, -1, np.int64)
+    index = 0
+    for b, pack in enumerate(packs):
+        positions[b] = np.arange(shape[1])
+        for sample in pack.samples:
+            state = states[sample.sample_id]
+            tokens = np.asarray(state.prompt_ids + state.response_ids, np.int64)
+            lo, hi, first = sample.offset, sample.stop, sample.offset + len(state.prompt_ids) - 1
+            ids[b, lo:hi] = tokens[:-1]
+            positions[b, lo:hi] = np.arange(hi - lo)
+            positions[b, hi:] = np.arange(shape[1] - hi)  # padding restarts: its own sequence
+            targets[b, first:hi] = tokens[len(state.prompt_ids) :]
+            scored[b, first:hi] = True
+            old[b, first:hi] = state.logprobs
+            gain[b, first:hi] = gains[sample.sample_id]
+            rows[b, lo:hi] = sample.handle.weight_versions() == version
+            current[b, first:hi] = bool(rows[b, lo:hi].all()) and set(state.weight_versions) == {
+                version
+            }
+            sample_of[b, lo:hi] = index
+            index += 1
+    return PackedInputs(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(positions),
+        targets=torch.from_numpy(targets),
+        scored=torch.from_numpy(scored),
+        old_logprobs=torch.from_numpy(old),
+        advantages=torch.from_numpy(gain),
+        current=torch.from_numpy(current),
+        current_rows=rows.reshape(-1),
+        sample_of=sample_of.reshape(-1),
+    )
+
+
+def _ppo_loss(logprobs: torch.Tensor, inputs: PackedInputs, clip: float) -> torch.Tensor:
+    """Sum over loss positions of the clipped surrogate (the caller scales it)."""
+    ratio = torch.exp(logprobs - inputs.old_logprobs)
+    gain = inputs.advantages
+    surrogate = torch.minimum(ratio * gain, ratio.clamp(1 - clip, 1 + clip) * gain)
+    return -(surrogate * inputs.scored).sum()
+
+
+def _routing(state: RolloutState) -> Any:
+    if state.routing is None:
+        raise MisuseError("a sample reached training without routing", where=state.sample_id)
+    return state.routing
