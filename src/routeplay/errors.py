@@ -12,6 +12,7 @@ Three families, kept apart so a caller can tell whose fault it was::
     │   ├── RoutesLost               the owner died or the object is gone
     │   ├── RoutesExpired            a TTL ran out before anyone claimed the data
     │   │   └── KeyExpired           ... an engine key (a KeyError too, for LMDeploy clients)
+    │   ├── EngineUnavailable        the inference engine failed or did not answer
     │   ├── StoreTimeout             a remote call did not answer in time
     │   └── StoreFailure             a store actor failed in an unexpected way
     └── RoutesDataError (ValueError) the bytes an engine sent are not valid routing
@@ -34,6 +35,7 @@ __all__ = [
     "AlreadyReleased",
     "DtypeError",
     "DuplicateExperts",
+    "EngineUnavailable",
     "ExpertOutOfRange",
     "HandleError",
     "KeyExpired",
@@ -128,6 +130,10 @@ class KeyExpired(RoutesExpired, KeyError):
 
 class StoreTimeout(LifetimeError):
     """A remote call did not answer within its timeout."""
+
+
+class EngineUnavailable(LifetimeError):
+    """The inference engine refused, failed or could not be reached (HTTP error, timeout)."""
 
 
 class StoreFailure(LifetimeError):

@@ -29,7 +29,7 @@ import ray
 
 from routeplay.core.handle import Handle
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import MalformedPayload
+from routeplay.errors import EngineUnavailable, MalformedPayload
 from routeplay.pipeline.wire import adapter_name, read_completion, request, routing_start
 from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
@@ -159,18 +159,29 @@ class WorkerShell(RoutesProducer):
     def _post(self, path: str, body: dict[str, Any], where: str) -> Any:
         try:
             response = self._client.post(path, json=body)
-            if response.is_error:
-                found = f"HTTP {response.status_code}: {response.text[:300]}"
-            else:
-                return response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            found = f"{type(exc).__name__}: {exc}"
-        raise MalformedPayload(
-            "the engine did not answer with a JSON body",
-            expected=f"200 and JSON from POST {path}",
-            found=found,
-            where=where,
-        )
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(
+                "the engine could not be reached",
+                expected=f"an answer to POST {path}",
+                found=f"{type(exc).__name__}: {exc}",
+                where=where,
+            ) from exc
+        if response.is_error:
+            raise EngineUnavailable(
+                "the engine refused the request",
+                expected=f"200 from POST {path}",
+                found=f"HTTP {response.status_code}: {response.text[:300]}",
+                where=where,
+            )
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise MalformedPayload(
+                "the engine did not answer with a JSON body",
+                expected=f"JSON from POST {path}",
+                found=f"{type(exc).__name__}: {exc}",
+                where=where,
+            ) from exc
 
 
 # The Ray actor class (typed Any: ray.remote's result has no useful static type).
