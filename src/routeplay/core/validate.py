@@ -162,7 +162,7 @@ def canonicalize(
         array = array[:, list(spec.moe_layer_indices()), :]
     check_range(array, spec, start_row=start_row, where=where)
     canonical = np.ascontiguousarray(array, dtype=spec.dtype)
-    if canonical.flags.writeable and np.shares_memory(canonical, array):
+    if canonical.flags.writeable and np.may_share_memory(canonical, array):
         # The caller could mutate its buffer after validation; Routes must not change.
         canonical = canonical.copy()
     check_distinct(canonical, start_row=start_row, where=where)

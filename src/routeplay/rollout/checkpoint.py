@@ -39,15 +39,18 @@ VERSION = 2
 def save_buffer(buffer: ReplayBuffer, folder: Path, spec: RouteSpec) -> None:
     """Write every waiting group and queued retry, routing by value."""
     folder.mkdir(parents=True, exist_ok=True)
-    arrays: dict[str, np.ndarray] = {}
+    waiting = buffer.groups()
+    states = [s for g in waiting for s in g.states] + list(buffer.pending_retries())
+    routed = [(s, s.routing) for s in states if s.routing is not None]
+    # One batched read for the whole buffer: one metadata call per shard, each block once.
+    rows = buffer.store.read_many([(handle, 0, handle.rows) for _, handle in routed])
+    names = {id(s): f"r{i}" for i, (s, _) in enumerate(routed)}  # by identity: ids may repeat
+    arrays = {names[id(s)]: array for (s, _), array in zip(routed, rows, strict=True)}
     groups = [
-        {
-            "group_id": g.group_id,
-            "states": [_state_record(s, buffer.store, arrays) for s in g.states],
-        }
-        for g in buffer.groups()
+        {"group_id": g.group_id, "states": [_state_record(s, names) for s in g.states]}
+        for g in waiting
     ]
-    retries = [_state_record(s, buffer.store, arrays) for s in buffer.pending_retries()]
+    retries = [_state_record(s, names) for s in buffer.pending_retries()]
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -99,15 +102,11 @@ def _drop_unowned(store: RouteStore, states: list[RolloutState]) -> None:
                 store.acquire(state.routing, "checkpoint/discard").release()
 
 
-def _state_record(
-    state: RolloutState, store: RouteStore, arrays: dict[str, np.ndarray]
-) -> dict[str, Any]:
+def _state_record(state: RolloutState, names: dict[int, str]) -> dict[str, Any]:
     routing = None
     if state.routing is not None:
-        name = f"r{len(arrays)}"
-        arrays[name] = store.read(state.routing)
         segments = [[seg.rows, seg.weight_version] for seg in state.routing.segments]
-        routing = {"array": name, "segments": segments}
+        routing = {"array": names[id(state)], "segments": segments}
     return {
         "sample_id": state.sample_id,
         "group_id": state.group_id,

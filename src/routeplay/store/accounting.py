@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray._private import internal_api
 
-__all__ = ["NodeStoreStats", "node_store_stats", "total_created_bytes"]
+__all__ = ["NodeStoreStats", "node_store_stats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,8 +55,3 @@ def node_store_stats() -> dict[str, NodeStoreStats]:
             objects=int(store.num_local_objects),
         )
     return out
-
-
-def total_created_bytes(stats: dict[str, NodeStoreStats]) -> int:
-    """Bytes written across all nodes."""
-    return sum(node.created_bytes for node in stats.values())

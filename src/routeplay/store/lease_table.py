@@ -44,7 +44,6 @@ class PayloadState(Enum):
 
 @dataclass(slots=True)
 class _Payload(Generic[Ref]):
-    run: str
     rows: int
     nbytes: int
     created: float
@@ -56,7 +55,6 @@ class _Payload(Generic[Ref]):
 @dataclass(frozen=True, slots=True)
 class _Lease:
     holder: str
-    run: str
     payloads: tuple[str, ...]
     since: float
     since_wall: float
@@ -138,9 +136,7 @@ class LeaseTable(Generic[Ref]):
         if payload_id in self._payloads or payload_id in self._gone:
             raise HandleError("payload id already used", found=payload_id, where=f"run {self.run}")
         created = self._clock()
-        self._payloads[payload_id] = _Payload(
-            run=self.run, rows=rows, nbytes=nbytes, created=created, ref=ref
-        )
+        self._payloads[payload_id] = _Payload(rows=rows, nbytes=nbytes, created=created, ref=ref)
         if self.ttl_s is not None:
             heapq.heappush(self._unleased, (created, payload_id))
 
@@ -289,7 +285,6 @@ class LeaseTable(Generic[Ref]):
         lease_id = f"{self._lease_prefix}/lease-{next(self._ids)}"
         self._leases[lease_id] = _Lease(
             holder=holder,
-            run=self.run,
             payloads=payload_ids,
             since=self._clock(),
             since_wall=self._wall_clock(),
