@@ -20,6 +20,7 @@ from routeplay.core import (
     canonicalize,
     preset,
     read_response,
+    read_responses,
     spec_from_hf_config,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "errors",
     "preset",
     "read_response",
+    "read_responses",
     "spec_from_hf_config",
 ]
 
