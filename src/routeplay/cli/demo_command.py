@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 
@@ -20,12 +19,20 @@ from routeplay.core.wires import WIRE_NAMES
 EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
 
 
+def _wire_name(value: str) -> str:
+    # The names come from the wire registry, so the CLI never lists them itself.
+    if value not in WIRE_NAMES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(WIRE_NAMES)}")
+    return value
+
+
 def demo_command(
     engine_format: Annotated[
         str | None,
         typer.Option(
             "--engine-format",
-            click_type=click.Choice(WIRE_NAMES),
+            parser=_wire_name,
+            metavar="[" + "|".join(WIRE_NAMES) + "]",
             help="Wire format the engine speaks (recipe default: lmdeploy-key).",
         ),
     ] = None,

@@ -203,18 +203,23 @@ def field(holder: object, name: str, path: str, *, routing: bool = False) -> Any
 
 def item(values: object, index: int, what: str, where: str) -> Mapping[str, Any]:
     """``values[index]`` of a JSON list, as an object."""
-    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+    listed = sequence(values, what, where)
+    if not 0 <= index < len(listed):
         raise MalformedPayload(
-            f"{what} must be a JSON list", expected="list", found=type(values).__name__, where=where
-        )
-    if not 0 <= index < len(values):
-        raise MalformedPayload(
-            f"response has no such {what} entry",
-            expected=f"index {index} in a list of {len(values)}",
-            found=f"{len(values)} entries",
+            f"response has no {what}[{index}]",
+            expected=f"{what}[{index}]",
+            found=f"{len(listed)} {what}",
             where=where,
         )
-    return mapping(values[index], f"{what}[{index}]", where)
+    picked = listed[index]
+    if not isinstance(picked, Mapping):
+        raise MalformedPayload(
+            f"{what}[{index}] is not an object",
+            expected="object",
+            found=type(picked).__name__,
+            where=where,
+        )
+    return picked
 
 
 def count(holder: object, name: str, where: str) -> int | None:

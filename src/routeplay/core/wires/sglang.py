@@ -78,7 +78,7 @@ class SglangWire:
             picked = item(body, choice, "batched /generate list", where)
             return self._read_generate(picked, spec, start_row, f"{where}[{choice}]")
         top = mapping(body, "sglang response body", where)
-        if META in top:
+        if META in top or not ({"choices", EXT} & top.keys()):
             if choice != 0:
                 raise MalformedPayload(
                     "a single /generate body has one result",
