@@ -24,6 +24,7 @@ from routeplay.core.formats import lmdeploy as keys
 from routeplay.core.formats import sglang as codec
 from routeplay.core.handle import EngineKey
 from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import check_row_count
 from routeplay.core.wires.base import (
     Answer,
     BodyOptions,
@@ -202,12 +203,29 @@ def _routing(
             where=path,
         )
     try:
-        routes = codec.decode(payload, spec, start_row=start, expected=expected, where=path)
+        on_wire = _rows_on_wire(payload, spec)
+        if expected is not None and on_wire is not None:
+            check_row_count(on_wire, expected, where=path)
+        # SGLang's layer axis is num_hidden_layers: the row count steers the codec to it
+        # (a byte length may also split into whole rows of the MoE layers only).
+        hint = on_wire if on_wire is not None else expected
+        routes = codec.decode(payload, spec, start_row=start, expected=hint, where=path)
     except RowCountMismatch as exc:
         raise row_count_refusal(
             exc, start_row=start, expected=expected, start_field=START_FIELD
         ) from exc
     return EngineRouting(routes=routes, **common)
+
+
+def _rows_on_wire(payload: str | bytes, spec: RouteSpec) -> int | None:
+    """Rows of every decoder layer the base64 text holds, read from its length alone; None
+    when that is not a whole number of rows (the codec then says what is wrong)."""
+    text = payload.decode("latin-1") if isinstance(payload, bytes) else payload
+    if len(text) % 4:
+        return None
+    nbytes = len(text) // 4 * 3 - (len(text) - len(text.rstrip("=")))
+    row_bytes = spec.decoder_layers * spec.top_k * codec.WIRE_DTYPE.itemsize
+    return nbytes // row_bytes if nbytes % row_bytes == 0 else None
 
 
 def _key(
