@@ -21,6 +21,7 @@ from routeplay.core import (
     preset,
     read_response,
     read_responses,
+    read_stream,
     spec_from_hf_config,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "preset",
     "read_response",
     "read_responses",
+    "read_stream",
     "spec_from_hf_config",
 ]
 

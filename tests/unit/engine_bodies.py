@@ -218,3 +218,33 @@ def lmdeploy_messages(routed: object, prompt: int, completion: int) -> dict[str,
         "usage": {"input_tokens": prompt, "output_tokens": completion},
         "routed_experts": routed,
     }
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def _delta_chunk(index: int, text: str, *, chat: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "finish_reason": None}
+    if chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    return {"id": "c", "object": "chat.completion.chunk", "choices": [choice], "usage": None}
+
+
+def sglang_stream(routed: object, prompt: int, completion: int) -> list[dict[str, Any]]:
+    """A chat stream with ``include_usage``: content deltas, the routing chunk, usage."""
+    content = [_delta_chunk(0, "x", chat=True) for _ in range(completion)]
+    usage = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": _usage(prompt, completion),
+    }
+    return [*content, sglang_stream_chunk(routed), usage]
+
+
+def lmdeploy_stream(routed: object, prompt: int, completion: int) -> list[dict[str, Any]]:
+    """A chat stream: content deltas, then the final chunk carrying routing and usage."""
+    content = [_delta_chunk(0, "x", chat=True) for _ in range(completion - 1)]
+    return [*content, lmdeploy_chat(routed, prompt, completion, final_chunk=True)]

@@ -120,9 +120,7 @@ def test_sglang_start_len_past_the_history_is_refused(store: RouteStore) -> None
         weight_version=0,
     )
     skip = history.rows + 2
-    gap = fake.respond(
-        full, prompt_tokens=PROMPT, completion_tokens=SECOND, start_row=skip
-    )
+    gap = fake.respond(full, prompt_tokens=PROMPT, completion_tokens=SECOND, start_row=skip)
     with pytest.raises(HandleError, match="skips rows"):
         ADAPTERS["sglang"].ingest(
             gap, spec=SPEC, writer=store, weight_version=1, history=history, start_row=skip

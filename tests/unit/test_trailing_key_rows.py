@@ -38,7 +38,8 @@ def test_a_key_with_the_stop_row_kept_reads_back_the_counted_rows() -> None:
     options = BodyOptions(endpoint="generate", include_stop=False, put=backend.engine_store().put)
     body = engine_wire("lmdeploy").build_body([stopped], SPEC, options)
     key = read_response("lmdeploy", body, SPEC).key
-    assert key is not None and key.trailing_rows == 1
+    assert key is not None
+    assert key.trailing_rows == 1
     rows = PROMPT + GENERATED - 2  # LMDeploy's counts lost the stop token, the array did not
     handle = ADAPTERS["lmdeploy"].ingest(body, spec=SPEC, writer=store, weight_version=0)
     assert handle.rows == rows

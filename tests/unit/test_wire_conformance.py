@@ -180,13 +180,18 @@ def test_lmdeploy_trims_the_stop_token_from_the_answer_but_not_from_the_stored_a
     assert inline["token_ids"] == list(stopped.token_ids[:-1])
     rows = PROMPT + COMPLETION - 2  # the counts lost the stop token
     routes = read_response("lmdeploy", inline, SPEC).routes
-    assert routes is not None and routes.rows == rows
+    assert routes is not None
+    assert routes.rows == rows
     np.testing.assert_array_equal(routes.array, stopped.routing[:rows])
     key = read_response("lmdeploy", keyed, SPEC).key
-    assert key is not None and key.rows == rows
-    assert stored[eb.KEY].shape[0] == rows + 1 in key.payload_rows
+    assert key is not None
+    assert key.rows == rows
+    assert stored[eb.KEY].shape[0] == rows + 1  # the stop token's row is still stored
+    assert stored[eb.KEY].shape[0] in key.payload_rows
     kept = lmdeploy.build_body([stopped], SPEC, BodyOptions(endpoint="generate", put=put))
-    assert read_response("lmdeploy", kept, SPEC).key.rows == stored[eb.KEY].shape[0]  # type: ignore[union-attr]
+    kept_key = read_response("lmdeploy", kept, SPEC).key
+    assert kept_key is not None
+    assert kept_key.rows == stored[eb.KEY].shape[0]  # include_stop: counts and array agree
 
 
 # --------------------------------------------------------------------------- the server

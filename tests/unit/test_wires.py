@@ -4,6 +4,7 @@ refused for the right reason; bodies come from the independent encoders in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import dense_specs, random_routing, seeds
 
-from routeplay import read_response, read_responses
+from routeplay import read_response, read_responses, read_stream
 from routeplay.core import EngineKey, RouteSpec
 from routeplay.core.wires import WIRE_NAMES, WIRES, Engine, engine_wire, wire
 from routeplay.errors import MalformedPayload, MisuseError, RouteplayError, RowCountMismatch
@@ -129,7 +130,8 @@ def test_every_body_shape_decodes_to_its_rows(name: str) -> None:
     )
     assert result.engine is Engine(shape.engine)
     assert (result.prompt_tokens, result.completion_tokens) == shape.counts
-    assert result.key is None and result.routes is not None
+    assert result.key is None
+    assert result.routes is not None
     routes = result.routes
     assert routes.start_row == shape.start
     assert routes.rows == shape.rows.shape[0]
@@ -145,7 +147,8 @@ def test_a_batched_sglang_list_reads_one_result_per_prompt() -> None:
         eb.sglang_generate(eb.sglang_payload(other, SPEC, START), PROMPT, 5),
     ]
     first, second = read_responses("sglang", batch, SPEC, start_rows=[0, START])
-    assert first.routes is not None and second.routes is not None
+    assert first.routes is not None
+    assert second.routes is not None
     np.testing.assert_array_equal(first.routes.array, full)
     np.testing.assert_array_equal(second.routes.array, other[START:])
     assert second.routes.start_row == START
@@ -154,7 +157,35 @@ def test_a_batched_sglang_list_reads_one_result_per_prompt() -> None:
     [single] = read_responses(
         "vllm", eb.vllm_body([eb.vllm_payload(full, SPEC)], PROMPT, [5]), SPEC
     )
-    assert single.routes is not None and single.routes.rows == ROWS
+    assert single.routes is not None
+    assert single.routes.rows == ROWS
+
+
+@pytest.mark.parametrize(
+    ("engine", "chunks", "start"),
+    [
+        ("sglang", eb.sglang_stream(eb.sglang_payload(truth(), SPEC, START), PROMPT, 5), START),
+        ("lmdeploy", eb.lmdeploy_stream(eb.lmdeploy_payload(truth(), SPEC), PROMPT, 5), 0),
+    ],
+    ids=["sglang-sglext-chunk", "lmdeploy-final-chunk"],
+)
+def test_a_streamed_answer_reads_its_routing_chunk_and_its_counts(
+    engine: str, chunks: list[Any], start: int
+) -> None:
+    result = read_stream(engine, json.loads(json.dumps(chunks)), SPEC, start_row=start)
+    assert (result.prompt_tokens, result.completion_tokens) == (PROMPT, COMPLETION)
+    assert result.routes is not None
+    assert result.routes.start_row == start
+    np.testing.assert_array_equal(result.routes.array, truth()[start:])
+
+
+def test_a_stream_without_a_routing_chunk_is_refused() -> None:
+    chunks = eb.sglang_stream(eb.sglang_payload(truth(), SPEC), PROMPT, 5)
+    without = [c for c in chunks if "sglext" not in c]
+    with pytest.raises(MalformedPayload, match="no sglang stream chunk carries sglext"):
+        read_stream("sglang", without, SPEC)
+    with pytest.raises(MalformedPayload, match="carries routed_experts"):
+        read_stream("lmdeploy", eb.lmdeploy_stream(None, PROMPT, 5), SPEC)
 
 
 # --------------------------------------------------------------------------- start rows
@@ -187,9 +218,11 @@ def test_a_start_row_left_out_is_refused_naming_the_request_field(
     with pytest.raises(RowCountMismatch) as info:
         read_response(engine, body, SPEC)
     message = str(info.value)
-    assert f"expected {ROWS} rows" in message and f"found {ROWS - START} rows" in message
+    assert f"expected {ROWS} rows" in message
+    assert f"found {ROWS - START} rows" in message
     assert f"{field}={START}" in message
-    assert f"start_row={START}" in message and f"--start-row {START}" in message
+    assert f"start_row={START}" in message
+    assert f"--start-row {START}" in message
 
 
 def test_a_wrong_start_row_is_refused_with_the_field_it_stands_for() -> None:
@@ -210,7 +243,8 @@ def test_sglang_openai_routes_carry_the_first_choice_only() -> None:
         read_response("sglang", body, SPEC, choice=1)
     assert "return_meta_info" in info.value.hint
     first = read_response("sglang", body, SPEC)  # usage sums two choices: no row check
-    assert first.routes is not None and first.completion_tokens is None
+    assert first.routes is not None
+    assert first.completion_tokens is None
 
 
 # --------------------------------------------------------------------------- store keys
@@ -256,8 +290,10 @@ def test_the_registry_names_every_wire_once_and_maps_it_to_its_engine() -> None:
     assert WIRE_NAMES == ("lmdeploy-key", "lmdeploy-inline", "vllm", "sglang")
     assert {w.engine for w in WIRES.values()} == set(Engine)
     assert [name for name in WIRE_NAMES if wire(name).key_store] == ["lmdeploy-key"]
-    assert wire("sglang").path == "/generate" and wire("vllm").path == "/v1/completions"
-    assert wire("vllm").routing_start(7) == 7 and wire("lmdeploy-key").routing_start(7) == 0
+    assert wire("sglang").path == "/generate"
+    assert wire("vllm").path == "/v1/completions"
+    assert wire("vllm").routing_start(7) == 7
+    assert wire("lmdeploy-key").routing_start(7) == 0
     assert engine_wire("lmdeploy-inline") is engine_wire("lmdeploy")
     with pytest.raises(MisuseError):
         wire("trtllm")
@@ -360,10 +396,8 @@ BODIES = st.recursive(
 def test_bad_bodies_raise_only_routeplay_errors(
     body: Any, engine: str, choice: int, start: int
 ) -> None:
-    try:
+    with contextlib.suppress(RouteplayError):
         read_response(engine, body, SPEC, choice=choice, start_row=start)
-    except RouteplayError:
-        pass
 
 
 @settings(max_examples=100)
@@ -378,7 +412,18 @@ def test_mutated_real_bodies_raise_only_routeplay_errors(
     holder = body[0] if isinstance(body, list) else body
     name = data.draw(st.sampled_from(sorted(holder)), label="field")
     holder[name] = data.draw(JSON, label="value")
-    try:
+    with contextlib.suppress(RouteplayError):
         read_response(engine, body, spec, start_row=first)
-    except RouteplayError:
-        pass
+
+
+@settings(max_examples=150)
+@given(
+    chunks=st.lists(BODIES, max_size=4),
+    engine=st.sampled_from([e.value for e in Engine]),
+    choice=st.integers(0, 2),
+)
+def test_bad_streams_raise_only_routeplay_errors(
+    chunks: list[Any], engine: str, choice: int
+) -> None:
+    with contextlib.suppress(RouteplayError):
+        read_stream(engine, chunks, SPEC, choice=choice)

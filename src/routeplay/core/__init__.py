@@ -11,7 +11,7 @@ from routeplay.core.presets import PRESETS, preset
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec, canonical_dtype
 from routeplay.core.validate import canonicalize, expected_rows
-from routeplay.core.wires import Engine, EngineRouting, read_response, read_responses
+from routeplay.core.wires import Engine, EngineRouting, read_response, read_responses, read_stream
 
 __all__ = [
     "PRESETS",
@@ -32,5 +32,6 @@ __all__ = [
     "preset",
     "read_response",
     "read_responses",
+    "read_stream",
     "spec_from_hf_config",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "engine_wire",
     "read_response",
     "read_responses",
+    "read_stream",
     "wire",
     "wire_layers",
 ]
@@ -70,6 +71,8 @@ class EngineWire(Protocol):
     ) -> EngineRouting: ...
 
     def read_completion(self, body: object, *, where: str) -> Completion: ...
+
+    def join_stream(self, chunks: Sequence[object], *, where: str) -> Any: ...
 
     def request(
         self,
@@ -222,6 +225,28 @@ def read_response(
     return protocol.read(
         body, spec, choice=choice, start_row=start_row, where=where or protocol.engine.value
     )
+
+
+def read_stream(
+    engine: Engine | str,
+    chunks: Sequence[object],
+    spec: RouteSpec,
+    *,
+    choice: int = 0,
+    start_row: int = 0,
+    where: str = "",
+) -> EngineRouting:
+    """Decode the routing of a streamed answer from its parsed chunks (SSE ``data:``
+    lines, ``[DONE]`` left out): the chunk that carries routing and the one with counts.
+
+    Example:
+        >>> chunks = [json.loads(line[6:]) for line in sse if line != "data: [DONE]"]
+        >>> routing = read_stream("sglang", chunks, spec)  # doctest: +SKIP
+    """
+    protocol = engine_wire(engine)
+    where = where or protocol.engine.value
+    body = protocol.join_stream(chunks, where=where)
+    return read_response(engine, body, spec, choice=choice, start_row=start_row, where=where)
 
 
 def read_responses(

@@ -33,6 +33,7 @@ __all__ = [
     "count",
     "field",
     "item",
+    "join_choice_stream",
     "mapping",
     "openai_choice_counts",
     "row_count_refusal",
@@ -251,6 +252,33 @@ def openai_choice_counts(
         return prompt, count(usage, "completion_tokens", where)
     token_ids = picked.get("token_ids")
     return prompt, len(token_ids) if isinstance(token_ids, list) else None
+
+
+def join_choice_stream(
+    chunks: Sequence[object], routing: str, what: str, where: str
+) -> dict[str, Any]:
+    """One body from streamed chunks whose routing rides on a choice of the final chunk
+    (LMDeploy chat, vLLM): each choice index keeps its last entry that carries routing,
+    and the last chunk with usage supplies the counts."""
+    picked: dict[int, Mapping[str, Any]] = {}
+    usage: object = None
+    for number, chunk in enumerate(chunks):
+        top = mapping(chunk, f"{what} stream chunk {number}", where)
+        usage = top.get("usage") or usage
+        choices = top.get("choices")
+        for entry in choices if isinstance(choices, list) else ():
+            if isinstance(entry, Mapping) and entry.get(routing) is not None:
+                index = entry.get("index", 0)
+                picked[index if isinstance(index, int) else 0] = entry
+    if not picked:
+        raise MalformedPayload(
+            f"no {what} stream chunk carries {routing}",
+            expected=f"a final chunk whose choices carry {routing}",
+            found=f"{len(chunks)} chunks without it",
+            where=where,
+            hint="Was the engine started with routed-experts return enabled?",
+        )
+    return {"choices": [picked[i] for i in sorted(picked)], "usage": usage}
 
 
 def rows_expected(prompt: int | None, completion: int | None, start: int) -> int | None:

@@ -32,6 +32,7 @@ from routeplay.core.wires.base import (
     count,
     field,
     item,
+    join_choice_stream,
     mapping,
     openai_choice_counts,
     rows_expected,
@@ -140,6 +141,11 @@ class LmdeployWire:
             field(top, "finish_reason", where),
             where=where,
         )
+
+    def join_stream(self, chunks: Sequence[object], *, where: str) -> Any:
+        """One body from the chunks of a streamed answer: routing rides on the final
+        chunk's choices, counts on the chunk with ``usage``."""
+        return join_choice_stream(chunks, ROUTING, self.engine.value, where)
 
     # -- requests ------------------------------------------------------------------------
 

@@ -141,6 +141,33 @@ class SglangWire:
         reason = field(field(meta, "finish_reason", where), "type", where)
         return completion(field(top, "output_ids", where), logprobs, reason, where=where)
 
+    def join_stream(self, chunks: Sequence[object], *, where: str) -> Any:
+        """One body from the chunks of a streamed OpenAI answer: the separate chunk with
+        ``sglext`` (and ``choices: []``), the choices seen in the other chunks, and the
+        counts of the chunk with ``usage``."""
+        routing: Mapping[str, Any] | None = None
+        usage: object = None
+        indices: set[int] = set()
+        for number, chunk in enumerate(chunks):
+            top = mapping(chunk, f"sglang stream chunk {number}", where)
+            usage = top.get("usage") or usage
+            if top.get(EXT) is not None:
+                routing = top
+            choices = top.get("choices")
+            for entry in choices if isinstance(choices, list) else ():
+                index = entry.get("index") if isinstance(entry, Mapping) else None
+                indices.add(index if isinstance(index, int) else 0)
+        if routing is None:
+            raise MalformedPayload(
+                f"no sglang stream chunk carries {EXT}",
+                expected=f"a chunk with choices [] and {EXT}.{ROUTING}",
+                found=f"{len(chunks)} chunks without it",
+                where=where,
+                hint="Was the request sent with return_routed_experts?",
+            )
+        choices = [{"index": i} for i in sorted(indices or {0})]
+        return {**routing, "choices": choices, "usage": usage}
+
     # -- requests ------------------------------------------------------------------------
 
     def request(

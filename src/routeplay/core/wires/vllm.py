@@ -28,6 +28,7 @@ from routeplay.core.wires.base import (
     completion,
     field,
     item,
+    join_choice_stream,
     mapping,
     openai_choice_counts,
     row_count_refusal,
@@ -108,6 +109,11 @@ class VllmWire:
         logprobs = field(field(picked, "logprobs", where), "token_logprobs", where)
         ids = field(picked, "token_ids", where)
         return completion(ids, logprobs, field(picked, "finish_reason", where), where=where)
+
+    def join_stream(self, chunks: Sequence[object], *, where: str) -> Any:
+        """One body from the chunks of a streamed answer: routing rides on the final
+        chunk's choices, counts on the chunk with ``usage``."""
+        return join_choice_stream(chunks, ROUTING, self.engine.value, where)
 
     # -- requests ------------------------------------------------------------------------
 
