@@ -80,3 +80,12 @@ def test_the_wire_modules_do_name_the_fields() -> None:
     }
     assert {"routed_experts", "meta_info", "sglext", "choices", "usage"} <= names
     assert len(MODULES) > 20
+
+
+def test_the_reference_server_builds_bodies_without_the_fakes() -> None:
+    # The server and the fakes share the wire modules' body builders; neither copies the other.
+    for module in ("engine/server.py", "engine/requests.py"):
+        tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "routeplay.rollout.fake_engines" not in imported, module
+        assert any(name and name.startswith("routeplay.core.wires") for name in imported)

@@ -53,7 +53,8 @@ ENDPOINTS: Final[dict[str, str]] = {
 START_FIELD: Final = "routed_experts_start_len"
 """Request parameter: the first routing row the body carries (never echoed)."""
 KEY_NAMESPACE: Final = "sglang"
-"""Ray namespace of XTuner's patched SGLang routing store."""
+"""Ray namespace of XTuner's patched SGLang routing store (its actor has LMDeploy's name,
+``shared_store``, and the same put/get protocol)."""
 RETURN_FIELD: Final = "return_routed_experts"
 """Request flag asking for routing."""
 ROUTING: Final = "routed_experts"
@@ -102,8 +103,7 @@ class SglangWire:
     def _read_openai(
         self, top: Mapping[str, Any], spec: RouteSpec, choice: int, start: int, where: str
     ) -> EngineRouting:
-        choices = field(top, "choices", f"{where} choices")
-        choices = sequence(choices, "choices", where)
+        choices = sequence(field(top, "choices", f"{where} choices"), "choices", where)
         usage = top.get("usage")
         if choices and isinstance(choices[0], Mapping) and META in choices[0]:
             picked = item(choices, choice, "choices", where)  # chat with return_meta_info
