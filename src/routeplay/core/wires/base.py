@@ -1,8 +1,9 @@
 """What every engine wire module shares: the result types, the engine-neutral answer a
 body is built from, and the few helpers that walk a parsed JSON body safely.
 
-Field names of engine bodies never appear here: each engine module names its own.
-Every helper refuses a wrong shape with ``MalformedPayload`` (never ``KeyError``,
+Engine-specific field names live in each engine's module; the only ones here are the
+OpenAI envelope several engines share (``choices``, ``usage`` and its counts). Every
+helper refuses a wrong shape with ``MalformedPayload`` (never ``KeyError``,
 ``TypeError`` or ``AttributeError``), naming the path it was reading.
 """
 
@@ -16,6 +17,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from routeplay.core.formats.lmdeploy import parse_key
 from routeplay.core.handle import EngineKey
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
@@ -39,6 +41,7 @@ __all__ = [
     "row_count_refusal",
     "rows_expected",
     "sequence",
+    "store_key",
     "wire_layers",
 ]
 
@@ -279,6 +282,28 @@ def join_choice_stream(
             hint="Was the engine started with routed-experts return enabled?",
         )
     return {"choices": [picked[i] for i in sorted(picked)], "usage": usage}
+
+
+def store_key(
+    payload: object,
+    *,
+    rows: int | None,
+    namespace: str,
+    trailing_rows: int,
+    path: str,
+) -> EngineKey:
+    """The ``EngineKey`` behind a 56-hex routing string; its row count comes from the
+    body's token counts, so a body without them is refused."""
+    if rows is None:
+        raise MalformedPayload(
+            "a routing key needs token counts to know its row count",
+            expected="prompt and completion token counts in the body",
+            found="no counts",
+            where=path,
+        )
+    return parse_key(
+        payload, rows=rows, namespace=namespace, trailing_rows=trailing_rows, where=path
+    )
 
 
 def rows_expected(prompt: int | None, completion: int | None, start: int) -> int | None:

@@ -36,6 +36,7 @@ from routeplay.core.wires.base import (
     mapping,
     openai_choice_counts,
     rows_expected,
+    store_key,
     wire_layers,
 )
 from routeplay.errors import MalformedPayload, MisuseError
@@ -88,24 +89,7 @@ class LmdeployWire:
                 found=f"start_row {start_row}",
                 where=where,
             )
-        usage = top.get("usage")
-        if "choices" in top:
-            holder = item(field(top, "choices", where), choice, "choices", where)
-            path = f"{where} choices[{choice}].{ROUTING}"
-            prompt, generated = openai_choice_counts(top, holder, where)
-        elif META in top:
-            holder = field(top, META, f"{where} {META}")
-            path = f"{where} {META}.{ROUTING}"
-            prompt = count(holder, "prompt_tokens", where)
-            generated = count(holder, "completion_tokens", where)
-        else:  # /v1/messages
-            holder, path = top, f"{where} {ROUTING}"
-            prompt = count(usage, "input_tokens", where)
-            generated = count(usage, "output_tokens", where)
-        if choice and "choices" not in top:
-            raise MalformedPayload(
-                "this body has one result", expected="choice 0", found=choice, where=where
-            )
+        holder, path, prompt, generated = _locate(top, choice, where)
         value = field(holder, ROUTING, path, routing=True)
         expected = rows_expected(prompt, generated, 0)
         common: dict[str, Any] = {
@@ -114,19 +98,12 @@ class LmdeployWire:
             "completion_tokens": generated,
         }
         if isinstance(value, str):
-            if expected is None:
-                raise MalformedPayload(
-                    "a routing key needs token counts to know its row count",
-                    expected="prompt and completion token counts",
-                    found="no counts",
-                    where=path,
-                )
-            key = codec.parse_key(
+            key = store_key(
                 value,
                 rows=expected,
                 namespace=KEY_NAMESPACE,
                 trailing_rows=TRAILING_KEY_ROWS,
-                where=path,
+                path=path,
             )
             return EngineRouting(key=key, **common)
         routes = codec.decode_lists(value, spec, expected=expected, where=path)
@@ -207,6 +184,27 @@ class LmdeployWire:
         if options.endpoint == "messages":
             return _messages(answers[0], shown[0][0], spec, options)
         return _chat(answers, shown, spec, options)
+
+
+def _locate(
+    top: Mapping[str, Any], choice: int, where: str
+) -> tuple[Mapping[str, Any], str, int | None, int | None]:
+    """The object holding routing, its path, and the prompt and completion counts."""
+    if "choices" in top:  # chat completions, or the final chunk of a stream
+        holder = item(field(top, "choices", where), choice, "choices", where)
+        prompt, generated = openai_choice_counts(top, holder, where)
+        return holder, f"{where} choices[{choice}].{ROUTING}", prompt, generated
+    if choice:
+        raise MalformedPayload(
+            "this body has one result", expected="choice 0", found=choice, where=where
+        )
+    if META in top:  # /generate
+        meta = mapping(field(top, META, f"{where} {META}"), META, where)
+        prompt = count(meta, "prompt_tokens", where)
+        return meta, f"{where} {META}.{ROUTING}", prompt, count(meta, "completion_tokens", where)
+    usage = top.get("usage")  # /v1/messages (Anthropic protocol)
+    prompt = count(usage, "input_tokens", where)
+    return top, f"{where} {ROUTING}", prompt, count(usage, "output_tokens", where)
 
 
 def _visible(answer: Answer, options: BodyOptions) -> tuple[list[int], list[float], int]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from routeplay.core.formats import lmdeploy as keys
 from routeplay.core.formats import sglang as codec
+from routeplay.core.formats.lmdeploy import is_key
 from routeplay.core.handle import EngineKey
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import check_row_count
@@ -39,6 +39,7 @@ from routeplay.core.wires.base import (
     row_count_refusal,
     rows_expected,
     sequence,
+    store_key,
     wire_layers,
 )
 from routeplay.errors import MalformedPayload, MisuseError, RowCountMismatch
@@ -220,7 +221,7 @@ def _routing(
         "completion_tokens": generated,
     }
     expected = rows_expected(prompt, generated, start)
-    if keys.is_key(payload):  # 42 bytes as base64: never whole int32 rows, so unambiguous
+    if is_key(payload):  # 42 bytes as base64: never whole int32 rows, so unambiguous
         return EngineRouting(key=_key(payload, prompt, generated, start, path), **common)
     if not isinstance(payload, (str, bytes)):
         raise MalformedPayload(
@@ -258,14 +259,6 @@ def _rows_on_wire(payload: str | bytes, spec: RouteSpec) -> int | None:
 def _key(
     payload: object, prompt: int | None, generated: int | None, start: int, path: str
 ) -> EngineKey:
-    rows = rows_expected(prompt, generated, 0)
-    if rows is None:
-        raise MalformedPayload(
-            "a routing key needs token counts to know its row count",
-            expected="prompt_tokens and completion_tokens",
-            found="no counts",
-            where=path,
-        )
     if start:
         raise MalformedPayload(
             "a routing-store key holds every row of the sequence",
@@ -273,7 +266,8 @@ def _key(
             found=f"start_row {start}",
             where=path,
         )
-    return keys.parse_key(payload, rows=rows, namespace=KEY_NAMESPACE, where=path)
+    rows = rows_expected(prompt, generated, 0)
+    return store_key(payload, rows=rows, namespace=KEY_NAMESPACE, trailing_rows=0, path=path)
 
 
 def _first(entry: object, where: str) -> object:
