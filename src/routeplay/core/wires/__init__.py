@@ -174,14 +174,24 @@ WIRE_NAMES: Final[tuple[str, ...]] = tuple(WIRES)
 
 
 def wire(name: str) -> WireFormat:
-    """The wire format called ``name``; unknown names are refused."""
+    """The wire format called ``name``; unknown names are refused.
+
+    Example:
+        >>> wire("sglang").path
+        '/generate'
+    """
     if name not in WIRES:
         raise MisuseError("unknown engine wire format", expected=WIRE_NAMES, found=name)
     return WIRES[name]
 
 
 def engine_wire(engine: Engine | str) -> EngineWire:
-    """The protocol of an engine (``vllm``, ``sglang``, ``lmdeploy``) or of a wire's engine."""
+    """The protocol of an engine (``vllm``, ``sglang``, ``lmdeploy``) or of a wire's engine.
+
+    Example:
+        >>> engine_wire("lmdeploy-key").start_field is None  # LMDeploy sends every row
+        True
+    """
     if isinstance(engine, str) and engine in WIRES:
         return WIRES[engine].protocol
     try:
@@ -212,7 +222,7 @@ def read_response(
 
     Example:
         >>> routing = read_response("vllm", body, spec, start_row=10)  # doctest: +SKIP
-        >>> routing.routes.start_row
+        >>> routing.routes.start_row  # doctest: +SKIP
         10
     """
     protocol = engine_wire(engine)
@@ -241,6 +251,7 @@ def read_stream(
 
     Example:
         >>> chunks = [json.loads(line[6:]) for line in sse if line != "data: [DONE]"]
+        ... # doctest: +SKIP
         >>> routing = read_stream("sglang", chunks, spec)  # doctest: +SKIP
     """
     protocol = engine_wire(engine)
