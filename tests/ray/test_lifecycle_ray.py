@@ -58,7 +58,7 @@ class _RolloutWorker(RoutesProducer):
         )
         writer = ProducerWriter(producer=self, store=self.store)
         return ADAPTERS["sglang"].ingest(
-            body, spec=SPEC, writer=writer, weight_version=version, history=history
+            body, spec=SPEC, writer=writer, weight_version=version, history=history, start_row=start
         )
 
 
@@ -86,7 +86,7 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     a = _state("a", "g1", 1601, 1000, 0, session_id="s1")
     a = a.with_routing(h1, store.acquire(h1, "rollout/a"), Origin.PRODUCED)
 
-    # partial rollout: interrupted, resumed with start_len; the input's lease released
+    # partial rollout: interrupted, resumed from a start row; the input's lease released
     first = ray.get(worker.generate.remote(sample_b, 1200, 300, 0))
     first_lease = store.acquire(first, "rollout/b-partial")
     resumed = ray.get(worker.generate.remote(sample_b, 1200, 1000, 1, first))

@@ -20,8 +20,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from routeplay.core import read_response  # noqa: E402
+from routeplay.core.wires import wire as wire_format  # noqa: E402
 from routeplay.engine import (  # noqa: E402
-    ENGINE_OF,
     WIRES,
     EngineConfig,
     EngineServer,
@@ -272,7 +272,7 @@ def test_each_wire_over_http_decodes_to_the_generation_routing(
     assert response.status_code == 200, response.text
     payload = response.json()
     expected = engine.generate(PROMPT, max_new_tokens=9, seed=11, temperature=0.8)
-    read = read_response(ENGINE_OF[wire], payload, engine.spec, start_row=start)
+    read = read_response(wire_format(wire).engine, payload, engine.spec, start_row=start)
     assert (read.prompt_tokens, read.completion_tokens) == (len(PROMPT), 9)
     if store is not None:
         assert read.key is not None
@@ -300,8 +300,8 @@ def test_sglang_follow_up_turn_sends_only_new_rows(engine: ReferenceEngine) -> N
         body = _request("sglang", context, start=history, max_tokens=5, stop_after=3)
         second = httpx.post(server.endpoint, json=body).json()
     assert second["meta_info"]["finish_reason"]["type"] == "abort"
-    assert second["meta_info"]["routed_experts_start_len"] == history
-    read = read_response("sglang", second, engine.spec)
+    assert "routed_experts_start_len" not in second["meta_info"]  # SGLang never echoes it
+    read = read_response("sglang", second, engine.spec, start_row=history)
     assert read.routes is not None
     assert (read.routes.start_row, read.routes.stop_row) == (history, len(context) + 3 - 1)
     full = engine.generate(context, max_new_tokens=5, stop_after=3)

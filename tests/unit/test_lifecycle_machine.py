@@ -228,7 +228,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             full, prompt_tokens=prompt, completion_tokens=completion, start_row=start
         )
         handle = ADAPTERS[fake.adapter].ingest(
-            response, spec=SPEC, writer=self.store, weight_version=self.version, history=history
+            response,
+            spec=SPEC,
+            writer=self.store,
+            weight_version=self.version,
+            history=history,
+            start_row=start,
         )
         assert handle.rows == full.shape[0]
         if history is not None:  # partial-resume rule: history kept, only new rows appended

@@ -103,7 +103,7 @@ def ingest(
         full, prompt_tokens=prompt, completion_tokens=completion, start_row=start
     )
     return ADAPTERS[fake.adapter].ingest(
-        response, spec=SPEC, writer=store, weight_version=version, history=history
+        response, spec=SPEC, writer=store, weight_version=version, history=history, start_row=start
     )
 
 

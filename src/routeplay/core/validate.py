@@ -47,7 +47,7 @@ def check_row_count(rows: int, expected: int, *, where: str = "") -> None:
         hint = (
             "One row too many: the engine included the last generated token."
             if off == 1
-            else "Check the token counts and routed_experts_start_len."
+            else "Check the token counts and the start row the request asked for."
         )
         raise RowCountMismatch(
             "routing rows do not match the token counts",

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.server import EngineServer
 from routeplay.pipeline.config import DemoConfig
@@ -149,7 +150,7 @@ class DemoServices:
         )
 
     def _engine_store(self, wire: str) -> Any:
-        if wire != "lmdeploy-key":
+        if not wire_format(wire).key_store:
             return None
         try:
             ray.get_actor(LMDEPLOY_NAME, namespace=LMDEPLOY_NAMESPACE)

@@ -1,8 +1,8 @@
 """SGLang routed experts: base64 of raw little-endian int32, flattened, no header.
 
 The decoded bytes hold rows ``[start_len, T)`` of ``[T, L, K]`` where ``start_len`` is
-``meta_info.routed_experts_start_len`` (0 when absent), so the row count is derived
-from the byte length and the spec.
+the request's ``routed_experts_start_len`` (never echoed in the body), so the row count
+is derived from the byte length and the spec.
 """
 
 from __future__ import annotations
