@@ -33,9 +33,10 @@ import torch
 
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import check_dtype, check_range, check_shape
+from routeplay.core.validate import check_distinct, check_dtype, check_range, check_shape
 from routeplay.errors import (
     DtypeError,
+    DuplicateExperts,
     ExpertOutOfRange,
     MisuseError,
     RowCountMismatch,
@@ -181,12 +182,22 @@ class ReplaySource:
     a numpy array or torch tensor ``[tokens, L, K]`` (``L`` may also count every decoder
     layer, dense ones included, as some engines send: the spec's layer map then picks the
     MoE columns), or a provider ``layer -> [tokens, K]``. Arrays are checked once here
-    (shape, dtype, and with ``check_ids`` the id range); token rows are checked per layer
-    against the router's input, since only the model knows how many tokens it flattened.
+    (shape, dtype, and with ``check_ids`` the id range and that no row names an expert
+    twice); a provider's blocks get the same checks each time a layer asks for them; token
+    rows are checked per layer against the router's input, since only the model knows how
+    many tokens it flattened. A repeated id would run that expert twice for the token and
+    drop one of its K experts (zero padding rows do exactly this), so it is refused, never
+    replayed. ``check_ids=False`` skips the id checks for routes already validated
+    (canonical ``Routes`` are never re-checked).
+
+    Example:
+        >>> source = ReplaySource(mb.routes, spec)
+        >>> ids = source.ids(0, device=logits.device, rows=logits.shape[0])
     """
 
     def __init__(self, routes: RoutesLike, spec: RouteSpec, *, check_ids: bool = True) -> None:
         self._spec = spec
+        self._check_ids = check_ids
         self._array: npt.NDArray[Any] | None = None
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
@@ -206,7 +217,9 @@ class ReplaySource:
             self._array = routes
             self._check(routes.shape, routes.dtype)
             if check_ids:
-                check_range(self._moe_columns(routes), spec, where="replay routes")
+                columns = self._moe_columns(routes)
+                check_range(columns, spec, where="replay routes")
+                check_distinct(columns, where="replay routes")
         elif isinstance(routes, torch.Tensor):
             self._tensor = routes
             dtype = _TORCH_TO_NUMPY.get(routes.dtype)
@@ -219,7 +232,9 @@ class ReplaySource:
                 )
             self._check(tuple(routes.shape), dtype)
             if check_ids:
-                self._check_tensor_range(self._moe_columns(routes))
+                columns = self._moe_columns(routes)
+                _check_tensor_range(columns, spec, where="replay routes")
+                _check_tensor_distinct(columns, where="replay routes")
         elif callable(routes):
             self._provider = routes
         else:
@@ -264,6 +279,8 @@ class ReplaySource:
                 where=where,
                 hint="Routes must cover exactly the tokens of this forward, padding included.",
             )
+        if self._provider is not None and self._check_ids:
+            self._check_block(block, where)
         ids = _widen(block, device)
         with self._lock:
             self._calls += 1
@@ -322,21 +339,63 @@ class ReplaySource:
             return data
         return data[:, list(self._columns), :]
 
-    def _check_tensor_range(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() == 0:
-            return
-        if tensor.dtype == torch.uint16:  # no min/max kernels for uint16: read its bits wider
-            tensor = tensor.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
-        elif tensor.dtype in (torch.uint32, torch.uint64):
-            tensor = tensor.to(torch.int64)
-        low, high = int(tensor.min()), int(tensor.max())  # one sync per replay, not per layer
-        if low < 0 or high >= self._spec.num_experts:
-            raise ExpertOutOfRange(
-                "expert id out of range",
-                expected=f"ids in [0, {self._spec.num_experts})",
-                found=f"ids in [{low}, {high}]",
-                where="replay routes",
-            )
+    def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str) -> None:
+        """Range and distinct ids of one provider block ``[rows, K]``."""
+        if isinstance(block, np.ndarray):
+            check_range(block[:, None, :], self._spec, where=where)
+            check_distinct(block[:, None, :], where=where)
+        else:
+            _check_tensor_range(block[:, None, :], self._spec, where=where)
+            _check_tensor_distinct(block[:, None, :], where=where)
+
+
+def _readable(tensor: torch.Tensor) -> torch.Tensor:
+    """The ids as a dtype with min/max/sort kernels everywhere (uint16 has barebones support)."""
+    if tensor.dtype == torch.uint16:  # read its bits wider
+        return tensor.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+    if tensor.dtype in (torch.uint32, torch.uint64):
+        return tensor.to(torch.int64)
+    return tensor
+
+
+def _check_tensor_range(tensor: torch.Tensor, spec: RouteSpec, *, where: str) -> None:
+    """Refuse ids outside ``[0, num_experts)`` in ``[rows, L, K]``; one device sync."""
+    if tensor.numel() == 0:
+        return
+    tensor = _readable(tensor)
+    low, high = int(tensor.min()), int(tensor.max())  # one sync per replay, not per layer
+    if low < 0 or high >= spec.num_experts:
+        raise ExpertOutOfRange(
+            "expert id out of range",
+            expected=f"ids in [0, {spec.num_experts})",
+            found=f"ids in [{low}, {high}]",
+            where=where,
+        )
+
+
+def _check_tensor_distinct(tensor: torch.Tensor, *, where: str) -> None:
+    """Refuse any ``(token, layer)`` row of ``[rows, L, K]`` naming an expert twice.
+
+    Sorting each row puts repeats side by side: one sort and one compare on the device,
+    one sync for the verdict; locating the first bad row costs more only when one exists.
+    """
+    if tensor.numel() == 0 or tensor.shape[-1] < 2:
+        return
+    ordered = _readable(tensor).sort(dim=-1).values
+    clash = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)  # [rows, L]
+    if not bool(clash.any()):
+        return
+    row, layer = (int(i) for i in clash.nonzero()[0])
+    zero_rows = int((_readable(tensor) == 0).all(dim=-1).sum())
+    hint = f"{int(clash.sum())} rows repeat an expert"
+    hint += f", {zero_rows} are all zeros (padding?)." if zero_rows else "."
+    raise DuplicateExperts(
+        "an expert appears twice in one top-k row",
+        expected=f"{tensor.shape[-1]} distinct ids",
+        found=_readable(tensor[row, layer]).tolist(),
+        where=f"{where}, row {row}, MoE layer {layer}",
+        hint=hint + " Pad with distinct ids (routeplay.train.padding_rows).",
+    )
 
 
 def _widen(block: npt.NDArray[Any] | torch.Tensor, device: torch.device) -> torch.Tensor:
