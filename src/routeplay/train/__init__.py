@@ -63,7 +63,29 @@ _HOME = {
     "seq_alignment": "packing",
 }
 
-__all__ = sorted(_HOME)
+__all__ = [
+    "FAMILIES",
+    "Materializer",
+    "MaterializerStats",
+    "MicroBatchRoutes",
+    "Pack",
+    "PackedSample",
+    "PackingPlan",
+    "RankCoords",
+    "RecorderStats",
+    "ReplaySource",
+    "ReplayStats",
+    "RouteRecorder",
+    "find_routers",
+    "local_ranges",
+    "local_tokens",
+    "model_spec",
+    "pack_samples",
+    "padding_rows",
+    "record",
+    "replay",
+    "seq_alignment",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -50,6 +50,7 @@ __all__ = [
     "ReplayStats",
     "RouteRecorder",
     "RoutesLike",
+    "check_ids_of",
     "dense_sigmoid_scores",
     "in_backward",
     "sigmoid_topk_weights",
@@ -217,9 +218,7 @@ class ReplaySource:
             self._array = routes
             self._check(routes.shape, routes.dtype)
             if check_ids:
-                columns = self._moe_columns(routes)
-                check_range(columns, spec, where="replay routes")
-                check_distinct(columns, where="replay routes")
+                check_ids_of(self._moe_columns(routes), spec)
         elif isinstance(routes, torch.Tensor):
             self._tensor = routes
             dtype = _TORCH_TO_NUMPY.get(routes.dtype)
@@ -232,9 +231,7 @@ class ReplaySource:
                 )
             self._check(tuple(routes.shape), dtype)
             if check_ids:
-                columns = self._moe_columns(routes)
-                _check_tensor_range(columns, spec, where="replay routes")
-                _check_tensor_distinct(columns, where="replay routes")
+                check_ids_of(self._moe_columns(routes), spec)
         elif callable(routes):
             self._provider = routes
         else:
@@ -341,12 +338,26 @@ class ReplaySource:
 
     def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str) -> None:
         """Range and distinct ids of one provider block ``[rows, K]``."""
-        if isinstance(block, np.ndarray):
-            check_range(block[:, None, :], self._spec, where=where)
-            check_distinct(block[:, None, :], where=where)
-        else:
-            _check_tensor_range(block[:, None, :], self._spec, where=where)
-            _check_tensor_distinct(block[:, None, :], where=where)
+        check_ids_of(block[:, None, :], self._spec, where=where)
+
+
+def check_ids_of(
+    routes: npt.NDArray[Any] | torch.Tensor, spec: RouteSpec, *, where: str = "replay routes"
+) -> None:
+    """Refuse ``[rows, L, K]`` ids that would misroute: out of range, or repeated in a row.
+
+    Numpy arrays use the vectorized ingest checks; tensors are checked where they lie
+    (one device sync per check). Raises ``ExpertOutOfRange`` or ``DuplicateExperts``.
+
+    Example:
+        >>> check_ids_of(mb.routes, spec)                  # before handing routes to a router
+    """
+    if isinstance(routes, np.ndarray):
+        check_range(routes, spec, where=where)
+        check_distinct(routes, where=where)
+    else:
+        _check_tensor_range(routes, spec, where=where)
+        _check_tensor_distinct(routes, where=where)
 
 
 def _readable(tensor: torch.Tensor) -> torch.Tensor:
