@@ -5,13 +5,34 @@
 ``RouterReplay`` of exactly the routers the rank holds, in the token order they see, and
 clears Megatron's global replay state when it closes. See docs/megatron.md.
 
-Importing this package needs torch but neither Ray nor megatron-core (Megatron is imported
-when a session finds its routers), so a layout can be planned anywhere.
+Names resolve on first use (PEP 562): the layout plans without torch, the session needs
+torch, and megatron-core is imported only when a session looks for routers. Nothing here
+imports Ray.
 """
 
-from routeplay.integrations.megatron.layout import MegatronLayout, QkvFormat
-from routeplay.integrations.megatron.routers import MegatronRouter, find_megatron_routers
-from routeplay.integrations.megatron.session import MegatronReplay, MegatronReplayStats, Recording
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from routeplay.integrations.megatron.layout import MegatronLayout, QkvFormat
+    from routeplay.integrations.megatron.routers import MegatronRouter, find_megatron_routers
+    from routeplay.integrations.megatron.session import (
+        MegatronReplay,
+        MegatronReplayStats,
+        Recording,
+    )
+
+_HOME = {
+    "MegatronLayout": "layout",
+    "MegatronReplay": "session",
+    "MegatronReplayStats": "session",
+    "MegatronRouter": "routers",
+    "QkvFormat": "layout",
+    "Recording": "session",
+    "find_megatron_routers": "routers",
+}
 
 __all__ = [
     "MegatronLayout",
@@ -22,3 +43,16 @@ __all__ = [
     "Recording",
     "find_megatron_routers",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
