@@ -426,6 +426,15 @@ def test_ids_out_of_range_wrong_shapes_and_row_counts_are_refused(
     check_global_state_clear()
 
 
+def test_routers_of_multi_token_prediction_layers_are_left_native() -> None:
+    chunk = Chunk(transformer_config(SPEC), range(3), SPEC)
+    mtp = Chunk(transformer_config(SPEC), range(1), RouteSpec(num_layers=1, top_k=2, num_experts=8))
+    mtp.is_mtp_layer = True  # as Megatron marks MultiTokenPredictionLayer
+    chunk.mtp = mtp
+    routers = find_megatron_routers(chunk, SPEC)
+    assert [r.name for r in routers] == [f"decoder.layers.{i}.mlp.router" for i in range(3)]
+
+
 def test_sessions_refuse_routers_without_replay_and_a_second_session() -> None:
     plain = Chunk(transformer_config(SPEC, moe_enable_routing_replay=False), range(3), SPEC)
     with pytest.raises(MisuseError, match="moe_enable_routing_replay"):

@@ -54,7 +54,8 @@ def find_megatron_routers(
     pipeline stages (``chunk`` indexes it). Each router needs a ``RouterReplay``
     (``TransformerConfig.moe_enable_routing_replay=True``) and a layer number; its decoder
     layer must be a MoE layer of ``spec`` and, if ``layout`` knows ``num_layers``, one that
-    chunk builds.
+    chunk builds. Routers inside multi-token-prediction layers (``is_mtp_layer``) are left
+    out: engines route no rows for them, so they keep routing natively.
 
     Example:
         >>> routers = find_megatron_routers(model_chunks, spec, layout=layout)
@@ -67,9 +68,12 @@ def find_megatron_routers(
     columns = {decoder: column for column, decoder in enumerate(spec.moe_layer_indices())}
     found: list[MegatronRouter] = []
     for chunk, module in enumerate(chunks):
-        for name, router in module.named_modules():
-            if isinstance(router, TopKRouter):
-                found.append(_site(chunk, name, router, columns, spec))
+        mtp: list[str] = []  # multi-token-prediction layers route natively (no engine rows)
+        for name, sub in module.named_modules():
+            if getattr(sub, "is_mtp_layer", False):
+                mtp.append(name + ".")
+            elif isinstance(sub, TopKRouter) and not any(name.startswith(p) for p in mtp):
+                found.append(_site(chunk, name, sub, columns, spec))
     if not found:
         raise SpecMismatch(
             "no Megatron-Core TopKRouter in the model",
@@ -112,8 +116,7 @@ def _site(
             expected=f"one of decoder layers {sorted(columns)}",
             found=decoder,
             where=where,
-            hint="Give the RouteSpec the model's layer_map (dense layers excluded); "
-            "multi-token-prediction layers are not replayed.",
+            hint="Give the RouteSpec the model's layer_map (dense layers excluded).",
         )
     if router.topk != spec.top_k or router.num_experts != spec.num_experts:
         raise SpecMismatch(
