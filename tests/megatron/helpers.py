@@ -113,6 +113,7 @@ class Step:
         packs_per_micro_batch: int = 1,
         feeds_last_token: bool = False,
         dp_size: int = 1,
+        pack_multiple: int | None = None,
     ) -> None:
         self.spec = spec
         self.store = RouteStore.local(StoreConfig(run=f"megatron-{seed}"))
@@ -131,6 +132,7 @@ class Step:
             dp_size=dp_size,
             seq_align=seq_align,
             feeds_last_token=feeds_last_token,
+            pack_multiple=pack_multiple,
         )
 
     def whole_pack(self, index: int) -> npt.NDArray[Any]:

@@ -155,6 +155,8 @@ def test_thd_ranks_route_their_tokens_to_the_replayed_experts(
         seq_align=align,
         feeds_last_token=feeds_last_token,
         dp_size=2,
+        # verl feeds whole sequences and sizes each micro-batch to its padded sequences.
+        pack_multiple=align if feeds_last_token else None,
     )
     config = transformer_config(SPEC)  # the router is the same on every TP rank
     covered = 0

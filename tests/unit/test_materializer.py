@@ -117,7 +117,7 @@ def brute_force_positions(pack: Pack | int, coords: RankCoords) -> npt.NDArray[n
     if coords.cp_split == "pack_zigzag":
         chunks = np.split(positions, 2 * cp)
         cp_local = np.concatenate([chunks[rank], chunks[mirror]])
-    elif coords.cp_split == "per_sequence" and not isinstance(pack, int):
+    elif coords.cp_split == "per_sequence" and cp > 1 and not isinstance(pack, int):
         parts = []
         for s in pack.samples:  # each sequence in 2 * cp chunks, then the tail in cp parts
             chunks = np.split(positions[s.offset : s.end], 2 * cp)
@@ -186,6 +186,17 @@ def test_per_sequence_cp_gives_each_rank_two_chunks_of_every_sequence() -> None:
     assert local_ranges(pack, rank1) == [(2, 6), (9, 11), (14, 16)]
     with_sp = RankCoords(cp_size=2, cp_rank=1, sp_size=2, sp_rank=1)  # second half of rank 1
     assert local_ranges(pack, with_sp) == [(9, 11), (14, 16)]
+
+
+def test_packs_can_end_at_their_last_sequence_rounded_up() -> None:
+    spec = RouteSpec(num_layers=1, top_k=1, num_experts=2)
+    samples = [(f"s{i}", rows_handle(spec, t - 1), t) for i, t in enumerate([9, 14, 30, 3])]
+    exact = pack_samples(samples, 32, seq_align=4, pack_multiple=4)  # verl: no tail at all
+    assert [p.length for p in exact.packs] == [24, 32, 4]
+    assert all(p.length == p.samples[-1].end for p in exact.packs)
+    slime = pack_samples(samples, 32, seq_align=4, pack_multiple=16)  # a local pad multiple
+    assert [p.length for p in slime.packs] == [32, 32, 16]
+    assert [p.length for p in pack_samples(samples, 32, seq_align=4).packs] == [32, 32, 32]
 
 
 def test_the_trainer_alignment_rule() -> None:

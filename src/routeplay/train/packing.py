@@ -386,6 +386,7 @@ def pack_samples(
     spec: RouteSpec | None = None,
     seq_align: int = 1,
     feeds_last_token: bool = False,
+    pack_multiple: int | None = None,
 ) -> PackingPlan:
     """Greedy in-order packing of ``(sample_id, handle, tokens)`` samples.
 
@@ -395,15 +396,20 @@ def pack_samples(
     current pack if it fits, else it opens a new pack. Consecutive packs form micro-batches
     of ``packs_per_micro_batch`` (the last may be shorter), dealt round-robin over
     ``dp_size`` data-parallel ranks. Row counts are checked here, before anything is read.
-    ``spec`` defaults to the first sample's.
+    ``spec`` defaults to the first sample's. Every pack is ``pack_max_length`` long, unless
+    ``pack_multiple`` is given: then a pack ends at its last sequence rounded up to that
+    multiple, as trainers that build each micro-batch to fit size it (verl: the sum of the
+    padded sequences, ``pack_multiple=seq_align``; slime: ``cp * tp * 128``).
 
     Example:
         >>> plan = pack_samples(samples, 4096, seq_align=seq_alignment(cp_size=2, sp_size=2))
     """
-    if min(pack_max_length, packs_per_micro_batch, dp_size, seq_align) < 1:
+    multiple = pack_multiple or 1
+    if min(pack_max_length, packs_per_micro_batch, dp_size, seq_align, multiple) < 1:
         raise MisuseError(
-            "pack_max_length, packs_per_micro_batch, dp_size and seq_align must be positive",
-            found=(pack_max_length, packs_per_micro_batch, dp_size, seq_align),
+            "pack_max_length, packs_per_micro_batch, dp_size, seq_align and pack_multiple "
+            "must be positive",
+            found=(pack_max_length, packs_per_micro_batch, dp_size, seq_align, pack_multiple),
         )
     packs: list[tuple[PackedSample, ...]] = []
     current: list[PackedSample] = []
@@ -438,9 +444,16 @@ def pack_samples(
     if spec is None:
         raise MisuseError("nothing to pack", hint="Pass at least one sample, or a spec.")
     groups = _chunks(range(len(packs)), packs_per_micro_batch)
+
+    def length(samples: tuple[PackedSample, ...]) -> int:
+        if pack_multiple is None:
+            return pack_max_length
+        end = samples[-1].end if samples else 0
+        return max(-(-end // multiple) * multiple, multiple)
+
     return PackingPlan(
         spec=spec,
-        packs=tuple(Pack(samples=p, length=pack_max_length) for p in packs),
+        packs=tuple(Pack(samples=p, length=length(p)) for p in packs),
         micro_batches=groups,
         dp_ranks=tuple(i % dp_size for i in range(len(groups))),
     )
