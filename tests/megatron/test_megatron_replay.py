@@ -130,6 +130,14 @@ def test_layer_split_matches_megatron(pp: int, vp: int | None, first: Any, last:
     assert sorted(seen) == list(range(layers))
 
 
+def test_the_layout_reads_megatrons_parallel_state() -> None:
+    config = transformer_config(SPEC)
+    layout = MegatronLayout.from_parallel_state(config, qkv_format="bshd")
+    assert layout == MegatronLayout(num_layers=3, qkv_format="bshd")
+    assert layout.coords().cp_split == "pack_zigzag"
+    assert layout.chunk_layers() == range(3)
+
+
 # -- THD: per-sequence CP, SP scatter ------------------------------------------------------
 
 
@@ -373,6 +381,7 @@ def test_r2_replays_what_the_old_logprob_pass_chose() -> None:
             native = [routing_ids(router(x)[1]) for router in chunk.routers()]
         assert recording.layers == (0, 1, 2)
         assert recording.numpy().dtype == SPEC.dtype
+        assert recording.nbytes == 3 * 64 * SPEC.top_k  # uint8 on the device
         with torch.no_grad():  # the policy moves between the two passes
             for router in chunk.routers():
                 router.weight.add_(torch.randn_like(router.weight))
@@ -381,6 +390,8 @@ def test_r2_replays_what_the_old_logprob_pass_chose() -> None:
     for layer, (old, again) in enumerate(zip(native, replayed, strict=True)):
         np.testing.assert_array_equal(old, again)
         np.testing.assert_array_equal(np.sort(recording.numpy()[:, layer], axis=-1), old)
+    recording.close()
+    assert recording.nbytes == 0
     check_global_state_clear()
 
 

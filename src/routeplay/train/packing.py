@@ -260,6 +260,10 @@ def seq_alignment(*, cp_size: int = 1, sp_size: int = 1) -> int:
     The rule of Megatron-based trainers (verl ``preprocess_packed_seqs``, NeMo-RL, slime's
     per-sequence CP): every sequence splits into ``2 * cp`` chunks, and the CP-local stream
     into ``sp`` (= TP with sequence parallelism) equal parts. Pass it to ``pack_samples``.
+
+    Example:
+        >>> seq_alignment(cp_size=2, sp_size=4)
+        16
     """
     if cp_size < 1 or sp_size < 1:
         raise MisuseError("cp_size and sp_size must be positive", found=(cp_size, sp_size))

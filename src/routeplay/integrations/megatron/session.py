@@ -61,7 +61,14 @@ class Recording:
 
     ``ids(moe_layer)`` is that layer's ``[tokens, K]`` ids on the router's device (all
     recorded forwards, rows concatenated). Replay it with ``session.replay(recording)``
-    under the same layout: the rows are already the ones each router sees.
+    under the same layout: the rows are already the ones each router sees. ``close()``
+    drops the ids (idempotent; also on leaving ``with recording:``).
+
+    Example:
+        >>> with torch.no_grad(), session.record(chunk=0) as rec:
+        ...     old_logits = model_chunks[0](tokens, position_ids, None)
+        >>> with rec, session.replay(rec, chunk=0):
+        ...     logits = model_chunks[0](tokens, position_ids, None)
     """
 
     def __init__(self, spec: RouteSpec) -> None:
@@ -96,6 +103,16 @@ class Recording:
         """Compact bytes held."""
         return sum(t.numel() * t.element_size() for ts in self._layers.values() for t in ts)
 
+    def close(self) -> None:
+        """Drop every recorded id (idempotent)."""
+        self._layers.clear()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _add(self, moe_layer: int, ids: torch.Tensor) -> None:
         self._layers.setdefault(moe_layer, []).append(ids.detach().to(self._dtype))
 
@@ -119,24 +136,34 @@ class MegatronReplayStats:
     """Forwards whose backward recompute is still to come."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class _Replaying:
+    """An open ``replay`` block of one chunk."""
+
     source: ReplaySource | Recording
+    """Where each layer's ids come from."""
     scatter: bool
+    """Rows are the CP-local stream: keep this TP rank's part."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class _Recording:
+    """An open ``record`` block of one chunk."""
+
     recording: Recording
+    """Receives each router's chosen ids."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class _Pending:
     """A forward whose recompute will replay the same ids; widened only then."""
 
     mode: _Replaying
+    """The block the forward ran in (its source outlives the block until the recompute)."""
     seq: int
+    """Sequence length the router saw."""
     batch: int
+    """Batch size the router saw."""
 
 
 class MegatronReplay:
@@ -224,7 +251,7 @@ class MegatronReplay:
     def record(self, *, chunk: int = 0) -> Iterator[Recording]:
         """Record what model chunk ``chunk``'s routers choose in the block's forwards (R2)."""
         recording = Recording(self.spec)
-        with self._mode(chunk, _Recording(recording)):
+        with self._mode(chunk, _Recording(recording=recording)):
             yield recording
 
     def stats(self) -> MegatronReplayStats:
