@@ -145,13 +145,19 @@ def cases(spec: RouteSpec, full: np.ndarray) -> dict[str, Case]:
     }
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    samples = []
+def timed(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in rounds (one call of each per round).
+
+    Interleaving makes load from other processes on the machine hit every function
+    alike, so the ratios between them hold even when the absolute figures move.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def main() -> None:
@@ -170,8 +176,8 @@ def main() -> None:
         result = case.ours()
         np.testing.assert_array_equal(result.array, full)  # both sides decode the same thing
         slow_repeats = 2 if "lists" in name else args.repeats
-        # Interleaved, so load from other processes on the machine hits every line alike.
-        t_ours, t_base = timed(case.ours, slow_repeats), timed(case.baseline, slow_repeats)
+        times = timed({"ours": case.ours, "baseline": case.baseline, **case.bounds}, slow_repeats)
+        t_ours, t_base = times["ours"], times["baseline"]
         row: dict[str, Any] = {
             "format": name,
             "wire_mb": round(len(case.wire) / 1e6, 2) if case.wire is not None else None,
@@ -181,8 +187,8 @@ def main() -> None:
             "baseline_mb_s": round(canonical_mb / t_base, 1),
             "speedup_vs_baseline": round(t_base / t_ours, 2),
         }
-        for bound, work in case.bounds.items():
-            t_bound = timed(work, slow_repeats)
+        for bound in case.bounds:
+            t_bound = times[bound]
             row[f"{bound}_ms"] = round(t_bound * 1e3, 2)
             row[f"{bound}_mb_s"] = round(canonical_mb / t_bound, 1)
             row[f"routeplay_vs_{bound}"] = round(t_bound / t_ours, 2)
@@ -202,7 +208,9 @@ def main() -> None:
             "spec": spec.describe(),
             "canonical_mb": round(canonical_mb, 2),
             "repeats": args.repeats,
-            "statistic": "median",
+            "repeats_nested_lists": 2,
+            "statistic": "median, decoders of one format timed in interleaved rounds",
+            "slice_bytes": sglang.SLICE_BYTES,
         },
         "versions": {
             "python": sys.version.split()[0],
