@@ -18,6 +18,7 @@ import argparse
 import base64
 import io
 import json
+import os
 import platform
 import statistics
 import sys
@@ -198,8 +199,9 @@ def main() -> None:
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "where": {
             "host": platform.node(),
-            "cpu_count": __import__("os").cpu_count(),
+            "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
+            "load_average_1m": round(os.getloadavg()[0], 2),  # other processes sharing it
         },
         "config": {
             "model": args.model,
