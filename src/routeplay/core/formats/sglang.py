@@ -17,7 +17,6 @@ then raises the typed error with the absolute row, layer and slot.
 from __future__ import annotations
 
 import binascii
-import itertools
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,7 +27,7 @@ import pybase64
 from routeplay.core.formats.b64 import decode_base64, encode_base64
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize
+from routeplay.core.validate import DistinctCheck, canonicalize
 from routeplay.errors import MalformedPayload
 
 __all__ = ["WIRE_DTYPE", "decode", "encode"]
@@ -120,7 +119,9 @@ def _fill(payload: str | bytes, plan: _Plan, spec: RouteSpec, out: npt.NDArray[n
     """Decode, check and narrow every slice into ``out``; False at the first problem."""
     text = memoryview(payload) if isinstance(payload, bytes) else payload  # bytes: no copies
     moe = _moe_selector(plan.layers, spec)
-    distinct = _DistinctScratch(spec.top_k, plan.step * spec.num_layers, spec.dtype)
+    distinct = DistinctCheck(
+        top_k=spec.top_k, max_pairs=plan.step * spec.num_layers, dtype=spec.dtype
+    )
     pairs = out.reshape(-1, spec.top_k)
     for first in range(0, plan.rows, plan.step):
         stop = min(plan.rows, first + plan.step)
@@ -151,35 +152,6 @@ def _moe_selector(layers: int, spec: RouteSpec) -> slice | npt.NDArray[np.intp] 
     if indices[-1] - indices[0] + 1 == len(indices):  # contiguous, e.g. dense layers first
         return slice(indices[0], indices[-1] + 1)
     return np.asarray(indices, dtype=np.intp)
-
-
-class _DistinctScratch:
-    """Buffers reused across slices for the "no expert twice in a top-k row" check.
-
-    Pairwise compares of contiguous columns run as SIMD passes; the column-major copy of
-    a slice is small enough to stay in cache (a per-row sort is about 10x slower).
-    """
-
-    def __init__(self, top_k: int, max_pairs: int, dtype: np.dtype[np.unsignedinteger]) -> None:
-        self._top_k = top_k
-        self._columns = np.empty((top_k, max_pairs), dtype=dtype)
-        self._clash = np.empty(max_pairs, dtype=bool)
-        self._equal = np.empty(max_pairs, dtype=bool)
-
-    def holds(self, pairs: npt.NDArray[np.generic]) -> bool:
-        """Whether every (row, layer) of ``pairs`` (``[n, K]``) names K distinct experts."""
-        top_k, count = self._top_k, pairs.shape[0]
-        if top_k < 2 or count == 0:
-            return True
-        columns, clash, equal = self._columns[:, :count], self._clash[:count], self._equal[:count]
-        np.copyto(columns, pairs.T)
-        each_pair = itertools.combinations(range(top_k), 2)
-        i, j = next(each_pair)
-        np.equal(columns[i], columns[j], out=clash)
-        for i, j in each_pair:
-            np.equal(columns[i], columns[j], out=equal)
-            np.bitwise_or(clash, equal, out=clash)
-        return not bool(clash.any())
 
 
 # --------------------------------------------------------------------------- plain path
