@@ -195,6 +195,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.expected: dict[str, npt.NDArray[np.uint8]] = {}  # ground-truth rows
         self.salt: dict[str, int] = {}
         self.versions: dict[str, tuple[int, ...]] = {}  # response tokens' weight versions
+        self.row_versions: dict[str, int] = {}  # oldest weight version of its routing rows
         self.retries: dict[str, int] = {}
         self.leased: dict[str, Handle] = {}  # the handle the sample's own lease covers
         # ... and where each sample is (who holds its lease).
@@ -258,12 +259,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert state.lease.holder == f"rollout/{sid}"
         self.expected[sid] = full
         self.versions[sid] = state.weight_versions
+        assert state.routing is not None
+        if state.routing.segments:  # prompt rows borrowed from a session count as well
+            self.row_versions[sid] = min(seg.weight_version for seg in state.routing.segments)
         self.retries.setdefault(sid, 0)
         self.leased[sid] = leased
         (self.pending if state.status is Status.COMPLETED else self.partials)[sid] = state
 
     def forget(self, sid: str) -> None:
-        for table in (self.expected, self.versions, self.leased, self.salt, self.retries):
+        tables = (self.expected, self.versions, self.row_versions, self.leased, self.salt)
+        for table in (*tables, self.retries):
             table.pop(sid, None)
 
     def predict_refresh(self) -> tuple[list[str], list[str]]:
@@ -271,10 +276,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         retried: list[str] = []
         discarded: list[str] = []
         for gid, sids in list(self.groups.items()):
-            staleness = max(
-                (self.version - min(self.versions[s]) for s in sids if self.versions[s]),
-                default=0,
-            )
+            staleness = max((self.staleness(s) for s in sids), default=0)
             if staleness <= CONFIG.max_staleness:
                 continue
             del self.groups[gid]
@@ -285,11 +287,21 @@ class LifecycleMachine(RuleBasedStateMachine):
                     self.retries[sid] += 1
                     self.expected.pop(sid)
                     self.leased.pop(sid)
+                    self.row_versions.pop(sid, None)
             else:
                 discarded.append(gid)
                 for sid in sids:
                     self.forget(sid)
         return retried, discarded
+
+    def staleness(self, sid: str) -> int:
+        """Versions behind the oldest weights of a sample: response tokens and routing
+        rows (prompt rows exported from a session at an older version count too)."""
+        versions = [
+            *self.versions[sid],
+            *([self.row_versions[sid]] if sid in self.row_versions else []),
+        ]
+        return self.version - min(versions) if versions else 0
 
     def history_from_session(
         self, session: str | None, prompt: tuple[int, ...], holder: str
