@@ -244,12 +244,11 @@ class ReplayBuffer:
             >>> with BufferConfig().build(store) as buffer:  # doctest: +SKIP
             ...     buffer.add("g", states)
         """
-        errors: list[Exception] = []
+        failed, self._counts.release_failed = self._counts.release_failed, []
+        errors = self._end(failed, done=False)  # earlier failures; done for their sessions
         for group_id in list(self._groups):
             self._counts.discarded += 1
             errors.extend(self._end(self._groups.pop(group_id).states))
-        failed, self._counts.release_failed = self._counts.release_failed, []
-        errors.extend(self._end(failed, done=False))  # already done for their sessions
         raise_first(errors, "closing the replay buffer")
 
     def __enter__(self) -> ReplayBuffer:
