@@ -26,6 +26,7 @@ from routeplay.rollout import (
     RolloutState,
     RoutingKind,
     SamplingPolicy,
+    SessionLedger,
     Status,
     TrainingBatch,
     load_buffer,
@@ -482,3 +483,64 @@ def test_a_checkpoint_that_fails_to_load_cleans_up_although_a_release_fails(
     assert holders(store) == {"buffer/g1": 1}  # visible in leaks(), for a revoke
     assert store.stats().live_payloads == 1  # b's stored routing was dropped all the same
     assert store.stats().unleased_payloads == 0
+
+
+# -- sessions: released when the last waiting sample is done ---------------------------
+def in_session(state: RolloutState, session: str) -> RolloutState:
+    return RolloutState(**{**_fields(state), "session_id": session})
+
+
+def test_a_session_is_released_when_its_last_waiting_sample_is_done(store: RouteStore) -> None:
+    released: list[str] = []
+    ledger = SessionLedger(released.append)
+    a, b, c = (in_session(sample(store, sid, f"g{sid}", 0), "s") for sid in "abc")
+    ledger.hold(a, b, c)
+    ledger.hold(b)  # a retry of the same sample registers nothing new
+    assert (ledger.sessions(), ledger.waiting("s")) == (["s"], 3)
+    buffer = BufferConfig().build(store, sessions=ledger)
+    for state in (a, b, c):
+        buffer.add(state.group_id, [state])
+    with TrainingBatch(1, buffer.sample(1, current_version=0), sessions=ledger):
+        pass
+    assert (released, ledger.waiting("s")) == ([], 2)  # b and c still wait on it
+    assert buffer.discard("gb") is True
+    assert (released, ledger.waiting("s")) == ([], 1)
+    [group] = buffer.sample(1, current_version=0)
+    for state in group.states:  # c's job failed: the caller says so
+        state.release()
+    assert ledger.done(*group.states) == ["s"]
+    assert released == ["s"]
+    assert ledger.done(*group.states) == []  # nothing waits: nothing more to release
+    assert store.leaks() == []
+
+
+def test_a_sample_the_ledger_never_held_releases_its_session_if_nobody_else_waits(
+    store: RouteStore,
+) -> None:
+    released: list[str] = []
+    ledger = SessionLedger(released.append)
+    held = in_session(sample(store, "a", "g", 0), "s")
+    ledger.hold(held)
+    stranger = in_session(sample(store, "b", "g", 0), "s").release()
+    other = in_session(sample(store, "c", "g", 0), "t").release()
+    assert ledger.done(stranger, other) == ["t"]  # s: a still waits; t: nobody does
+    assert ledger.done(held.release()) == ["s"]
+    assert released == ["t", "s"]
+
+
+def test_a_session_release_that_fails_is_retried_by_close(store: RouteStore) -> None:
+    calls: list[str] = []
+
+    def flaky(session: str) -> None:
+        calls.append(session)
+        if len(calls) == 1:
+            raise RoutesLost("the trace store did not answer", where=f"session {session}")
+
+    ledger = SessionLedger(flaky)
+    state = in_session(sample(store, "a", "g", 0), "s").release()
+    ledger.hold(state)
+    with pytest.raises(RoutesLost):
+        ledger.done(state)
+    assert ledger.failed == ("s",)
+    ledger.close()
+    assert (calls, ledger.failed) == (["s", "s"], ())

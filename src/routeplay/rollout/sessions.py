@@ -11,9 +11,11 @@ Rules:
 - ``hold(state)`` registers a sample (idempotent: a retry of the same sample id changes
   nothing); samples without a session are ignored;
 - ``done(*states)`` ends the samples' waits; a session whose waiting set becomes empty
-  is released once. A sample the ledger never held counts as the session's last one
-  when no held sample waits on that session (so an unregistered session is released,
-  as before, instead of leaking), and changes nothing otherwise;
+  is released once (the ledger remembers released session ids, so a late or repeated
+  ``done`` never releases again; a new ``hold`` revives the id). A sample the ledger
+  never held counts as the session's last one when no held sample waits on that
+  session (an unregistered session is released instead of leaking), and changes
+  nothing otherwise;
 - every release is attempted even if one raises; the first error is raised afterwards
   (``releasing.first_error``), and a session whose release failed stays listed in
   ``failed`` until ``close()`` retries it.
@@ -45,11 +47,13 @@ class SessionLedger:
         self._release = release_session
         self._waiting: dict[str, set[str]] = {}
         self._failed: list[str] = []
+        self._released: set[str] = set()
 
     def hold(self, *states: RolloutState) -> None:
         """Register samples that may still borrow from their session."""
         for state in states:
             if state.session_id is not None:
+                self._released.discard(state.session_id)
                 self._waiting.setdefault(state.session_id, set()).add(state.sample_id)
 
     def done(self, *states: RolloutState) -> list[str]:
@@ -61,7 +65,7 @@ class SessionLedger:
                 continue
             waiting = self._waiting.get(session)
             if waiting is None:
-                if session not in ending:
+                if session not in ending and session not in self._released:
                     ending.append(session)  # nobody registered: nobody else waits on it
                 continue
             if state.sample_id not in waiting:
@@ -94,6 +98,7 @@ class SessionLedger:
         self._release_all(ending)
 
     def _release_all(self, sessions: list[str]) -> None:
+        self._released.update(sessions)
         failures = attempt_each(sessions, self._release)
         self._failed.extend(session for session, _ in failures)
         raise_first([exc for _, exc in failures], f"releasing {len(sessions)} sessions")
