@@ -453,8 +453,8 @@ def test_staleness_counts_routing_rows_not_only_response_tokens(store: RouteStor
     state = RolloutState(sample_id="r", group_id="g", prompt_ids=(1, 2, 3, 4, 5))
     state = state.extend((6, 7), (-0.1, -0.2), 2).with_status(Status.COMPLETED, "stop")
     state = state.with_routing(handle, store.acquire(handle, "rollout/r"), Origin.BORROWED)
-    assert state.oldest_version() == 0
     assert state.staleness(2) == 2
+    assert state.oldest_version() == 0
     buffer = BufferConfig(max_staleness=1, max_retries=1).build(store)
     buffer.add("g", [state])
     assert buffer.groups()[0].staleness(2) == 2
