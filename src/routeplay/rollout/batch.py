@@ -25,7 +25,7 @@ from types import TracebackType
 from routeplay.rollout.buffer import Group
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
 from routeplay.rollout.sessions import SessionLedger
-from routeplay.rollout.state import RolloutState
+from routeplay.rollout.state import RolloutState, release_states
 from routeplay.store.lease import Lease
 
 __all__ = ["TrainingBatch"]
@@ -100,12 +100,8 @@ class TrainingBatch:
         return tuple(self._failed)
 
     def _release(self, states: Sequence[RolloutState]) -> list[Exception]:
-        errors = []
-        for state in states:
-            after, error = state.try_release()
-            if error is not None:
-                self._failed.append(after)
-                errors.append(error)
+        failed, errors = release_states(states)
+        self._failed.extend(failed)
         return errors
 
     def __enter__(self) -> TrainingBatch:

@@ -32,7 +32,7 @@ from enum import Enum
 from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
 from routeplay.rollout.sessions import SessionLedger
-from routeplay.rollout.state import RolloutState
+from routeplay.rollout.state import RolloutState, release_states
 from routeplay.store.client import RouteStore
 from routeplay.store.lease import Lease
 
@@ -220,7 +220,7 @@ class ReplayBuffer:
             sampled_groups=self._counts.sampled,
             waiting_retries=len(self._counts.retry_queue),
             release_failed=len(self._counts.release_failed),
-            stuck_leases=sum(len(s.take_unreleased()[1]) for s in self._everything()),
+            stuck_leases=sum(len(s.unreleased) for s in self._everything() if s.stuck),
         )
 
     def release_failed(self) -> tuple[RolloutState, ...]:
@@ -278,12 +278,8 @@ class ReplayBuffer:
     def _end(self, states: Iterable[RolloutState], *, done: bool = True) -> list[Exception]:
         """Release each sample; keep the ones that failed; tell the session ledger."""
         states = list(states)
-        errors = []
-        for state in states:
-            after, error = state.try_release()
-            if error is not None:
-                self._counts.release_failed.append(after)
-                errors.append(error)
+        failed, errors = release_states(states)
+        self._counts.release_failed.extend(failed)
         if done and self._sessions is not None:
             try:
                 self._sessions.done(*states)

@@ -37,6 +37,7 @@ weights of the turn that stored them, so they count too).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,7 +46,7 @@ from routeplay.errors import HandleError, MisuseError
 from routeplay.rollout.releasing import attempt_each, first_error
 from routeplay.store.lease import Lease
 
-__all__ = ["Origin", "RolloutState", "RoutingKind", "Status"]
+__all__ = ["Origin", "RolloutState", "RoutingKind", "Status", "release_states"]
 
 
 class Status(Enum):
@@ -254,3 +255,22 @@ class RolloutState:
                 where=f"sample {self.sample_id}",
                 hint="Call release() first: resets never release, releases never guess.",
             )
+
+
+def release_states(
+    states: Iterable[RolloutState],
+) -> tuple[list[RolloutState], list[Exception]]:
+    """``try_release`` every state (all attempted); returns the states whose release
+    failed, in their released form (live leases in ``unreleased``), and the errors.
+
+    Example:
+        >>> failed, errors = release_states(group.states)  # doctest: +SKIP
+    """
+    failed: list[RolloutState] = []
+    errors: list[Exception] = []
+    for state in states:
+        after, error = state.try_release()
+        if error is not None:
+            failed.append(after)
+            errors.append(error)
+    return failed, errors
