@@ -253,7 +253,10 @@ class RolloutState:
             raise MisuseError(
                 f"cannot {action} while the state holds a live lease",
                 where=f"sample {self.sample_id}",
-                hint="Call release() first: resets never release, releases never guess.",
+                hint=(
+                    "Call release() first (try_release() if it may fail: a stuck lease"
+                    " rides along): resets never release, releases never guess."
+                ),
             )
 
 
