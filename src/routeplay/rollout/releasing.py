@@ -49,7 +49,7 @@ def first_error(errors: Sequence[Exception], what: str) -> Exception | None:
     Example:
         >>> err = first_error([KeyError("a"), ValueError("b")], "releasing 2 leases")
         >>> err.__notes__
-        ["1 more failure while releasing 2 leases: ValueError: b"]
+        ['1 more failure while releasing 2 leases: ValueError: b']
     """
     if not errors:
         return None
