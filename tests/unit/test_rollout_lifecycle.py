@@ -514,6 +514,12 @@ def test_a_session_is_released_when_its_last_waiting_sample_is_done(store: Route
     assert store.leaks() == []
 
 
+def test_a_batch_refuses_two_ways_of_ending_sessions(store: RouteStore) -> None:
+    ledger = SessionLedger(lambda _: None)
+    with pytest.raises(MisuseError, match="sessions one way"):
+        TrainingBatch(1, [], release_session=lambda _: None, sessions=ledger)
+
+
 def test_a_sample_the_ledger_never_held_releases_its_session_if_nobody_else_waits(
     store: RouteStore,
 ) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from routeplay.errors import MisuseError
 from routeplay.rollout.buffer import Group
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
 from routeplay.rollout.sessions import SessionLedger
@@ -49,6 +50,14 @@ class TrainingBatch:
             >>> with TrainingBatch(3, groups, sessions=ledger) as batch:
             ...     trainer.step(batch)
         """
+        if release_session is not None and sessions is not None:
+            raise MisuseError(
+                "a batch tells its sessions one way",
+                expected="release_session or sessions",
+                found="both",
+                where=f"batch {step}",
+                hint="Prefer sessions: a session then lives while a sample still waits on it.",
+            )
         self.step = step
         self.holder = f"train/step-{step}"
         states = [state for group in groups for state in group.states]

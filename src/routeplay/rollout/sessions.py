@@ -32,18 +32,20 @@ __all__ = ["SessionLedger"]
 
 
 class SessionLedger:
-    """Waiting samples per trace session, and the call that releases a session."""
+    """Waiting samples per trace session, and the call that releases a session.
+
+    Example:
+        >>> ledger = SessionLedger(traces.release_session)  # doctest: +SKIP
+        >>> ledger.hold(a, b)  # two samples borrowing from session "s"
+        >>> ledger.done(a)  # trained: b still waits
+        []
+        >>> ledger.done(b)  # discarded: the last one, so "s" is released
+        ['s']
+    """
 
     def __init__(self, release_session: Callable[[str], object]) -> None:
         """``release_session(session_id)`` ends the session's leases (e.g.
-        ``TraceStore.release_session``, or a call to the trace store actor).
-
-        Example:
-            >>> ledger = SessionLedger(traces.release_session)  # doctest: +SKIP
-            >>> ledger.hold(state)
-            >>> ledger.done(state)  # the session goes when its last sample is done
-            ['s']
-        """
+        ``TraceStore.release_session``, or a call to the trace store actor)."""
         self._release = release_session
         self._waiting: dict[str, set[str]] = {}
         self._failed: list[str] = []
