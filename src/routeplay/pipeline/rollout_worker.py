@@ -107,9 +107,11 @@ class WorkerShell(RoutesProducer):
         else:
             origin = Origin.BORROWED if borrowed is not None else Origin.PRODUCED
         status = Status.ABORTED if completion.finish_reason == "abort" else Status.COMPLETED
+        # The interrupted input's lease (the new one covers its rows): a failed release
+        # rides along in ``unreleased`` instead of losing the new lease by raising.
+        released, _ = state.try_release()
         return (
-            state.release()  # the interrupted input's lease; the new lease covers its rows
-            .extend(completion.token_ids, completion.logprobs, version)
+            released.extend(completion.token_ids, completion.logprobs, version)
             .with_routing(handle, lease, origin)
             .with_status(status, completion.finish_reason)
         )
