@@ -40,7 +40,7 @@ def run_blocked(body: str, blocked: tuple[str, ...]) -> list[str]:
 
 def test_the_blocker_really_blocks() -> None:
     # Guard against a vacuous test: with Ray blocked, importing the store must fail.
-    code = _BLOCKER.format(blocked={"ray"}, body="import routeplay.store")
+    code = _BLOCKER.format(blocked={"ray"}, body="import routeplay.store.client")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "blocked by the test" in out.stderr
