@@ -59,7 +59,7 @@ class ReadPlan:
     """
 
     rows: list[int] = field(default_factory=list)
-    wanted: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    wanted: dict[int, dict[str, dict[int, None]]] = field(default_factory=dict)
     copies: list[BlockCopy] = field(default_factory=list)
     direct: list[DirectCopy] = field(default_factory=list)
 
@@ -87,10 +87,9 @@ def plan_reads(requests: Sequence[tuple[Handle, int, int]]) -> ReadPlan:
 
 def _plan_stored(plan: ReadPlan, request: int, offset: int, seg: Segment, ref: StoreRef) -> None:
     wanted = plan.wanted.setdefault(shard_of(ref.payload_id), {})
-    blocks = wanted.setdefault(ref.payload_id, [])
+    blocks = wanted.setdefault(ref.payload_id, {})  # a dict: membership stays O(1)
     for block in ref.blocks(seg.start, seg.stop):
-        if block not in blocks:
-            blocks.append(block)
+        blocks[block] = None
         base = block * ref.block_rows
         lo = max(seg.start, base)
         hi = min(seg.stop, base + ref.block_rows) if ref.block_rows else seg.stop
