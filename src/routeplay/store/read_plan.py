@@ -59,7 +59,9 @@ class ReadPlan:
     """
 
     rows: list[int] = field(default_factory=list)
-    wanted: dict[int, dict[str, dict[int, None]]] = field(default_factory=dict)
+    wanted: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    seen: set[tuple[str, int]] = field(default_factory=set)
+    """``(payload, block)`` already listed: O(1) membership for many-segment handles."""
     copies: list[BlockCopy] = field(default_factory=list)
     direct: list[DirectCopy] = field(default_factory=list)
 
@@ -87,9 +89,11 @@ def plan_reads(requests: Sequence[tuple[Handle, int, int]]) -> ReadPlan:
 
 def _plan_stored(plan: ReadPlan, request: int, offset: int, seg: Segment, ref: StoreRef) -> None:
     wanted = plan.wanted.setdefault(shard_of(ref.payload_id), {})
-    blocks = wanted.setdefault(ref.payload_id, {})  # a dict: membership stays O(1)
+    blocks = wanted.setdefault(ref.payload_id, [])
     for block in ref.blocks(seg.start, seg.stop):
-        blocks[block] = None
+        if (ref.payload_id, block) not in plan.seen:
+            plan.seen.add((ref.payload_id, block))
+            blocks.append(block)
         base = block * ref.block_rows
         lo = max(seg.start, base)
         hi = min(seg.stop, base + ref.block_rows) if ref.block_rows else seg.stop
