@@ -54,9 +54,8 @@ class StoreRef:
     rows: int
     """Token rows in the stored payload."""
     block_rows: int = 0
-    """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block."""
-    canonical: bool = True
-    """False for an adopted engine-store payload, validated row by row when read."""
+    """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block.
+    Stored payloads are always canonical: adopted engine keys are validated at adoption."""
 
     def blocks(self, start: int, stop: int) -> range:
         """Indices of the blocks holding rows ``[start, stop)``."""
@@ -79,6 +78,14 @@ class EngineKey:
     """Ray namespace of that actor."""
     run: str = ""
     """Run the key was issued to."""
+    trailing_rows_allowed: int = 1
+    """Extra rows the stored payload may have after ``rows``; they are ignored, not read.
+    LMDeploy trims the stop token's row from inline arrays but not from the payload it
+    stores when ``include_stop_str_in_output=False``, so a key may hold one row more."""
+
+    def accepts(self, payload_rows: int) -> bool:
+        """True when a payload of ``payload_rows`` rows holds this key's rows."""
+        return self.rows <= payload_rows <= self.rows + self.trailing_rows_allowed
 
 
 Source: TypeAlias = InlineSource | StoreRef | EngineKey

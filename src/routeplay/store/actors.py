@@ -7,18 +7,24 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from routeplay.core.handle import StoreRef
+from routeplay.core.handle import EngineKey, StoreRef
+from routeplay.core.spec import RouteSpec
 from routeplay.errors import StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
+from routeplay.store.key_check import canonical_rows, check_key_meta
 from routeplay.store.lease_table import LeakRecord, TableStats
-from routeplay.store.shard import StoreShard
+from routeplay.store.shard import Grant, StoredPayload, StoreShard
 
 __all__ = [
     "EngineStoreActor",
     "EngineStoreShell",
+    "KeyValidator",
     "StoreShardActor",
     "StoreShardShell",
     "call_producer",
@@ -80,7 +86,59 @@ class StoreShardShell(_Reaped):
     def __init__(self, run: str, index: int, ttl_s: float | None, timeout_s: float = 60.0) -> None:
         self._shard = StoreShard(run, index, ttl_s=ttl_s)
         self._timeout_s = timeout_s
+        self._engines: dict[tuple[str, str], Any] = {}  # engine-store handles, looked up once
+        self._validators: dict[str, Any] = {}  # one validator actor per engine node
         self._start_reaper(self._shard.expire, ttl_s)
+
+    def adopt_many(
+        self, refs: list[Any], payloads: list[StoredPayload], saved_bytes: int = 0
+    ) -> list[StoreRef]:
+        return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
+
+    def adopt_from_many(
+        self, producer: Any, token: str, payloads: list[StoredPayload], saved_bytes: int = 0
+    ) -> list[StoreRef]:
+        """One call to the producer for every staged block of a batch (many small puts)."""
+        refs = take_and_wait(producer, token, sum(p.blocks for p in payloads), self._timeout_s)
+        return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
+
+    def adopt_key(self, key: EngineKey, spec: RouteSpec) -> StoreRef:
+        """Consume an engine key and have its rows validated and narrowed once, on the
+        engine store's node; this shard owns the canonical block the validator returns.
+
+        The shard does not wait for the validator: a reader's fetch of the block does
+        (and gets the validation error, if any). The engine's raw payload stays alive as
+        the validator's argument until it is done, then goes (its key is consumed).
+        """
+        engine = self._engine(key.actor, key.namespace)
+        what = f"{key.namespace}/{key.actor}: take {key.key}"
+        wrapped, node = ray_calls.get(
+            engine.take_checked.remote(key, spec), timeout_s=self._timeout_s, what=what
+        )
+        block = self._validator(node).canonical.remote(wrapped[0], key, spec)
+        del wrapped
+        nbytes = spec.nbytes(key.rows)
+        return self._locked(lambda: self._shard.adopt([block], key.rows, nbytes, 0))
+
+    def _engine(self, name: str, namespace: str) -> Any:
+        if (name, namespace) not in self._engines:
+            self._engines[(name, namespace)] = ray.get_actor(name, namespace=namespace)
+        return self._engines[(name, namespace)]
+
+    def _validator(self, node_id: str) -> Any:
+        if node_id not in self._validators:
+            place = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            self._validators[node_id] = KeyValidator.options(scheduling_strategy=place).remote()
+        return self._validators[node_id]
+
+    def lease_many(self, requests: list[tuple[list[str], str]], run: str) -> Grant:
+        return self._locked(lambda: self._shard.lease_many(requests, run))
+
+    def release_many(self, lease_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.release_many(lease_ids))
+
+    def revoke_many(self, lease_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.revoke_many(lease_ids))
 
     def adopt(self, refs: list[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt(refs, rows, nbytes, block_rows))
@@ -128,7 +186,17 @@ class EngineStoreShell(_Reaped):
             put_object=ray.put, get_object=ray.get, key_of=_ref_key, ttl_s=ttl_s
         )
         self._timeout_s = timeout_s
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._start_reaper(self._store.expire, ttl_s)
+
+    def take_checked(self, key: EngineKey, spec: RouteSpec) -> tuple[list[Any], str]:
+        """Consume a key whose metadata fits ``spec`` (else it is freed and refused);
+        returns its wrapped reference and this actor's node, where the bytes live."""
+
+        def check(meta: PayloadMeta) -> None:
+            check_key_meta(meta, key, spec)
+
+        return self._locked(lambda: self._store.take_checked(key.key, check)), self._node_id
 
     def put(self, data: Any) -> str:
         return self._locked(lambda: self._store.put(data))
@@ -170,9 +238,21 @@ class EngineStoreShell(_Reaped):
         return self._locked(self._store.keys)
 
 
+class KeyValidatorShell:
+    """Validates adopted engine payloads on the node that holds them (one per node)."""
+
+    def canonical(
+        self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
+    ) -> npt.NDArray[np.unsignedinteger]:
+        """The key's rows, validated and canonical; Ray resolved ``payload`` from this
+        node's object store (zero copy), so the only write is the compact result."""
+        return canonical_rows(payload, key, spec)
+
+
 # The Ray actor classes (typed Any: ray.remote's result has no useful static type).
 # Threaded (max_concurrency): a call that waits on a producer or fetches a payload does
 # not hold up the others; the shell's lock keeps the plain class single-threaded.
 _remote: Any = ray.remote  # its overloads do not list actor options such as max_concurrency
 StoreShardActor: Any = _remote(num_cpus=0, max_concurrency=8)(StoreShardShell)
 EngineStoreActor: Any = _remote(num_cpus=0, max_concurrency=8)(EngineStoreShell)
+KeyValidator: Any = _remote(num_cpus=0, max_concurrency=4)(KeyValidatorShell)

@@ -1,0 +1,52 @@
+"""Checking an adopted engine key: its metadata before it is consumed, its rows once.
+
+Plain numpy over ``routeplay.core.validate`` (no Ray). ``check_key_meta`` runs where the
+key lives (the engine store), before the key is consumed, so a refused key is freed
+there and never leaks. ``canonical_rows`` runs once per payload, on the engine's node
+(``routeplay.store.actors.KeyValidator``): it keeps the key's rows (an LMDeploy payload
+may hold one trailing row more, see ``EngineKey.trailing_rows_allowed``), validates
+them and narrows them to the canonical dtype, so trainer ranks only ever copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.handle import EngineKey
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
+from routeplay.store.engine_store import PayloadMeta
+
+__all__ = ["canonical_rows", "check_key_meta", "check_key_rows", "meta_nbytes"]
+
+
+def check_key_rows(payload_rows: int, key: EngineKey, *, where: str) -> None:
+    """Refuse a payload whose row count the key cannot explain."""
+    if not key.accepts(payload_rows):
+        check_row_count(payload_rows, key.rows, where=where)
+
+
+def check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:
+    """Shape, dtype and row count of a key's payload, from metadata (nothing is read)."""
+    where = f"engine key {key.key}"
+    check_dtype(np.dtype(meta.dtype), spec, where=where)
+    check_shape(meta.shape, spec, where=where)
+    check_key_rows(meta.shape[0], key, where=where)
+
+
+def canonical_rows(
+    payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
+) -> npt.NDArray[np.unsignedinteger]:
+    """Rows ``[0, key.rows)`` of a key's payload, validated and canonical (one copy:
+    the trailing row is dropped by slicing, before the narrowing cast copies)."""
+    where = f"engine key {key.key}"
+    check_key_rows(int(payload.shape[0]), key, where=where)
+    return canonicalize(payload[: key.rows], spec, expected=key.rows, where=where).array
+
+
+def meta_nbytes(meta: PayloadMeta) -> int:
+    """Bytes the engine store really holds (LMDeploy: uint16, every decoder layer)."""
+    return int(np.prod(meta.shape, dtype=np.int64)) * np.dtype(meta.dtype).itemsize
