@@ -1,7 +1,8 @@
 """Accounting from Ray's own object-store statistics: the lazy path writes a payload
 once plus one compact copy (validated and narrowed on the engine's node, so trainers
 pull uint8 MoE rows instead of the engine's uint16 of every layer), the eager path
-(XTuner's: get → np.asarray → ray.put → trainer get) at least twice, and the store returns to its baseline when the last lease goes."""
+(XTuner's: get → np.asarray → ray.put → trainer get) at least twice, and the store
+returns to its baseline when the last lease goes."""
 
 from __future__ import annotations
 

@@ -190,7 +190,8 @@ def _outputs(
         (rows, *h.spec.row_shape) for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
     ]
     if out is None:
-        return [np.empty(shape, h.spec.dtype) for shape, (h, _, _) in zip(shapes, requests, strict=True)]
+        pairs = zip(shapes, requests, strict=True)
+        return [np.empty(shape, handle.spec.dtype) for shape, (handle, _, _) in pairs]
     given = list(out)
     for buffer, shape, (handle, _, _) in zip(given, shapes, requests, strict=True):
         if buffer.shape != shape or buffer.dtype != handle.spec.dtype:
