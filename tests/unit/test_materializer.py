@@ -46,10 +46,14 @@ class SpyStore:
         self.calls: list[list[tuple[Handle, int, int]]] = []
 
     def read_many(
-        self, requests: Sequence[tuple[Handle, int, int]], *, holder: str = ""
+        self,
+        requests: Sequence[tuple[Handle, int, int]],
+        *,
+        holder: str = "",
+        out: Sequence[npt.NDArray[Any]] | None = None,
     ) -> list[npt.NDArray[Any]]:
         self.calls.append(list(requests))
-        return self.store.read_many(requests, holder=holder)
+        return self.store.read_many(requests, holder=holder, out=out)
 
     def stored_ranges(self) -> list[tuple[str, int, int]]:
         """``(payload, start, stop)`` of every stored row range requested, in order."""

@@ -28,14 +28,14 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import HandleError, MisuseError, RunMismatch, SpecMismatch
+from routeplay.errors import HandleError, MisuseError, RunMismatch
 from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.reads import BlockPins, Reader
 from routeplay.store.releases import PendingReleases
 from routeplay.store.shard import Grant, StoredPayload, shard_of
-from routeplay.store.writes import BatchLayout, plan_batch, split_blocks
+from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
 
@@ -181,7 +181,7 @@ class RouteStore:
         group's prompt) store them once and point at the shared payload; each still
         gets its own handle and its own leases (see ``routeplay.store.writes``).
         """
-        spec = _batch_spec(batch)
+        spec = batch_spec(batch)
         if spec is None:
             return []
         layout = plan_batch(batch, prefix_rows=shared_prefix)
@@ -448,21 +448,6 @@ class RouteStore:
 
 def _lease_ids(result: Any) -> list[str]:
     return list(result.lease_ids) if isinstance(result, Grant) else [result]
-
-
-def _batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
-    if not batch:
-        return None
-    spec = batch[0].spec
-    for index, routes in enumerate(batch):
-        if routes.spec != spec:
-            raise SpecMismatch(
-                "a batched put mixes model specs",
-                expected=spec.describe(),
-                found=routes.spec.describe(),
-                where=f"sample {index} of the batch",
-            )
-    return spec
 
 
 def _handles(

@@ -25,8 +25,10 @@ import numpy as np
 import numpy.typing as npt
 
 from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import SpecMismatch
 
-__all__ = ["BatchLayout", "plan_batch", "split_blocks"]
+__all__ = ["BatchLayout", "batch_spec", "plan_batch", "split_blocks"]
 
 
 def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
@@ -46,6 +48,22 @@ class BatchLayout:
     """Per sample, the indices of ``arrays`` whose rows, in order, are the sample's."""
     saved_bytes: int
     """Bytes not written because a verified-equal prefix is stored once."""
+
+
+def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
+    """The one spec of a batch (None when empty); a batch mixing specs is refused."""
+    if not batch:
+        return None
+    spec = batch[0].spec
+    for index, routes in enumerate(batch):
+        if routes.spec != spec:
+            raise SpecMismatch(
+                "a batched put mixes model specs",
+                expected=spec.describe(),
+                found=routes.spec.describe(),
+                where=f"sample {index} of the batch",
+            )
+    return spec
 
 
 def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0) -> BatchLayout:
