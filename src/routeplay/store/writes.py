@@ -68,26 +68,47 @@ def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
 
 def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0) -> BatchLayout:
     """Lay out ``batch`` for storing; samples share their first ``prefix_rows`` rows
-    where those are verified equal (see the module docstring)."""
+    where those are verified equal to another sample's (see the module docstring)."""
+    groups = _equal_prefix_groups(batch, prefix_rows)
     arrays: list[npt.NDArray[Any]] = []
     samples: list[tuple[int, ...]] = []
-    prefixes: dict[bytes, list[int]] = {}  # digest -> array indices of stored prefixes
+    stored: dict[int, int] = {}  # group representative -> array index of its prefix
     saved = 0
-    for routes in batch:
-        array = routes.array
-        if prefix_rows <= 0 or array.shape[0] < prefix_rows or array.shape[0] == 0:
-            samples.append(_add(arrays, array))
+    for index, routes in enumerate(batch):
+        leader = groups.get(index)
+        if leader is None:  # nobody else has these prefix rows: the sample keeps its own
+            samples.append(_add(arrays, routes.array))
             continue
-        head = array[:prefix_rows]
-        shared = _find_equal(arrays, prefixes, head)
-        if shared is None:
-            shared = len(arrays)
-            arrays.append(head)
-            prefixes.setdefault(_digest(head), []).append(shared)
+        if leader in stored:
+            saved += batch[leader].array[:prefix_rows].nbytes
         else:
-            saved += head.nbytes
-        samples.append((shared, *_add(arrays, array[prefix_rows:])))
+            stored[leader] = len(arrays)
+            arrays.append(batch[leader].array[:prefix_rows])
+        samples.append((stored[leader], *_add(arrays, routes.array[prefix_rows:])))
     return BatchLayout(arrays=tuple(arrays), samples=tuple(samples), saved_bytes=saved)
+
+
+def _equal_prefix_groups(batch: Sequence[Routes], prefix_rows: int) -> dict[int, int]:
+    """Sample index -> first sample with byte-equal prefix rows, for groups of two or
+    more (candidates by digest, then compared: a digest match alone is not proof)."""
+    if prefix_rows <= 0:
+        return {}
+    leaders: dict[bytes, list[int]] = {}
+    members: dict[int, list[int]] = {}
+    for index, routes in enumerate(batch):
+        if routes.array.shape[0] < prefix_rows:
+            continue
+        head = routes.array[:prefix_rows]
+        candidates = leaders.setdefault(_digest(head), [])
+        leader = next(
+            (i for i in candidates if np.array_equal(batch[i].array[:prefix_rows], head)), None
+        )
+        if leader is None:
+            candidates.append(index)
+            members[index] = [index]
+        else:
+            members[leader].append(index)
+    return {i: leader for leader, group in members.items() if len(group) > 1 for i in group}
 
 
 def _add(arrays: list[npt.NDArray[Any]], array: npt.NDArray[Any]) -> tuple[int, ...]:
@@ -95,16 +116,6 @@ def _add(arrays: list[npt.NDArray[Any]], array: npt.NDArray[Any]) -> tuple[int, 
         return ()  # nothing to store: an empty payload would keep nothing alive
     arrays.append(array)
     return (len(arrays) - 1,)
-
-
-def _find_equal(
-    arrays: list[npt.NDArray[Any]], prefixes: dict[bytes, list[int]], head: npt.NDArray[Any]
-) -> int | None:
-    """A stored prefix equal to ``head``: same digest, then the bytes compared."""
-    for index in prefixes.get(_digest(head), []):
-        if np.array_equal(arrays[index], head):
-            return index
-    return None
 
 
 def _digest(rows: npt.NDArray[Any]) -> bytes:

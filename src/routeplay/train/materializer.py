@@ -136,9 +136,10 @@ class _Buffers:
     def take(self, rows: int) -> npt.NDArray[Any]:
         """A ``[rows, L, K]`` view of a recycled buffer, or of a new one."""
         with self._lock:
-            for index, buffer in enumerate(self._free):
+            for position in range(len(self._free)):  # no enumerate: its tuple is one more ref
+                buffer = self._free[position]
                 if buffer.shape[0] >= rows and sys.getrefcount(buffer) <= self._OURS:
-                    del self._free[index]
+                    del self._free[position]
                     return buffer[:rows]
         return np.empty((rows, *self._spec.row_shape), self._spec.dtype)[:rows]
 
