@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy as copying
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -58,8 +57,8 @@ def copy_lease(lease: Any) -> Any:
 
 
 @pytest.fixture
-def store() -> Iterator[RouteStore]:
-    yield RouteStore.local(StoreConfig(run="fast", shards=3))
+def store() -> RouteStore:
+    return RouteStore.local(StoreConfig(run="fast", shards=3))
 
 
 def test_a_1000_segment_handle_acquires_and_reads_with_one_call_per_shard(
@@ -168,9 +167,10 @@ def test_batched_puts_store_each_sample_once_in_one_adopt(
         np.testing.assert_array_equal(store.read(handle), routes.array)
         assert set(handle.weight_versions().tolist()) == {2}
     assert store.put_many([]) == []
+    wide = RouteSpec(num_layers=4, top_k=2, num_experts=300)
+    mixed = [batch[0], canonicalize(batch[0].array.astype(np.uint16), wide)]
     with pytest.raises(SpecMismatch, match="mixes"):
-        wide = RouteSpec(num_layers=4, top_k=2, num_experts=300)
-        store.put_many([batch[0], canonicalize(batch[0].array.astype(np.uint16), wide)])
+        store.put_many(mixed)
 
 
 def _group(prompt: Routes, completions: list[int], seed: int) -> list[Routes]:
