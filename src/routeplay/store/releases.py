@@ -29,11 +29,12 @@ class PendingReleases:
         self._pending: list[Any] = []
 
     def submit(self, calls: Sequence[ShardCall]) -> None:
-        """Send the calls and settle what is already done (in process: all of them)."""
+        """Settle earlier releases that are done (raising a failure among them), then
+        send these; their own outcome is collected by a later call, never here."""
+        self.settle(wait=False)
         futures = self._backend.submit(calls)
         with self._lock:
             self._pending.extend(futures)
-        self.settle(wait=False)
 
     def settle(self, *, wait: bool) -> None:
         """Collect finished releases (all of them when ``wait``); raise the first failure."""
