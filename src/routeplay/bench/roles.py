@@ -105,11 +105,10 @@ class _BenchRollout(RoutesProducer):
         return self.put_routes_many(self.store, batch, shared_prefix=shared_prefix)
 
     def adopt(self, keys: Sequence[str], rows: Sequence[int]) -> list[Handle]:
-        """Adopted-key path: each key taken over in one call, validated near the engine."""
-        return [
-            self.store.adopt_key(EngineKey(key=key, rows=n), self.spec)
-            for key, n in zip(keys, rows, strict=True)
-        ]
+        """Adopted-key path: the step's keys taken over in one call, validated once near
+        the engine (in parallel there)."""
+        engine_keys = [EngineKey(key=key, rows=n) for key, n in zip(keys, rows, strict=True)]
+        return self.store.adopt_keys(engine_keys, self.spec)
 
     def eager(self, keys: Sequence[str]) -> list[list[Any]]:
         """XTuner's path: get, np.asarray, put again (this worker owns the copies)."""

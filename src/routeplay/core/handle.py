@@ -236,10 +236,13 @@ class Handle:
             )
         row = 0
         for seg in self.segments:
-            lo, hi = max(start, row), min(stop, row + seg.rows)
+            rows = seg.stop - seg.start
+            lo, hi = max(start, row), min(stop, row + rows)
             if lo < hi:
-                yield Piece(segment=seg.sub(lo - row, hi - row), offset=lo - start)
-            row += seg.rows
+                whole = lo == row and hi == row + rows  # common case: no trimmed copy
+                part = seg if whole else seg.sub(lo - row, hi - row)
+                yield Piece(segment=part, offset=lo - start)
+            row += rows
             if row >= stop:
                 return
 

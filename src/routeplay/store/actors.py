@@ -17,7 +17,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
-from routeplay.store.key_check import canonical_rows, check_key_meta
+from routeplay.store.key_check import canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
 
@@ -102,23 +102,39 @@ class StoreShardShell(_Reaped):
         refs = take_and_wait(producer, token, sum(p.blocks for p in payloads), self._timeout_s)
         return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
 
-    def adopt_key(self, key: EngineKey, spec: RouteSpec) -> StoreRef:
-        """Consume an engine key and have its rows validated and narrowed once, on the
-        engine store's node; this shard owns the canonical block the validator returns.
+    def adopt_keys(self, keys: list[EngineKey], spec: RouteSpec) -> list[Any]:
+        """Consume engine keys and have their rows validated and narrowed once, on the
+        engine store's node; this shard owns the canonical blocks the validator returns.
+        One call to each engine store for all its keys; validations run in parallel.
 
-        The shard does not wait for the validator: a reader's fetch of the block does
-        (and gets the validation error, if any). The engine's raw payload stays alive as
-        the validator's argument until it is done, then goes (its key is consumed).
+        Returns a StoreRef per key, or the error that refused it (a refused key is freed
+        by its engine store). The shard does not wait for the validator: a reader's
+        fetch of the block does (and gets the validation error, if any). The engine's
+        raw payload stays alive as the validator's argument until it is done, then goes.
         """
-        engine = self._engine(key.actor, key.namespace)
-        what = f"{key.namespace}/{key.actor}: take {key.key}"
-        wrapped, node = ray_calls.get(
-            engine.take_checked.remote(key, spec), timeout_s=self._timeout_s, what=what
-        )
-        block = self._validator(node).canonical.remote(wrapped[0], key, spec)
-        del wrapped
-        nbytes = spec.nbytes(key.rows)
-        return self._locked(lambda: self._shard.adopt([block], key.rows, nbytes, 0))
+        out: list[Any] = [None] * len(keys)
+        by_engine: dict[tuple[str, str], list[int]] = {}
+        for index, key in enumerate(keys):
+            by_engine.setdefault((key.actor, key.namespace), []).append(index)
+        for (name, namespace), indices in by_engine.items():
+            engine = self._engine(name, namespace)
+            picked = [keys[i] for i in indices]
+            taken, node = ray_calls.get(
+                engine.take_checked_many.remote(picked, spec),
+                timeout_s=self._timeout_s,
+                what=f"{namespace}/{name}: take {len(picked)} keys",
+            )
+            validator = self._validator(node)
+            for index, key, wrapped in zip(indices, picked, taken, strict=True):
+                if isinstance(wrapped, BaseException):
+                    out[index] = wrapped
+                    continue
+                block = validator.canonical.remote(wrapped[0], key, spec)
+                out[index] = self._adopt_block(block, key.rows, spec.nbytes(key.rows))
+        return out
+
+    def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
+        return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
 
     def _engine(self, name: str, namespace: str) -> Any:
         if (name, namespace) not in self._engines:
@@ -189,14 +205,10 @@ class EngineStoreShell(_Reaped):
         self._node_id = ray.get_runtime_context().get_node_id()
         self._start_reaper(self._store.expire, ttl_s)
 
-    def take_checked(self, key: EngineKey, spec: RouteSpec) -> tuple[list[Any], str]:
-        """Consume a key whose metadata fits ``spec`` (else it is freed and refused);
-        returns its wrapped reference and this actor's node, where the bytes live."""
-
-        def check(meta: PayloadMeta) -> None:
-            check_key_meta(meta, key, spec)
-
-        return self._locked(lambda: self._store.take_checked(key.key, check)), self._node_id
+    def take_checked_many(self, keys: list[EngineKey], spec: RouteSpec) -> tuple[list[Any], str]:
+        """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
+        returned in its place. Also returns this actor's node, where the bytes live."""
+        return self._locked(lambda: take_checked_many(self._store, keys, spec)), self._node_id
 
     def put(self, data: Any) -> str:
         return self._locked(lambda: self._store.put(data))

@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 import ray
 
-from routeplay.core.handle import EngineKey, StoreRef
+from routeplay.core.handle import EngineKey
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
-from routeplay.store.key_check import canonical_rows, check_key_meta
+from routeplay.store.key_check import canonical_rows, take_checked_many
 from routeplay.store.shard import StoreShard
 
 __all__ = ["Backend", "LocalBackend", "RayBackend", "Settled", "ShardCall"]
@@ -64,7 +64,9 @@ class Backend(Protocol):
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any: ...
 
-    def adopt_key(self, shard: int, key: EngineKey, spec: RouteSpec) -> StoreRef: ...
+    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
+        """A StoreRef per key, or the error that refused it."""
+        ...
 
     def submit(self, calls: Sequence[ShardCall]) -> list[Any]: ...
 
@@ -148,13 +150,12 @@ class RayBackend:
             getattr(store, method).remote(*args), timeout_s=self._timeout_s, what=what
         )
 
-    def adopt_key(self, shard: int, key: EngineKey, spec: RouteSpec) -> StoreRef:
-        """One call: the shard consumes the key and validates it on the engine's node."""
-        pending = self._shards[shard].adopt_key.remote(key, spec)
+    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
+        """One call: the shard consumes the keys and validates them on the engine's node."""
+        pending = self._shards[shard].adopt_keys.remote(list(keys), spec)
         # The shard itself waits up to timeout_s for the engine store; give it room.
-        what = f"adopt engine key {key.key}"
-        result: StoreRef = ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what)
-        return result
+        what = f"adopt {len(keys)} engine keys"
+        return list(ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what))
 
     def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
         return [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
@@ -253,17 +254,24 @@ class LocalBackend:
             return [ref.value() for ref in result]
         return result
 
-    def adopt_key(self, shard: int, key: EngineKey, spec: RouteSpec) -> StoreRef:
+    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
         """The same steps as the Ray shard, in process: check, consume, validate, adopt."""
-
-        def check(meta: Any) -> None:
-            check_key_meta(meta, key, spec)
-
+        out: list[Any] = []
         with self._lock:
-            store = self.engine_store(key.actor, key.namespace)
-            [raw] = store.take_checked(key.key, check)
-            block = _LocalBlock(canonical_rows(raw.value(), key, spec))
-            return self._shards[shard].adopt([block], key.rows, spec.nbytes(key.rows), 0)
+            for key in keys:
+                store = self.engine_store(key.actor, key.namespace)
+                [taken] = take_checked_many(store, [key], spec)
+                if isinstance(taken, BaseException):
+                    out.append(taken)
+                    continue
+                try:
+                    block = _LocalBlock(canonical_rows(taken[0].value(), key, spec))
+                except RouteplayError as exc:  # on Ray the reader's fetch raises it
+                    out.append(exc)
+                    continue
+                nbytes = spec.nbytes(key.rows)
+                out.append(self._shards[shard].adopt([block], key.rows, nbytes, 0))
+        return out
 
     def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""

@@ -6,7 +6,7 @@ references, releases in flight) stays behind when it is pickled. Metadata calls 
 the shard that minted a payload (shards are chosen by hash); payload bytes never pass
 through a shard.
 
-- Write path (``put``, ``put_many``, ``put_staged``, ``adopt_key``): one object-store
+- Write path (``put``, ``put_many``, ``put_staged``, ``adopt_keys``): one object-store
   write per payload, one adopt call per shard per batch (``routeplay.store.writes``
   lays a batch out, sharing verified-equal prompt prefixes).
 - Leases (``acquire``, ``acquire_many``, ``release_many``): one call per shard for a
@@ -260,9 +260,22 @@ class RouteStore:
         its rows validated and narrowed once, on the engine store's node, into a block
         the shard owns. Readers only copy; the trainer node pulls compact bytes. A
         payload with up to ``key.trailing_rows_allowed`` extra rows keeps ``[0, rows)``."""
+        return self.adopt_keys([key], spec, weight_version=weight_version)[0]
+
+    def adopt_keys(
+        self, keys: Sequence[EngineKey], spec: RouteSpec, *, weight_version: int = 0
+    ) -> list[Handle]:
+        """``adopt_key`` for a batch in one call (one engine-store call per engine store,
+        validations in parallel on the engine's node). A refused key is freed and its
+        error raised; keys of the batch adopted before it expire unleased (TTL)."""
+        if not keys:
+            return []
         self._releases.settle(wait=False)
-        stored = self._backend.adopt_key(self._pick_shard(key.key), key, spec)
-        return self._handle(stored, spec, weight_version)
+        results = self._backend.adopt_keys(self._pick_shard(keys[0].key), keys, spec)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [self._handle(stored, spec, weight_version) for stored in results]
 
     def free_engine_keys(self, handle: Handle) -> int:
         """Release the engine-store keys a dropped sample still references (never read);

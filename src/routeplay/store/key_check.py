@@ -18,9 +18,10 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
-from routeplay.store.engine_store import PayloadMeta
+from routeplay.errors import RouteplayError
+from routeplay.store.engine_store import EngineStore, PayloadMeta
 
-__all__ = ["canonical_rows", "check_key_meta", "check_key_rows", "meta_nbytes"]
+__all__ = ["canonical_rows", "check_key_meta", "check_key_rows", "meta_nbytes", "take_checked_many"]
 
 
 def check_key_rows(payload_rows: int, key: EngineKey, *, where: str) -> None:
@@ -35,6 +36,22 @@ def check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:
     check_dtype(np.dtype(meta.dtype), spec, where=where)
     check_shape(meta.shape, spec, where=where)
     check_key_rows(meta.shape[0], key, where=where)
+
+
+def take_checked_many(store: EngineStore[Any], keys: list[EngineKey], spec: RouteSpec) -> list[Any]:
+    """Per key: its wrapped reference (consumed), or the error that refused it (the key
+    is then freed, never leaked). One engine-store call for a whole batch of keys."""
+    out: list[Any] = []
+    for key in keys:
+
+        def check(meta: PayloadMeta, key: EngineKey = key) -> None:
+            check_key_meta(meta, key, spec)
+
+        try:
+            out.append(store.take_checked(key.key, check))
+        except RouteplayError as exc:
+            out.append(exc)
+    return out
 
 
 def canonical_rows(

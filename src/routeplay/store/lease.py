@@ -18,6 +18,7 @@ So no reference handed out with a lease keeps an object alive past its release.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,16 @@ class Lease:
             return
         self._store._release_parts(self._parts)  # may raise: then a retry releases for real
         self.mark_released()
+
+    @staticmethod
+    def release_all(leases: Iterable[Lease]) -> None:
+        """Release many leases with one call per shard of each store (idempotent); a
+        failure at a shard is raised by that store's next call, never lost."""
+        by_store: dict[int, tuple[RouteStore, list[Lease]]] = {}
+        for lease in leases:
+            by_store.setdefault(id(lease._store), (lease._store, []))[1].append(lease)
+        for store, group in by_store.values():
+            store.release_many(group)
 
     def clone(self, holder: str) -> Lease:
         """A new lease over the same payloads for ``holder``; this one stays valid."""

@@ -73,6 +73,12 @@ class BlockPins:
             held = self._held.get(payload_id)
         return None if held is None else held[0]
 
+    def lookup_many(self, payload_ids: Sequence[str]) -> list[list[Any] | None]:
+        """``lookup`` of many payloads under one lock."""
+        with self._lock:
+            found = [self._held.get(pid) for pid in payload_ids]
+        return [None if held is None else held[0] for held in found]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
@@ -134,8 +140,9 @@ class Reader:
         refs: list[Any] = []
         missing: dict[int, list[tuple[str, list[int]]]] = {}
         for shard in sorted(plan.wanted):
-            for pid, wanted in plan.locate_requests(shard):
-                pinned = self._pins.lookup(pid)
+            requests = plan.locate_requests(shard)
+            pins = self._pins.lookup_many([pid for pid, _ in requests])
+            for (pid, wanted), pinned in zip(requests, pins, strict=True):
                 if pinned is None:
                     missing.setdefault(shard, []).append((pid, wanted))
                     continue

@@ -1,11 +1,11 @@
 """Releases that do not block the reader, and whose errors are never lost.
 
 A release is sent to its shard and not waited for: a trainer rank moves on to its next
-micro-batch at once. Each later call of the client settles what has finished: a read
-looks without waiting; a metadata call (acquire, stats, ...) first waits for every
-release in flight (shard actors are threaded, so this keeps "release, then ask" in
-order for one client); ``flush``/``shutdown`` wait too. A failed release is raised
-there, naming its leases (``ReleaseFailed``), so it is surfaced exactly once.
+micro-batch at once, and sending never raises what an earlier release did. Each later
+call of the client settles what has finished: a read looks without waiting; a metadata
+call (acquire, stats, ...) first waits for every release in flight (shard actors are
+threaded, so this keeps "release, then ask" in order for one client); ``flush`` and
+``shutdown`` wait too. A failed release is raised there (``ReleaseFailed``), once.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ class PendingReleases:
         self._pending: list[Any] = []
 
     def submit(self, calls: Sequence[ShardCall]) -> None:
-        """Settle earlier releases that are done (raising a failure among them), then
-        send these; their own outcome is collected by a later call, never here."""
-        self.settle(wait=False)
+        """Send the calls; their outcome is collected by a later call, never here."""
         futures = self._backend.submit(calls)
         with self._lock:
             self._pending.extend(futures)

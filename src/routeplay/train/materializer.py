@@ -388,19 +388,15 @@ class Materializer:
         self._release(self._release_after.pop(self._position - 1, []))
 
     def _release(self, sample_ids: Sequence[str]) -> None:
-        errors: list[BaseException] = []
-        for sample_id in sample_ids:
-            lease = self._leases.pop(sample_id)
-            try:
-                with self._store_lock:
-                    lease.release()
-            except Exception as exc:  # keep releasing the rest; the first is re-raised
-                errors.append(exc)
-                continue
-            with self._stats_lock:
-                self._counts["released"] += 1
-        if errors:
-            raise errors[0]
+        """End the leases of finished samples together: one call per store shard, sent
+        without waiting (a failure surfaces at the store's next call)."""
+        if not sample_ids:
+            return
+        leases = [self._leases.pop(sample_id) for sample_id in sample_ids]
+        with self._store_lock:
+            Lease.release_all(leases)
+        with self._stats_lock:
+            self._counts["released"] += len(leases)
 
     def close(self) -> None:
         """Stop reading ahead, drop held rows, release every lease left (idempotent)."""
