@@ -2,7 +2,12 @@
 
 Reports MB/s of canonical output (uint8 ``[T, 94, 8]``) for routeplay's decoders and,
 in the same run, for a naive baseline per format (stdlib base64, ``np.load``, a per-row
-sort for distinctness), then writes a JSON result file named for what, where and when.
+sort for distinctness) and, for the base64 formats, the bound of base64 decoding alone
+(``pybase64.b64decode(text, validate=True)`` of the whole string, what a decoder that
+first decodes and then validates can at best reach; for SGLang also the same decode done
+in the streaming decoder's row slices, its floor without any check). MB/s are always of
+canonical output, so every line compares with every other. Writes a JSON result file
+named for what, where and when.
 
     .venv/bin/python benchmarks/codec_throughput.py [--tokens 32768] [--repeats 7]
 """
@@ -13,11 +18,13 @@ import argparse
 import base64
 import io
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -53,10 +60,32 @@ def naive_validate(array: np.ndarray, spec: RouteSpec) -> np.ndarray:
     return wide.astype(spec.dtype)
 
 
-def cases(
-    spec: RouteSpec, full: np.ndarray
-) -> dict[str, tuple[Any, Callable[[], Any], Callable[[], Any]]]:
-    """format -> (wire payload, routeplay decode, naive baseline decode)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One wire format's payload and the decoders timed on it."""
+
+    wire: Any
+    """The payload as it arrives (text, or None for in-process arrays)."""
+    ours: Callable[[], Any]
+    """routeplay's decode + validate, returning Routes."""
+    baseline: Callable[[], Any]
+    """A straightforward decode + validate."""
+    bounds: dict[str, Callable[[], Any]]
+    """Work that any decoder of this format must do (base64 alone), by name."""
+
+
+def sliced_base64(text: str, spec: RouteSpec) -> None:
+    """Base64 decoding alone, in the SGLang decoder's row slices: its floor."""
+    plan = sglang._plan(text, spec, None)
+    assert plan is not None, "a valid payload always has a plan"
+    for first in range(0, plan.rows, plan.step):
+        stop = min(plan.rows, first + plan.step)
+        end = plan.char(stop) if stop < plan.rows else len(text)
+        pybase64.b64decode(text[plan.char(first) : end], validate=True)
+
+
+def cases(spec: RouteSpec, full: np.ndarray) -> dict[str, Case]:
+    """format -> its payload and decoders."""
     rows = full.shape[0]
     npy_u8 = vllm.encode(full, spec)
     npy_i16 = vllm.encode(full, spec, dtype="int16")
@@ -74,39 +103,62 @@ def cases(
         raw = np.frombuffer(base64.b64decode(sgl), "<i4").reshape(rows, spec.num_layers, spec.top_k)
         return naive_validate(raw, spec)
 
+    def base64_alone(text: str) -> dict[str, Callable[[], Any]]:
+        return {"base64_only": lambda: pybase64.b64decode(text, validate=True)}
+
     return {
-        "vllm npy uint8 (base64)": (npy_u8, lambda: vllm.decode(npy_u8, spec), naive_npy(npy_u8)),
-        "vllm npy int16 (base64)": (
-            npy_i16,
-            lambda: vllm.decode(npy_i16, spec),
-            naive_npy(npy_i16),
+        "vllm npy uint8 (base64)": Case(
+            wire=npy_u8,
+            ours=lambda: vllm.decode(npy_u8, spec),
+            baseline=naive_npy(npy_u8),
+            bounds=base64_alone(npy_u8),
         ),
-        "sglang int32 (base64)": (sgl, lambda: sglang.decode(sgl, spec), naive_sglang),
-        "vllm in-process int16 arrays": (
-            None,
-            lambda: vllm.from_outputs(prompt, completion, spec),
-            lambda: naive_validate(np.concatenate([prompt, completion]), spec),
+        "vllm npy int16 (base64)": Case(
+            wire=npy_i16,
+            ours=lambda: vllm.decode(npy_i16, spec),
+            baseline=naive_npy(npy_i16),
+            bounds=base64_alone(npy_i16),
         ),
-        "lmdeploy nested lists (parsed)": (
-            None,
-            lambda: lmdeploy.decode_lists(lists, spec),
-            lambda: naive_validate(np.array(lists), spec),
+        "sglang int32 (base64)": Case(
+            wire=sgl,
+            ours=lambda: sglang.decode(sgl, spec),
+            baseline=naive_sglang,
+            bounds={**base64_alone(sgl), "base64_only_sliced": lambda: sliced_base64(sgl, spec)},
         ),
-        "lmdeploy nested lists (JSON text)": (
-            lists_json,
-            lambda: lmdeploy.decode_lists(json.loads(lists_json), spec),
-            lambda: naive_validate(np.array(json.loads(lists_json)), spec),
+        "vllm in-process int16 arrays": Case(
+            wire=None,
+            ours=lambda: vllm.from_outputs(prompt, completion, spec),
+            baseline=lambda: naive_validate(np.concatenate([prompt, completion]), spec),
+            bounds={},
+        ),
+        "lmdeploy nested lists (parsed)": Case(
+            wire=None,
+            ours=lambda: lmdeploy.decode_lists(lists, spec),
+            baseline=lambda: naive_validate(np.array(lists), spec),
+            bounds={},
+        ),
+        "lmdeploy nested lists (JSON text)": Case(
+            wire=lists_json,
+            ours=lambda: lmdeploy.decode_lists(json.loads(lists_json), spec),
+            baseline=lambda: naive_validate(np.array(json.loads(lists_json)), spec),
+            bounds={},
         ),
     }
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    samples = []
+def timed(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in rounds (one call of each per round).
+
+    Interleaving makes load from other processes on the machine hit every function
+    alike, so the ratios between them hold even when the absolute figures move.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def main() -> None:
@@ -121,29 +173,35 @@ def main() -> None:
     full = make_sample(spec, args.tokens - 1)
     canonical_mb = full.nbytes / 1e6
     rows_out = []
-    for name, (wire, ours, baseline) in cases(spec, full).items():
-        result = ours()
+    for name, case in cases(spec, full).items():
+        result = case.ours()
         np.testing.assert_array_equal(result.array, full)  # both sides decode the same thing
         slow_repeats = 2 if "lists" in name else args.repeats
-        t_ours, t_base = timed(ours, slow_repeats), timed(baseline, slow_repeats)
-        rows_out.append(
-            {
-                "format": name,
-                "wire_mb": round(len(wire) / 1e6, 2) if wire is not None else None,
-                "routeplay_ms": round(t_ours * 1e3, 2),
-                "routeplay_mb_s": round(canonical_mb / t_ours, 1),
-                "baseline_ms": round(t_base * 1e3, 2),
-                "baseline_mb_s": round(canonical_mb / t_base, 1),
-                "speedup_vs_baseline": round(t_base / t_ours, 2),
-            }
-        )
+        times = timed({"ours": case.ours, "baseline": case.baseline, **case.bounds}, slow_repeats)
+        t_ours, t_base = times["ours"], times["baseline"]
+        row: dict[str, Any] = {
+            "format": name,
+            "wire_mb": round(len(case.wire) / 1e6, 2) if case.wire is not None else None,
+            "routeplay_ms": round(t_ours * 1e3, 2),
+            "routeplay_mb_s": round(canonical_mb / t_ours, 1),
+            "baseline_ms": round(t_base * 1e3, 2),
+            "baseline_mb_s": round(canonical_mb / t_base, 1),
+            "speedup_vs_baseline": round(t_base / t_ours, 2),
+        }
+        for bound in case.bounds:
+            t_bound = times[bound]
+            row[f"{bound}_ms"] = round(t_bound * 1e3, 2)
+            row[f"{bound}_mb_s"] = round(canonical_mb / t_bound, 1)
+            row[f"routeplay_vs_{bound}"] = round(t_bound / t_ours, 2)
+        rows_out.append(row)
     report = {
         "benchmark": "codec_throughput",
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "where": {
             "host": platform.node(),
-            "cpu_count": __import__("os").cpu_count(),
+            "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
+            "load_average_1m": round(os.getloadavg()[0], 2),  # other processes sharing it
         },
         "config": {
             "model": args.model,
@@ -152,7 +210,9 @@ def main() -> None:
             "spec": spec.describe(),
             "canonical_mb": round(canonical_mb, 2),
             "repeats": args.repeats,
-            "statistic": "median",
+            "repeats_nested_lists": 2,
+            "statistic": "median, decoders of one format timed in interleaved rounds",
+            "slice_bytes": sglang.SLICE_BYTES,
         },
         "versions": {
             "python": sys.version.split()[0],
@@ -174,17 +234,40 @@ def _print(report: dict[str, Any]) -> None:
         title=f"decode + validate, {report['config']['spec']}, {report['config']['rows']} rows "
         f"({report['config']['canonical_mb']} MB canonical)"
     )
-    for column in ("format", "wire MB", "routeplay MB/s", "baseline MB/s", "speedup"):
+    columns = (
+        "format",
+        "wire MB",
+        "routeplay MB/s",
+        "base64-only MB/s",
+        "ratio",
+        "base64 sliced MB/s",
+        "ratio",
+        "naive MB/s",
+        "speedup",
+    )
+    for column in columns:
         table.add_column(column)
     for row in report["results"]:
         table.add_row(
             row["format"],
             str(row["wire_mb"] or "-"),
             str(row["routeplay_mb_s"]),
+            str(row.get("base64_only_mb_s", "-")),
+            _ratio(row.get("routeplay_vs_base64_only")),
+            str(row.get("base64_only_sliced_mb_s", "-")),
+            _ratio(row.get("routeplay_vs_base64_only_sliced")),
             str(row["baseline_mb_s"]),
             f"{row['speedup_vs_baseline']}x",
         )
-    Console().print(table)
+    console = Console(width=160)  # the table is wide; never wrap it into an unreadable column
+    console.print(table)
+    console.print(
+        "ratio: routeplay MB/s over the bound's (1.0 = as fast as base64 decoding alone)."
+    )
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""A tour of the engine wire formats: build one response body per engine, inspect each.
+"""A tour of the engine wire formats: build one response body per engine endpoint, inspect
+each.
 
-Every body is what the engine's HTTP server returns for a 24-token Qwen3-30B-A3B sample
-(routing rows drawn with a fixed seed); the last one is a zero-padded payload, which
-``routeplay inspect`` refuses. Run: ``.venv/bin/python examples/formats_tour.py``.
+Every body is built by the engine's body builder (``routeplay.core.wires``) for a 24-token
+Qwen3-30B-A3B sample (routing rows drawn with a fixed seed). The SGLang turn-2 body holds
+rows from the request's ``routed_experts_start_len`` (12), which no body echoes: it is
+inspected with ``--start-row 12``, then once without it, which is refused with a message
+naming that request field. The last body is a zero-padded payload, also refused.
+Run: ``.venv/bin/python examples/formats_tour.py``.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from routeplay.cli.main import main as routeplay
 from routeplay.core import RouteSpec, preset
-from routeplay.core.formats import lmdeploy, sglang, vllm
+from routeplay.core.wires import Answer, BodyOptions, engine_wire
 
 PROMPT, COMPLETION = 16, 8
 
@@ -25,48 +30,69 @@ def routing(spec: RouteSpec, rows: int, seed: int = 0) -> np.ndarray:
     return np.argsort(keys, axis=-1)[..., : spec.top_k].astype(spec.dtype)
 
 
-def bodies(spec: RouteSpec) -> dict[str, tuple[str, object]]:
+def bodies(spec: RouteSpec) -> list[tuple[str, str, object, int]]:
+    """(file name, engine, body, --start-row) for each case of the tour."""
     full = routing(spec, PROMPT + COMPLETION - 1)
-    usage = {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION}
-    meta = {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION}
     padded = full.copy()
     padded[-1] = 0  # the zero-padding engine bug: duplicate ids in a top-k row
-    return {
-        "vllm-completion.json": (
-            "vllm",
-            {"choices": [{"routed_experts": vllm.encode(full, spec)}], "usage": usage},
-        ),
-        "sglang-generate-turn2.json": (
+    ids = tuple(range(COMPLETION))
+    answer = Answer(
+        prompt_tokens=PROMPT,
+        token_ids=ids,
+        logprobs=(0.0,) * COMPLETION,
+        finish_reason="length",
+        routing=full,
+    )
+    bad = Answer(
+        prompt_tokens=PROMPT,
+        token_ids=ids,
+        logprobs=answer.logprobs,
+        finish_reason="length",
+        routing=padded,
+    )
+
+    def build(engine: str, sample: Answer, endpoint: str, **options: Any) -> object:
+        return engine_wire(engine).build_body(
+            [sample], spec, BodyOptions(endpoint=endpoint, **options)
+        )
+
+    return [
+        ("vllm-completions.json", "vllm", build("vllm", answer, "completions"), 0),
+        ("sglang-chat-sglext.json", "sglang", build("sglang", answer, "chat"), 0),
+        (
+            "sglang-generate-turn2.json",
             "sglang",
-            {
-                "meta_info": {
-                    **meta,
-                    "routed_experts": sglang.encode(full, start_row=12),
-                    "routed_experts_start_len": 12,
-                }
-            },
+            build("sglang", answer, "generate", start_row=12),
+            12,
         ),
-        "lmdeploy-inline.json": (
+        (
+            "sglang-generate-turn2.json",
+            "sglang",
+            build("sglang", answer, "generate", start_row=12),
+            0,
+        ),
+        ("lmdeploy-messages.json", "lmdeploy", build("lmdeploy", answer, "messages"), 0),
+        (
+            "lmdeploy-key.json",
             "lmdeploy",
-            {"meta_info": {**meta, "routed_experts": lmdeploy.encode_lists(full)}},
+            build("lmdeploy", answer, "generate", put=lambda _rows: "5f" * 28),
+            0,
         ),
-        "lmdeploy-key.json": ("lmdeploy", {"meta_info": {**meta, "routed_experts": "5f" * 28}}),
-        "vllm-zero-padded.json": (
-            "vllm",
-            {"choices": [{"routed_experts": vllm.encode(padded, spec)}], "usage": usage},
-        ),
-    }
+        ("vllm-zero-padded.json", "vllm", build("vllm", bad, "completions"), 0),
+    ]
 
 
 def main() -> None:
     spec = preset("qwen3-30b-a3b")
     with tempfile.TemporaryDirectory() as folder:
-        for name, (engine, body) in bodies(spec).items():
+        for name, engine, body, start in bodies(spec):
             path = Path(folder) / name
             path.write_text(json.dumps(body), encoding="utf-8")
-            print(f"\n$ routeplay inspect {name} --engine {engine} --preset {spec.name}")
-            status = routeplay(["inspect", str(path), "--engine", engine, "--preset", spec.name])
-            print(f"exit status {status}")
+            args = ["inspect", str(path), "--engine", engine, "--preset", spec.name]
+            if start:
+                args += ["--start-row", str(start)]
+            print(f"\n$ routeplay {' '.join([*args[:1], name, *args[2:]])}")
+            print(f"exit status {routeplay(args)}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from routeplay.core import (
     canonicalize,
     preset,
     read_response,
+    read_responses,
+    read_stream,
     spec_from_hf_config,
 )
 
@@ -38,6 +40,8 @@ __all__ = [
     "errors",
     "preset",
     "read_response",
+    "read_responses",
+    "read_stream",
     "spec_from_hf_config",
 ]
 

@@ -7,7 +7,9 @@ Three families, kept apart so a caller can tell whose fault it was::
     │   ├── AlreadyReleased          a lease used after its release
     │   ├── AlreadyConsumed          an engine key read a second time
     │   ├── RunMismatch              data of another run resolved or released
-    │   └── HandleError              a handle sliced or stitched out of its rows
+    │   ├── HandleError              a handle sliced or stitched out of its rows
+    │   ├── ForeignEngineStore       the engine store's actor name is held by another actor
+    │   └── RouteplayNotImportable   a Ray process of the engine store cannot import routeplay
     ├── LifetimeError                something happened to data the caller held
     │   ├── RoutesLost               the owner died or the object is gone
     │   ├── RoutesExpired            a TTL ran out before anyone claimed the data
@@ -38,6 +40,7 @@ __all__ = [
     "DuplicateExperts",
     "EngineUnavailable",
     "ExpertOutOfRange",
+    "ForeignEngineStore",
     "HandleError",
     "KeyExpired",
     "LifetimeError",
@@ -45,6 +48,7 @@ __all__ = [
     "MisuseError",
     "ReleaseFailed",
     "RouteplayError",
+    "RouteplayNotImportable",
     "RoutesDataError",
     "RoutesExpired",
     "RoutesLost",
@@ -109,6 +113,16 @@ class RunMismatch(MisuseError):
 
 class HandleError(MisuseError):
     """A handle was sliced, appended or stitched outside the rows it covers."""
+
+
+class ForeignEngineStore(MisuseError):
+    """An actor of another class (e.g. LMDeploy's own ``SharedStore``) holds the name the
+    engine store is started under; joining it would fail at the first routeplay call."""
+
+
+class RouteplayNotImportable(MisuseError):
+    """A Ray process that must run routeplay's engine store code cannot import routeplay
+    (Ray rebuilds an actor, and every handle to it, from the actor's class)."""
 
 
 class LifetimeError(RouteplayError):

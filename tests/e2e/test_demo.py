@@ -16,13 +16,13 @@ import pytest
 
 from routeplay.cli.main import main
 from routeplay.core import read_response
+from routeplay.core.wires import WIRE_NAMES, wire
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.model import EngineConfig
 from routeplay.engine.server import WireHandler
 from routeplay.pipeline.config import recipe
 from routeplay.pipeline.demo import run_demo
 from routeplay.pipeline.report import MAX_WRITES_PER_PAYLOAD, DemoReport
-from routeplay.pipeline.wire import WIRES, adapter_name, read_completion, request, routing_start
 
 pytestmark = pytest.mark.e2e
 
@@ -68,11 +68,11 @@ def _check_invariants(report: DemoReport) -> None:
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("wire", WIRES)
-def test_two_steps_keep_every_invariant(wire: str) -> None:
-    report = run_demo(recipe("smoke").replace(wire=wire, seed=1))
+@pytest.mark.parametrize("name", WIRE_NAMES)
+def test_two_steps_keep_every_invariant(name: str) -> None:
+    report = run_demo(recipe("smoke").replace(wire=name, seed=1))
     _check_invariants(report)
-    if wire == "lmdeploy-key":
+    if wire(name).key_store:
         # The engine writes each payload once; the route store adopts it without a copy.
         assert 1.0 <= report.writes_per_payload <= MAX_WRITES_PER_PAYLOAD
         assert report.object_store_bytes_written >= report.payload_bytes
@@ -94,29 +94,28 @@ class _KeyStore:
         return f"{len(self.arrays):056x}"
 
 
-@pytest.mark.parametrize("wire", WIRES)
-def test_worker_requests_fit_the_engine_server(wire: str) -> None:
+@pytest.mark.parametrize("name", WIRE_NAMES)
+def test_worker_requests_fit_the_engine_server(name: str) -> None:
     engine = ReferenceEngine(EngineConfig())
-    store = _KeyStore() if wire == "lmdeploy-key" else None
-    handler = WireHandler(engine, wire, engine_store=store)
+    fmt = wire(name)
+    store = _KeyStore() if fmt.key_store else None
+    handler = WireHandler(engine, name, engine_store=store)
     prompt = (5, 9, 2, 7)
-    path, body = request(wire, prompt, max_new_tokens=6, temperature=1.0, seed=3, stop_after=4)
+    path, body = fmt.request(prompt, max_new_tokens=6, temperature=1.0, seed=3, stop_after=4)
     assert path == handler.path
-    first = read_completion(wire, handler(body))
+    first = fmt.read_completion(handler(body))
     assert (len(first.token_ids), first.finish_reason) == (4, "abort")
     # The resume asks for the rows its history lacks (SGLang, vLLM) and gets exactly those.
     resumed_prompt = prompt + first.token_ids
     history = len(resumed_prompt) - 1
-    start = routing_start(wire, history)
-    path, body = request(
-        wire, resumed_prompt, max_new_tokens=2, temperature=1.0, seed=4, start_len=start
+    start = fmt.routing_start(history)
+    path, body = fmt.request(
+        resumed_prompt, max_new_tokens=2, temperature=1.0, seed=4, start_row=start
     )
     answer = handler(body)
-    second = read_completion(wire, answer)
+    second = fmt.read_completion(answer)
     assert (len(second.token_ids), second.finish_reason) == (2, "length")
-    routing = read_response(
-        adapter_name(wire), answer, engine.spec, start_row=start * (wire == "vllm")
-    )
+    routing = read_response(fmt.engine, answer, engine.spec, start_row=start)
     if routing.key is not None:
         assert routing.key.rows == len(resumed_prompt) + 1
     else:

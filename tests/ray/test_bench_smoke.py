@@ -63,7 +63,7 @@ def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, obj
     assert plain["bytes_written"]["eager"] >= 2 * payload  # relayed through the rollout node
     sp = plain["sp"]
     assert plain["peak_rank_bytes"]["producer"] <= plain["peak_rank_bytes"]["eager"] / sp
-    assert grpo["prompt_tokens"] > 0
+    assert grpo["shared_prompt"] > 0
     assert grpo["unique_bytes"] <= grpo["bytes_written"]["producer"]
     assert grpo["bytes_written"]["producer"] <= grpo["unique_bytes"] * METADATA
 

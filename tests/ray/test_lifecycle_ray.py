@@ -13,7 +13,8 @@ import pytest
 import ray
 from store_probe import used_bytes, wait_until
 
-from routeplay.core import Handle, RouteSpec
+from routeplay.core import Handle, RouteSpec, canonicalize
+from routeplay.errors import RoutesLost
 from routeplay.rollout import (
     ADAPTERS,
     BufferConfig,
@@ -28,6 +29,7 @@ from routeplay.rollout import (
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.fake_engines import FakeSglang
 from routeplay.store import RoutesProducer, RouteStore, StoreConfig, producer_actor
+from routeplay.store.shard import shard_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -58,7 +60,7 @@ class _RolloutWorker(RoutesProducer):
         )
         writer = ProducerWriter(producer=self, store=self.store)
         return ADAPTERS["sglang"].ingest(
-            body, spec=SPEC, writer=writer, weight_version=version, history=history
+            body, spec=SPEC, writer=writer, weight_version=version, history=history, start_row=start
         )
 
 
@@ -86,7 +88,7 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     a = _state("a", "g1", 1601, 1000, 0, session_id="s1")
     a = a.with_routing(h1, store.acquire(h1, "rollout/a"), Origin.PRODUCED)
 
-    # partial rollout: interrupted, resumed with start_len; the input's lease released
+    # partial rollout: interrupted, resumed from a start row; the input's lease released
     first = ray.get(worker.generate.remote(sample_b, 1200, 300, 0))
     first_lease = store.acquire(first, "rollout/b-partial")
     resumed = ray.get(worker.generate.remote(sample_b, 1200, 1000, 1, first))
@@ -106,11 +108,15 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     np.testing.assert_array_equal(store.read(c_handle), turn2[:2000])
 
     # the buffer takes over; g1 goes stale and is retried (only the buffer's leases end)
+    # (c joins after the refresh: its prompt rows were routed at version 0, so at
+    # version 3 it is 3 versions stale as well, although its response is from version 2)
+    assert c.staleness(3) == 3
+    assert c.oldest_version() == 0
     buffer = BufferConfig(max_staleness=1).build(store)
     buffer.add("g1", [a, b])
-    buffer.add("g2", [c])
     retried, _ = buffer.refresh(current_version=3)
     assert sorted(retried) == ["a", "b"]
+    buffer.add("g2", [c])
     again = ray.get(trace.export.remote("s1", tokens1, "rollout/a-retry"))
     np.testing.assert_array_equal(store.read(again.handle), turn1[:1600])  # borrowed data lives
     again.lease.release()
@@ -137,3 +143,59 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     assert store.stats().live_payloads == 0
     assert wait_until(lambda: used_bytes() <= baseline), (used_bytes(), baseline)
     store.shutdown()
+
+
+def _on_shard(store: RouteStore, shard: int, sid: str, group: str, seed: int) -> RolloutState:
+    """A completed sample whose routing the store put on ``shard``."""
+    while True:
+        handle = store.put(canonicalize(truth(300, seed), SPEC))
+        [source] = handle.sources()
+        if shard_of(source.payload_id) == shard:  # type: ignore[union-attr]
+            break
+        store.acquire(handle, "probe").release()  # the other shard's: dropped again
+    state = _state(sid, group, 301, 200, 0)
+    return state.with_routing(handle, store.acquire(handle, f"rollout/{sid}"), Origin.PRODUCED)
+
+
+def _holders_on(store: RouteStore, shard: int) -> dict[str, int]:
+    [stats] = store.backend.call([(shard, "stats", ())], "stats")
+    return dict(stats.leases_by_holder)
+
+
+def test_b_a_dead_shard_loses_no_lease_of_the_live_one() -> None:
+    """One of two shards is killed: the buffer's close releases every lease on the live
+    shard, keeps the dead shard's samples as release-failed, and a training batch that
+    cannot clone on the dead shard moves nothing."""
+    store = StoreConfig(run="run-dead-shard", shards=2, timeout_s=30).build()
+    buffer = BufferConfig().build(store)
+    buffer.add("g1", [_on_shard(store, 0, "a", "g1", 1), _on_shard(store, 1, "b", "g1", 2)])
+    buffer.add("g2", [_on_shard(store, 0, "c", "g2", 3), _on_shard(store, 1, "d", "g2", 4)])
+    assert _holders_on(store, 0) == _holders_on(store, 1) == {"buffer/g1": 1, "buffer/g2": 1}
+    doomed = ray.get_actor("routeplay.store.run-dead-shard.1", namespace="routeplay")
+    ray.kill(doomed)
+    assert wait_until(lambda: _dead(store, 1))
+
+    [g1] = buffer.sample(1, current_version=0)
+    with pytest.raises(RoutesLost):
+        TrainingBatch(1, [g1])  # b's clone fails on the dead shard: a's is rolled back
+    assert _holders_on(store, 0) == {"buffer/g1": 1, "buffer/g2": 1}  # nothing moved
+
+    with pytest.raises(RoutesLost) as failed:
+        buffer.close()  # g2: c released, d's release fails
+    assert "run-dead-shard" in str(failed.value)
+    assert _holders_on(store, 0) == {"buffer/g1": 1}  # only a: the caller holds g1
+    assert [s.sample_id for s in buffer.release_failed()] == ["d"]
+    assert buffer.stats().release_failed == 1
+    for state in g1.states:  # the caller ends g1 as the buffer would have
+        after, _ = state.try_release()
+        assert after.stuck == (state.sample_id == "b")
+    assert _holders_on(store, 0) == {}
+    store.shutdown()
+
+
+def _dead(store: RouteStore, shard: int) -> bool:
+    try:
+        _holders_on(store, shard)
+    except RoutesLost:
+        return True
+    return False

@@ -120,12 +120,10 @@ def vllm_chat(
 
 
 def sglang_generate(
-    routed: object,
-    prompt: int | None = PROMPT,
-    completion: int | None = COMPLETION,
-    start_len: int | None = None,
+    routed: object, prompt: int | None = PROMPT, completion: int | None = COMPLETION
 ) -> dict[str, Any]:
-    """SGLang ``/generate`` body with ``meta_info.routed_experts`` (and its start_len)."""
+    """SGLang ``/generate`` body with ``meta_info.routed_experts``; a request's
+    ``routed_experts_start_len`` is never echoed, so the body cannot say where rows start."""
     meta: dict[str, Any] = {"id": "r1", "finish_reason": {"type": "stop"}}
     if prompt is not None:
         meta["prompt_tokens"] = prompt
@@ -133,8 +131,6 @@ def sglang_generate(
         meta["completion_tokens"] = completion
     if routed is not None:
         meta["routed_experts"] = routed
-    if start_len is not None:
-        meta["routed_experts_start_len"] = start_len
     return {"text": " hi", "meta_info": meta}
 
 
@@ -254,7 +250,7 @@ def good_cases() -> dict[str, GoodCase]:
         ),
         "sglang-start-len": GoodCase(
             "sglang",
-            sglang_generate(sglang.encode(full, start_row=start), start_len=start),
+            sglang_generate(sglang.encode(full, start_row=start)),
             SPEC,
             full[start:],
             start_row=start,
@@ -293,6 +289,8 @@ class BadCase:
     error: type[RoutesDataError]
     mentions: tuple[str, ...] = ()
     spec: RouteSpec = field(default=SPEC)
+    start_row: int = 0
+    """The request's start row (engines never echo it)."""
 
 
 def _with(array: npt.NDArray[np.int64], index: tuple[int, ...], value: object) -> Any:
@@ -378,11 +376,10 @@ def bad_cases(marker: Path) -> dict[str, BadCase]:
         ),
         "sglang-out-of-range-after-start": BadCase(
             "sglang",
-            sglang_generate(
-                sglang.encode(sglang_bad, start_row=sglang_start), start_len=sglang_start
-            ),
+            sglang_generate(sglang.encode(sglang_bad, start_row=sglang_start)),
             ExpertOutOfRange,
             (f"{s}, row 5, layer 0, slot 1", "[0, 8)", "found 9"),
+            start_row=sglang_start,
         ),
         "vllm-negative-int16": BadCase(
             "vllm",

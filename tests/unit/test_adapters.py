@@ -78,7 +78,9 @@ def test_partial_resume_keeps_history_and_stores_only_new_rows(
     second = fake.respond(
         full, prompt_tokens=PROMPT, completion_tokens=FIRST + SECOND, start_row=start
     )
-    resumed = adapter.ingest(second, spec=SPEC, writer=store, weight_version=2, history=history)
+    resumed = adapter.ingest(
+        second, spec=SPEC, writer=store, weight_version=2, history=history, start_row=start
+    )
     assert resumed[: history.rows] == history  # the history's segments, untouched
     versions = resumed.weight_versions()
     assert versions[: history.rows].tolist() == [1] * history.rows
@@ -117,11 +119,12 @@ def test_sglang_start_len_past_the_history_is_refused(store: RouteStore) -> None
         writer=store,
         weight_version=0,
     )
-    gap = fake.respond(
-        full, prompt_tokens=PROMPT, completion_tokens=SECOND, start_row=history.rows + 2
-    )
+    skip = history.rows + 2
+    gap = fake.respond(full, prompt_tokens=PROMPT, completion_tokens=SECOND, start_row=skip)
     with pytest.raises(HandleError, match="skips rows"):
-        ADAPTERS["sglang"].ingest(gap, spec=SPEC, writer=store, weight_version=1, history=history)
+        ADAPTERS["sglang"].ingest(
+            gap, spec=SPEC, writer=store, weight_version=1, history=history, start_row=skip
+        )
 
 
 def test_lmdeploy_keys_stay_lazy_and_are_consumed_once(store: RouteStore) -> None:

@@ -72,7 +72,9 @@ def test_inspect_json_reports_the_canonical_payload(
     case = good_cases()[name]
     path = write_body(tmp_path, case.body)
     status, out, _ = run_cli(
-        capsys, "inspect", str(path), "--engine", case.engine, *cli_spec_args(case.spec), "--json"
+        capsys,
+        *("inspect", str(path), "--engine", case.engine, *cli_spec_args(case.spec), "--json"),
+        *("--start-row", str(case.start_row)),
     )
     assert status == EXIT_OK, out
     report = last_json(out)
@@ -98,19 +100,32 @@ def test_inspect_json_reports_the_canonical_payload(
     assert report["sha256"] == canonical_sha(expected, spec)
 
 
-def test_sglang_start_len_shifts_rows_in_the_report(
+def test_start_row_flag_shifts_rows_in_the_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     full = routing(9)
-    body = sglang_generate(sglang.encode(full, start_row=5), prompt=6, completion=4, start_len=5)
+    body = sglang_generate(sglang.encode(full, start_row=5), prompt=6, completion=4)
     path = write_body(tmp_path, body)
-    status, out, _ = run_cli(
-        capsys, "inspect", str(path), "--engine", "sglang", *cli_spec_args(SPEC), "--json"
-    )
+    args = ("inspect", str(path), "--engine", "sglang", *cli_spec_args(SPEC), "--json")
+    status, out, _ = run_cli(capsys, *args, "--start-row", "5")
     assert status == EXIT_OK
     report = last_json(out)
     assert (report["rows"], report["start_row"]) == (4, 5)
     assert report["sha256"] == canonical_sha(full[5:], SPEC)
+
+
+def test_missing_start_row_is_refused_with_the_request_field_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = sglang_generate(sglang.encode(routing(9), start_row=5), prompt=6, completion=4)
+    path = write_body(tmp_path, body)
+    args = ("inspect", str(path), "--engine", "sglang", *cli_spec_args(SPEC), "--json")
+    status, out, _ = run_cli(capsys, *args)
+    assert status == EXIT_REFUSED
+    report = last_json(out)
+    assert report["error"] == "RowCountMismatch"
+    assert "routed_experts_start_len=5" in report["message"]
+    assert "--start-row 5" in report["message"]
 
 
 def test_uint16_model_reports_uint16(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,7 +218,9 @@ def test_every_bad_body_exits_2_with_the_error_class(
     case = bad_cases(marker)[name]
     path = write_body(tmp_path, case.body, name="resp.json")
     status, out, _ = run_cli(
-        capsys, "inspect", str(path), "--engine", case.engine, *cli_spec_args(case.spec), "--json"
+        capsys,
+        *("inspect", str(path), "--engine", case.engine, *cli_spec_args(case.spec), "--json"),
+        *("--start-row", str(case.start_row)),
     )
     assert status == EXIT_REFUSED, out
     report = last_json(out)
@@ -377,6 +394,7 @@ def test_python_dash_m_runs_the_cli(tmp_path: Path) -> None:
         [
             *(sys.executable, "-m", "routeplay.cli.main", "inspect", str(path)),
             *("--engine", "sglang", *cli_spec_args(case.spec), "--json"),
+            *("--start-row", str(case.start_row)),
         ],
         tmp_path,
     )

@@ -397,7 +397,7 @@ def test_read_response_for_every_body_shape(kind: str, data: st.DataObject) -> N
         body = vllm_chat(vllm.encode(full, spec), prompt, completion)
     elif kind.startswith("sglang"):
         start = data.draw(st.integers(0, rows), label="start_len")
-        body = sglang_generate(sglang.encode(full, start_row=start), prompt, completion, start)
+        body = sglang_generate(sglang.encode(full, start_row=start), prompt, completion)
         if kind == "sglang-list":
             body = [body]
     elif kind == "lmdeploy-generate-lists":
@@ -408,12 +408,12 @@ def test_read_response_for_every_body_shape(kind: str, data: st.DataObject) -> N
     else:
         body = lmdeploy_chat(lmdeploy.encode_lists(full), prompt, completion)
     body = json.loads(json.dumps(body))  # exactly what the HTTP client hands over
-    result = read_response(engine, body, spec, where="resp")
+    result = read_response(engine, body, spec, start_row=start, where="resp")
     assert result.engine is Engine(engine)
     assert (result.prompt_tokens, result.completion_tokens) == (prompt, completion)
     if kind == "lmdeploy-generate-key":
         assert result.routes is None
-        assert result.key == EngineKey(key=key, rows=rows)
+        assert result.key == EngineKey(key=key, rows=rows, trailing_rows=1)
         return
     assert result.key is None
     assert result.routes is not None
@@ -424,7 +424,6 @@ def test_sglang_without_start_len_starts_at_row_zero() -> None:
     spec = RouteSpec(num_layers=2, top_k=2, num_experts=32)
     full = random_routing(spec, 5, seed=10)
     body = sglang_generate(sglang.encode(full), prompt=3, completion=3)
-    assert "routed_experts_start_len" not in body["meta_info"]
     result = read_response("sglang", body, spec)
     assert result.routes is not None
     check_canonical(result.routes, full, spec, source_dtype="int32")
@@ -462,7 +461,7 @@ def test_lmdeploy_chat_with_key() -> None:
     key = "ab" * 28
     result = read_response("lmdeploy", lmdeploy_chat(key, prompt=5, completion=2), spec)
     assert result.routes is None
-    assert result.key == EngineKey(key=key, rows=6)
+    assert result.key == EngineKey(key=key, rows=6, trailing_rows=1)
 
 
 def test_engine_may_be_given_as_enum_or_string() -> None:

@@ -1,8 +1,9 @@
 """The reference engine: weights, generation, routing, precision, and every wire over HTTP.
 
-The routing an engine reports must be the routing of one full forward over
-``prompt + completion[:-1]`` in the engine's precision, laid out prompt rows then generated
-rows; each wire format must decode (``read_response``) back to exactly that routing.
+The routing an engine reports must be what its routers chose in the passes that produced
+the tokens (the prefill's prompt rows, then one row per KV-cache decode step), as a real
+engine captures it; each wire format must decode (``read_response``) back to exactly that
+routing.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
+DynamicCache = transformers.DynamicCache
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from routeplay.core import read_response  # noqa: E402
+from routeplay.core.wires import wire as wire_format  # noqa: E402
 from routeplay.engine import (  # noqa: E402
-    ENGINE_OF,
     WIRES,
     EngineConfig,
     EngineServer,
@@ -30,9 +32,12 @@ from routeplay.engine import (  # noqa: E402
     build_model,
 )
 from routeplay.errors import MisuseError  # noqa: E402
-from routeplay.train.hf import model_spec, record  # noqa: E402
+from routeplay.train.hf import model_spec, record, replay  # noqa: E402
 
 TINY = EngineConfig(hidden_size=32, num_layers=2, num_experts=8, top_k=2, vocab_size=64, seed=7)
+# Deep and wide enough that a full forward and the KV-cache decode pick other experts on a
+# few (token, layer) pairs (2 of 428 for PROMPT, 100 tokens, seed 1), as real engines do.
+DEEPER = EngineConfig(hidden_size=32, num_layers=4, num_experts=16, top_k=4, vocab_size=64, seed=7)
 PROMPT = [5, 9, 17, 3, 44, 8, 21, 60]
 
 
@@ -112,19 +117,59 @@ def test_generation_is_deterministic_for_a_seed(engine: ReferenceEngine) -> None
     assert greedy[0].token_ids == greedy[1].token_ids
 
 
-def test_routing_is_one_full_forward_over_prompt_and_completion(engine: ReferenceEngine) -> None:
-    gen = engine.generate(PROMPT, max_new_tokens=40, seed=5)
+def _step_by_step_routing(model: Any, prompt: list[int], fed: list[int]) -> np.ndarray:
+    """The routing of a prefill over ``prompt``, then of feeding ``fed`` one token at a time."""
+    rows = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        for step in [prompt] + [[token] for token in fed]:
+            with record(model) as recorder:
+                model(input_ids=torch.tensor([step]), cache=cache, use_cache=True)
+                rows.append(recorder.routes())
+    return np.concatenate(rows)
+
+
+def test_two_engines_of_one_config_agree_bit_for_bit() -> None:
+    first, second = ReferenceEngine(DEEPER), ReferenceEngine(DEEPER)
+    a = first.generate(PROMPT, max_new_tokens=30, seed=9)
+    b = second.generate(PROMPT, max_new_tokens=30, seed=9)
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == b.logprobs  # exact floats, not approximately
+    assert np.array_equal(a.routing, b.routing)
+
+
+def test_routing_is_what_the_prefill_and_each_decode_step_chose() -> None:
+    engine = ReferenceEngine(DEEPER, compare_full_forward=True)
+    gen = engine.generate(PROMPT, max_new_tokens=100, seed=1)
     prompt, completion = len(PROMPT), gen.completion_tokens
-    assert (gen.prompt_tokens, completion, len(gen.token_ids)) == (prompt, 40, 40)
-    assert gen.routing.shape == (prompt + completion - 1, 2, 2)
+    assert (gen.prompt_tokens, completion, len(gen.token_ids)) == (prompt, 100, 100)
+    assert gen.routing.shape == (prompt + completion - 1, 4, 4)
     assert gen.routing.dtype == engine.spec.dtype == np.uint8
     assert not gen.routing.flags.writeable
-    full = _full_forward_routing(engine.model, PROMPT + list(gen.token_ids[:-1]))
-    assert np.array_equal(gen.routing, full)
-    # Off by one would show here: the routing of prompt token i is row i.
-    assert np.array_equal(gen.routing[:prompt], _full_forward_routing(engine.model, PROMPT))
+    fed = list(gen.token_ids[:-1])  # the last sampled token is never fed back
+    # Row i is the routing of input token i: prompt rows from the prefill, then one per step.
+    assert np.array_equal(gen.routing, _step_by_step_routing(engine.model, PROMPT, fed))
+    # Not a full forward's routing: that one differs on a few rows, and the opt-in
+    # diagnostic counts exactly those.
+    full = _full_forward_routing(engine.model, PROMPT + fed)
+    differ = (np.sort(full, axis=2) != np.sort(gen.routing, axis=2)).any(axis=2)
+    assert int(differ.sum()) > 0
+    assert engine.stats().full_forward_divergent_rows == int(differ.sum())
+    assert ReferenceEngine(TINY).stats().full_forward_divergent_rows is None  # off by default
     assert len(gen.logprobs) == completion
     assert all(lp <= 0.0 for lp in gen.logprobs)
+
+
+def test_replaying_the_routing_in_a_full_forward_gives_the_engine_logprobs() -> None:
+    engine = ReferenceEngine(DEEPER)
+    gen = engine.generate(PROMPT, max_new_tokens=60, seed=4)
+    ids = torch.tensor([PROMPT + list(gen.token_ids[:-1])])
+    with torch.inference_mode(), replay(engine.model, gen.routing) as source:
+        logits = engine.model(input_ids=ids).logits[0, len(PROMPT) - 1 :].float()
+    assert source.stats().calls == DEEPER.num_layers
+    replayed = torch.log_softmax(logits, dim=-1)[torch.arange(60), torch.tensor(gen.token_ids)]
+    # Same experts on every row; only bf16 kernel shapes differ between decode and forward.
+    assert np.allclose(replayed.numpy(), np.array(gen.logprobs), atol=1e-2)
 
 
 def test_bf16_engine_and_fp32_trainer_pick_different_experts(engine: ReferenceEngine) -> None:
@@ -272,7 +317,7 @@ def test_each_wire_over_http_decodes_to_the_generation_routing(
     assert response.status_code == 200, response.text
     payload = response.json()
     expected = engine.generate(PROMPT, max_new_tokens=9, seed=11, temperature=0.8)
-    read = read_response(ENGINE_OF[wire], payload, engine.spec, start_row=start)
+    read = read_response(wire_format(wire).engine, payload, engine.spec, start_row=start)
     assert (read.prompt_tokens, read.completion_tokens) == (len(PROMPT), 9)
     if store is not None:
         assert read.key is not None
@@ -300,8 +345,8 @@ def test_sglang_follow_up_turn_sends_only_new_rows(engine: ReferenceEngine) -> N
         body = _request("sglang", context, start=history, max_tokens=5, stop_after=3)
         second = httpx.post(server.endpoint, json=body).json()
     assert second["meta_info"]["finish_reason"]["type"] == "abort"
-    assert second["meta_info"]["routed_experts_start_len"] == history
-    read = read_response("sglang", second, engine.spec)
+    assert "routed_experts_start_len" not in second["meta_info"]  # SGLang never echoes it
+    read = read_response("sglang", second, engine.spec, start_row=history)
     assert read.routes is not None
     assert (read.routes.start_row, read.routes.stop_row) == (history, len(context) + 3 - 1)
     full = engine.generate(context, max_new_tokens=5, stop_after=3)

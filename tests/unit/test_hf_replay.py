@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from routeplay.core.spec import RouteSpec  # noqa: E402
 from routeplay.core.validate import canonicalize  # noqa: E402
 from routeplay.errors import (  # noqa: E402
+    DuplicateExperts,
     ExpertOutOfRange,
     RowCountMismatch,
     SpecMismatch,
@@ -462,6 +463,24 @@ def test_routes_for_another_geometry_are_refused() -> None:
     bad[0, 0, 0] = 8
     with pytest.raises(ExpertOutOfRange), replay(model, bad):
         pass
+
+
+def test_rows_naming_an_expert_twice_are_refused_before_any_router_runs() -> None:
+    model = tiny_model("qwen3_moe")
+    routes = random_routes(model_spec(model), seed=8)
+    zero = routes.copy()
+    zero[-1] = 0  # zero-filled padding: expert 0 K times, in every layer
+    with pytest.raises(DuplicateExperts, match="twice"), replay(model, zero):
+        pass
+    with pytest.raises(DuplicateExperts), replay(model, torch.from_numpy(zero)):
+        pass
+    # A provider is checked when its layer asks: inside the forward, before the experts run.
+    with pytest.raises(DuplicateExperts), replay(model, lambda layer: zero[:, layer]):
+        output(model, inputs())
+    bad = routes.copy()
+    bad[2, 1, 0] = 200
+    with pytest.raises(ExpertOutOfRange), replay(model, lambda layer: bad[:, layer]):
+        output(model, inputs())
 
 
 def test_subclassed_routers_still_match() -> None:

@@ -9,7 +9,11 @@ to borrowed samples, add groups to a ``ReplayBuffer``, advance the weight versio
 ``refresh`` (stale groups retried or discarded), regenerate retries, discard groups,
 sample groups into ``TrainingBatch``es that stay in flight and finish with ``with``
 (the step raising or not), release sessions, drop samples, and checkpoint the buffer
-(``save_buffer`` -> close -> ``load_buffer`` into the same store).
+(``save_buffer`` -> close -> ``load_buffer`` into the same store). The store runs behind
+``faults.FaultyBackend``: one rule discards a group while one sample's shard "died"
+(its release answers ``RoutesLost``), so the buffer must release the others, keep that
+sample in its release-failed set (still leased, still readable) and hand it over or
+retry it on ``close()``.
 
 The model keeps the ground truth: every routing row is a pure function of the token
 prefix (and a per-sample or per-session salt), so a fake engine is always given rows
@@ -48,6 +52,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from faults import FaultyBackend
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -61,6 +66,7 @@ from hypothesis.stateful import (
 
 from routeplay.core import Handle, RouteSpec
 from routeplay.core.handle import StoreRef
+from routeplay.errors import RoutesLost
 from routeplay.rollout import (
     ADAPTERS,
     BufferConfig,
@@ -175,10 +181,9 @@ class Session:
 class LifecycleMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = RouteStore.local(StoreConfig(run="machine", shards=2))
-        backend = self.store.backend
-        assert isinstance(backend, LocalBackend)
-        self.engine_store = backend.engine_store()
+        self.faults = FaultyBackend(LocalBackend("machine", shards=2, ttl_s=600.0))
+        self.store = RouteStore(StoreConfig(run="machine", shards=2), self.faults)
+        self.engine_store = self.faults.inner.engine_store()
         self.engines: dict[str, FakeEngine] = {
             "vllm": FakeVllmHttp(spec=SPEC),
             "vllm-inprocess": FakeVllmInProcess(spec=SPEC),
@@ -195,6 +200,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.expected: dict[str, npt.NDArray[np.uint8]] = {}  # ground-truth rows
         self.salt: dict[str, int] = {}
         self.versions: dict[str, tuple[int, ...]] = {}  # response tokens' weight versions
+        self.row_versions: dict[str, int] = {}  # oldest weight version of its routing rows
         self.retries: dict[str, int] = {}
         self.leased: dict[str, Handle] = {}  # the handle the sample's own lease covers
         # ... and where each sample is (who holds its lease).
@@ -202,6 +208,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.partials: dict[str, RolloutState] = {}  # aborted, "rollout/<sid>"
         self.groups: dict[str, list[str]] = {}  # buffer groups in order, "buffer/<gid>"
         self.retry_queue: list[str] = []  # reset, no lease
+        self.release_failed: dict[str, str] = {}  # sid -> its holder, "buffer/<gid>"
         self.batches: dict[int, tuple[TrainingBatch, list[str]]] = {}  # "train/step-<n>"
         self.exports: dict[str, tuple[Exported, npt.NDArray[np.uint8]]] = {}  # "export/<n>"
         self.sessions: dict[str, Session] = {}  # "session/<id>"
@@ -228,7 +235,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             full, prompt_tokens=prompt, completion_tokens=completion, start_row=start
         )
         handle = ADAPTERS[fake.adapter].ingest(
-            response, spec=SPEC, writer=self.store, weight_version=self.version, history=history
+            response,
+            spec=SPEC,
+            writer=self.store,
+            weight_version=self.version,
+            history=history,
+            start_row=start,
         )
         assert handle.rows == full.shape[0]
         if history is not None:  # partial-resume rule: history kept, only new rows appended
@@ -258,12 +270,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert state.lease.holder == f"rollout/{sid}"
         self.expected[sid] = full
         self.versions[sid] = state.weight_versions
+        assert state.routing is not None
+        if state.routing.segments:  # prompt rows borrowed from a session count as well
+            self.row_versions[sid] = min(seg.weight_version for seg in state.routing.segments)
         self.retries.setdefault(sid, 0)
         self.leased[sid] = leased
         (self.pending if state.status is Status.COMPLETED else self.partials)[sid] = state
 
     def forget(self, sid: str) -> None:
-        for table in (self.expected, self.versions, self.leased, self.salt, self.retries):
+        tables = (self.expected, self.versions, self.row_versions, self.leased, self.salt)
+        for table in (*tables, self.retries):
             table.pop(sid, None)
 
     def predict_refresh(self) -> tuple[list[str], list[str]]:
@@ -271,10 +287,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         retried: list[str] = []
         discarded: list[str] = []
         for gid, sids in list(self.groups.items()):
-            staleness = max(
-                (self.version - min(self.versions[s]) for s in sids if self.versions[s]),
-                default=0,
-            )
+            staleness = max((self.staleness(s) for s in sids), default=0)
             if staleness <= CONFIG.max_staleness:
                 continue
             del self.groups[gid]
@@ -285,11 +298,21 @@ class LifecycleMachine(RuleBasedStateMachine):
                     self.retries[sid] += 1
                     self.expected.pop(sid)
                     self.leased.pop(sid)
+                    self.row_versions.pop(sid, None)
             else:
                 discarded.append(gid)
                 for sid in sids:
                     self.forget(sid)
         return retried, discarded
+
+    def staleness(self, sid: str) -> int:
+        """Versions behind the oldest weights of a sample: response tokens and routing
+        rows (prompt rows exported from a session at an older version count too)."""
+        versions = [
+            *self.versions[sid],
+            *([self.row_versions[sid]] if sid in self.row_versions else []),
+        ]
+        return self.version - min(versions) if versions else 0
 
     def history_from_session(
         self, session: str | None, prompt: tuple[int, ...], holder: str
@@ -561,6 +584,46 @@ class LifecycleMachine(RuleBasedStateMachine):
         for sid in self.groups.pop(gid):
             self.forget(sid)
 
+    @precondition(lambda self: bool(self.groups))
+    @rule(data=st.data())
+    @counted
+    def discard_on_a_dead_shard(self, data: st.DataObject) -> None:
+        """Discard a group while one sample's release fails: every other sample is
+        released, that one stays in the buffer's release-failed set, leased."""
+        gid = data.draw(st.sampled_from(list(self.groups)))
+        [group] = [g for g in self.buffer.groups() if g.group_id == gid]
+        doomed = data.draw(st.sampled_from(group.states))
+        assert doomed.lease is not None
+        self.faults.lose_releases(doomed.lease)
+        try:
+            self.buffer.discard(gid)
+        except RoutesLost:
+            pass
+        else:
+            raise AssertionError("a release that failed must be raised")
+        finally:
+            self.faults.heal()  # the shard is back; the buffer retries on close()
+        for sid in self.groups.pop(gid):
+            if sid == doomed.sample_id:
+                self.release_failed[sid] = f"buffer/{gid}"
+            else:
+                self.forget(sid)
+        assert [s.sample_id for s in self.buffer.release_failed()] == list(self.release_failed)
+
+    @precondition(lambda self: bool(self.release_failed))
+    @rule()
+    @counted
+    def take_release_failed(self) -> None:
+        """Whoever can revoke them takes the release-failed samples over and ends them."""
+        taken = self.buffer.take_release_failed()
+        assert [s.sample_id for s in taken] == list(self.release_failed)
+        for state in taken:
+            assert state.stuck
+            assert not state.holds_lease
+            state.release()
+            self.forget(state.sample_id)
+        self.release_failed.clear()
+
     @precondition(lambda self: bool(self.groups) or bool(self.retry_queue))
     @rule()
     @counted
@@ -575,7 +638,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             for s in g.states
         }
         save_buffer(self.buffer, folder, SPEC)
-        self.buffer.close()
+        self.buffer.close()  # also retries the release-failed samples (the shard is back)
+        for sid in self.release_failed:
+            self.forget(sid)
+        self.release_failed.clear()
         held = dict(self.store.stats().leases_by_holder)
         assert not any(h.startswith("buffer/") for h in held)
         self.buffer = load_buffer(folder, self.store, CONFIG)
@@ -676,6 +742,11 @@ class LifecycleMachine(RuleBasedStateMachine):
                 sid = state.sample_id
                 assert state.routing is not None
                 out.append((batch.holder, sid, state.routing, self.leased[sid], self.expected[sid]))
+        for state in self.buffer.release_failed():
+            sid = state.sample_id
+            assert state.routing is not None
+            holder = self.release_failed[sid]
+            out.append((holder, sid, state.routing, self.leased[sid], self.expected[sid]))
         for name, (exported, truth) in self.exports.items():
             out.append((name, name, exported.handle, exported.handle, truth))
         for session, model in self.sessions.items():
@@ -709,6 +780,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert [g.group_id for g in self.buffer.groups()] == list(self.groups)
         assert buffer.samples == sum(len(sids) for sids in self.groups.values())
         assert buffer.waiting_retries == len(self.retry_queue)
+        assert buffer.release_failed == len(self.release_failed)
         assert self.engine_store.stats().live_keys == 0  # every engine key was consumed
 
     def teardown(self) -> None:

@@ -19,7 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import random_routing, seeds
 
-from routeplay.core import EngineKey, Handle, RouteSpec, Segment, StoreRef, canonicalize, preset
+from routeplay.core import (
+    EngineKey,
+    Handle,
+    InlineSource,
+    RouteSpec,
+    Segment,
+    StoreRef,
+    canonicalize,
+    preset,
+)
 from routeplay.errors import MisuseError, RoutesLost, RowCountMismatch, SpecMismatch
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.train.materializer import Materializer, MicroBatchRoutes, padding_rows
@@ -31,6 +40,7 @@ from routeplay.train.packing import (
     local_ranges,
     local_tokens,
     pack_samples,
+    seq_alignment,
 )
 
 SPEC = RouteSpec(num_layers=2, top_k=3, num_experts=7)
@@ -96,21 +106,30 @@ def reference(plan: PackingPlan, arrays: Arrays, mb: int, coords: RankCoords) ->
         for s in pack.samples:
             full[s.offset : s.offset + s.tokens - 1] = arrays[s.sample_id]
             mask[s.offset : s.offset + s.tokens - 1] = True
-        for start, stop in local_ranges(pack.length, coords):
+        for start, stop in local_ranges(pack, coords):
             routes.append(full[start:stop])
             masks.append(mask[start:stop])
     return np.concatenate(routes), np.concatenate(masks)
 
 
-def brute_force_positions(length: int, coords: RankCoords) -> npt.NDArray[np.int64]:
+def brute_force_positions(pack: Pack | int, coords: RankCoords) -> npt.NDArray[np.int64]:
     """Pack positions of a rank, by the definition (np.split), for checking local_ranges."""
+    length = pack if isinstance(pack, int) else pack.length
     positions = np.arange(length)
-    if coords.cp_split == "zigzag":
-        chunks = np.split(positions, 2 * coords.cp_size)
-        mirror = 2 * coords.cp_size - 1 - coords.cp_rank
-        cp_local = np.concatenate([chunks[coords.cp_rank], chunks[mirror]])
+    cp, rank = coords.cp_size, coords.cp_rank
+    mirror = 2 * cp - 1 - rank
+    if coords.cp_split == "pack_zigzag":
+        chunks = np.split(positions, 2 * cp)
+        cp_local = np.concatenate([chunks[rank], chunks[mirror]])
+    elif coords.cp_split == "per_sequence" and cp > 1 and not isinstance(pack, int):
+        parts = []
+        for s in pack.samples:  # each sequence in 2 * cp chunks, then the tail in cp parts
+            chunks = np.split(positions[s.offset : s.end], 2 * cp)
+            parts += [chunks[rank], chunks[mirror]]
+        parts.append(np.split(positions[pack.samples[-1].end :], cp)[rank])
+        cp_local = np.concatenate(parts)
     else:
-        cp_local = np.split(positions, coords.cp_size)[coords.cp_rank]
+        cp_local = np.split(positions, cp)[rank]
     return np.split(cp_local, coords.sp_size)[coords.sp_rank]
 
 
@@ -121,6 +140,14 @@ def all_coords(sp: int, cp: int, split: str, dp: int = 1) -> list[RankCoords]:
         for c in range(cp)
         for s in range(sp)
     ]
+
+
+def rows_handle(spec: RouteSpec, rows: int) -> Handle:
+    """A handle of ``rows`` inline padding rows: enough to lay out a plan without a store."""
+    if rows == 0:
+        return Handle(spec)
+    source = InlineSource(array=padding_rows(spec, rows))
+    return Handle(spec, [Segment(source=source, start=0, stop=rows, spec=spec)])
 
 
 def holder_leases(store: RouteStore, holder: str) -> int:
@@ -134,11 +161,11 @@ def holder_leases(store: RouteStore, holder: str) -> int:
     ("length", "sp", "cp", "split", "rank", "expected"),
     [
         (16, 2, 2, "contiguous", (1, 0), [(8, 12)]),
-        (16, 2, 2, "zigzag", (0, 0), [(0, 4)]),
-        (16, 2, 2, "zigzag", (0, 1), [(12, 16)]),
-        (16, 4, 2, "zigzag", (0, 2), [(12, 14)]),
-        (16, 1, 1, "zigzag", (0, 0), [(0, 16)]),  # chunks 0 and 1 are adjacent: one range
-        (24, 3, 2, "zigzag", (0, 1), [(4, 6), (18, 20)]),  # an SP part straddles both chunks
+        (16, 2, 2, "pack_zigzag", (0, 0), [(0, 4)]),
+        (16, 2, 2, "pack_zigzag", (0, 1), [(12, 16)]),
+        (16, 4, 2, "pack_zigzag", (0, 2), [(12, 14)]),
+        (16, 1, 1, "pack_zigzag", (0, 0), [(0, 16)]),  # chunks 0 and 1 are adjacent: one range
+        (24, 3, 2, "pack_zigzag", (0, 1), [(4, 6), (18, 20)]),  # an SP part straddles chunks
     ],
 )
 def test_local_ranges_examples(
@@ -148,31 +175,83 @@ def test_local_ranges_examples(
     assert local_ranges(length, coords) == expected
 
 
+def test_per_sequence_cp_gives_each_rank_two_chunks_of_every_sequence() -> None:
+    # Two sequences of 8 and 4 positions (aligned to 2 * cp * sp = 4), then a tail of 4.
+    spec = RouteSpec(num_layers=1, top_k=1, num_experts=2)
+    samples = [("a", rows_handle(spec, 7), 8), ("b", rows_handle(spec, 2), 3)]
+    plan = pack_samples(samples, 16, seq_align=seq_alignment(cp_size=2, sp_size=1))
+    [pack] = plan.packs
+    assert [(s.offset, s.end) for s in pack.samples] == [(0, 8), (8, 12)]
+    rank0 = RankCoords(cp_size=2, cp_rank=0)
+    rank1 = RankCoords(cp_size=2, cp_rank=1)
+    # a: chunks of 2 -> rank 0 holds [0,2) and [6,8); b: chunks of 1 -> [8,9) and [11,12);
+    # the tail [12,16) -> [12,14). Adjacent ranges merge.
+    assert local_ranges(pack, rank0) == [(0, 2), (6, 9), (11, 14)]
+    assert local_ranges(pack, rank1) == [(2, 6), (9, 11), (14, 16)]
+    with_sp = RankCoords(cp_size=2, cp_rank=1, sp_size=2, sp_rank=1)  # second half of rank 1
+    assert local_ranges(pack, with_sp) == [(9, 11), (14, 16)]
+
+
+def test_packs_can_end_at_their_last_sequence_rounded_up() -> None:
+    spec = RouteSpec(num_layers=1, top_k=1, num_experts=2)
+    samples = [(f"s{i}", rows_handle(spec, t - 1), t) for i, t in enumerate([9, 14, 30, 3])]
+    exact = pack_samples(samples, 32, seq_align=4, pack_multiple=4)  # verl: no tail at all
+    assert [p.length for p in exact.packs] == [24, 32, 4]
+    assert all(p.length == p.samples[-1].end for p in exact.packs)
+    slime = pack_samples(samples, 32, seq_align=4, pack_multiple=16)  # a local pad multiple
+    assert [p.length for p in slime.packs] == [32, 32, 16]
+    assert [p.length for p in pack_samples(samples, 32, seq_align=4).packs] == [32, 32, 32]
+
+
+def test_the_trainer_alignment_rule() -> None:
+    assert seq_alignment(cp_size=1, sp_size=1) == 1
+    assert seq_alignment(cp_size=1, sp_size=4) == 4  # SP only: a multiple of TP
+    assert seq_alignment(cp_size=2, sp_size=4) == 16  # CP: a multiple of 2 * CP * TP
+
+
+def test_a_fed_last_token_is_a_padding_position_of_its_sequence() -> None:
+    spec = RouteSpec(num_layers=1, top_k=1, num_experts=2)
+    samples = [("a", rows_handle(spec, 5), 6), ("b", rows_handle(spec, 2), 3)]
+    plan = pack_samples(samples, 12, feeds_last_token=True, seq_align=2)
+    assert [(s.offset, s.stop, s.end) for s in plan.packs[0].samples] == [(0, 5, 6), (6, 8, 10)]
+
+
 @given(
     sp=st.sampled_from([1, 2, 3, 4]),
     cp=st.sampled_from([1, 2, 4]),
-    split=st.sampled_from(["contiguous", "zigzag"]),
+    split=st.sampled_from(["contiguous", "pack_zigzag", "per_sequence"]),
     multiple=st.integers(1, 5),
+    tokens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
 )
 def test_local_ranges_match_the_definition_and_cover_each_pack_once(
-    sp: int, cp: int, split: str, multiple: int
+    sp: int, cp: int, split: str, multiple: int, tokens: list[int]
 ) -> None:
+    spec = RouteSpec(num_layers=1, top_k=1, num_experts=2)
+    align = seq_alignment(cp_size=cp, sp_size=sp)
     length = 2 * cp * sp * multiple
-    covered = np.zeros(length, int)
-    for coords in all_coords(sp, cp, split):
-        ranges = local_ranges(length, coords)
-        positions = np.concatenate([np.arange(a, b) for a, b in ranges])
-        np.testing.assert_array_equal(positions, brute_force_positions(length, coords))
-        assert local_tokens(length, coords) == length // (sp * cp)
-        covered[positions] += 1
-    assert (covered == 1).all()
+    samples = [(f"s{i}", rows_handle(spec, t - 1), t) for i, t in enumerate(tokens)]
+    for pack in pack_samples(samples, length + 40 * align, seq_align=align).packs:
+        covered = np.zeros(pack.length, int)
+        for coords in all_coords(sp, cp, split):
+            ranges = local_ranges(pack, coords)
+            positions = np.concatenate([np.arange(a, b) for a, b in ranges])
+            np.testing.assert_array_equal(positions, brute_force_positions(pack, coords))
+            assert local_tokens(pack, coords) == pack.length // (sp * cp)
+            covered[positions] += 1
+        assert (covered == 1).all()
 
 
 def test_uneven_splits_and_bad_ranks_are_refused() -> None:
     with pytest.raises(MisuseError, match="split evenly"):
-        local_ranges(20, RankCoords(cp_size=4, cp_split="zigzag"))  # 20 % 8
+        local_ranges(20, RankCoords(cp_size=4, cp_split="pack_zigzag"))  # 20 % 8
     with pytest.raises(MisuseError, match="split evenly"):
         local_ranges(18, RankCoords(sp_size=4))
+    with pytest.raises(MisuseError, match="needs the pack"):
+        local_ranges(16, RankCoords(cp_size=2))  # per-sequence needs the sequences
+    spec = RouteSpec(num_layers=1, top_k=1, num_experts=2)
+    unaligned = pack_samples([("a", rows_handle(spec, 5), 6)], 16)
+    with pytest.raises(MisuseError, match="padded to a multiple"):
+        local_ranges(unaligned.packs[0], RankCoords(cp_size=2))
     with pytest.raises(MisuseError, match="sp_rank"):
         RankCoords(sp_rank=2, sp_size=2)
     with pytest.raises(MisuseError, match="cp_split"):
@@ -191,7 +270,7 @@ def steps(draw: st.DrawFn) -> dict[str, Any]:
         "spec": draw(st.sampled_from([SPEC, WIDE])),
         "sp": sp,
         "cp": cp,
-        "split": draw(st.sampled_from(["contiguous", "zigzag"])),
+        "split": draw(st.sampled_from(["contiguous", "pack_zigzag", "per_sequence"])),
         "length": length,
         "tokens": tokens,
         "splits": draw(st.lists(st.integers(0, length), min_size=len(tokens), max_size=9)),
@@ -214,7 +293,10 @@ def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any]) -> No
             store, spec, tokens - 1, step["seed"] + i, step["splits"][i]
         )
         samples.append((f"s{i}", handle, tokens))
-    plan = pack_samples(samples, step["length"], step["per_mb"], dp_size=step["dp"])
+    align = seq_alignment(cp_size=step["cp"], sp_size=step["sp"])
+    plan = pack_samples(
+        samples, step["length"], step["per_mb"], dp_size=step["dp"], seq_align=align
+    )
     # The step's batch keeps every payload alive while each rank holds (and ends) its own.
     batch = [store.acquire(handle, "train/step") for _, handle, _ in samples]
     for coords in all_coords(step["sp"], step["cp"], step["split"], step["dp"]):

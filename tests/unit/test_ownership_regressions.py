@@ -38,6 +38,7 @@ from routeplay.rollout import (
     Origin,
     ReplayBuffer,
     RolloutState,
+    SessionLedger,
     Status,
     TraceStore,
     TrainingBatch,
@@ -103,7 +104,7 @@ def ingest(
         full, prompt_tokens=prompt, completion_tokens=completion, start_row=start
     )
     return ADAPTERS[fake.adapter].ingest(
-        response, spec=SPEC, writer=store, weight_version=version, history=history
+        response, spec=SPEC, writer=store, weight_version=version, history=history, start_row=start
     )
 
 
@@ -255,6 +256,13 @@ class Routeplay:
     def restore(folder: Path, store: RouteStore) -> ReplayBuffer | NaiveBuffer:
         return load_buffer(folder, store, BufferConfig())
 
+    @staticmethod
+    def batch(
+        step: int, groups: Sequence[Group], ledger: SessionLedger, traces: TraceStore
+    ) -> TrainingBatch:
+        """The batch tells the ledger its samples are done; the last one ends a session."""
+        return TrainingBatch(step, groups, sessions=ledger)
+
 
 class Naive:
     """XTuner's lifecycle, in the smallest form that shows each failure."""
@@ -319,6 +327,14 @@ class Naive:
                     )
                 buffer.add(group["group_id"], states)
         return buffer
+
+    @staticmethod
+    def batch(
+        step: int, groups: Sequence[Group], ledger: SessionLedger, traces: TraceStore
+    ) -> TrainingBatch:
+        """Release every session the batch's samples consumed (routeplay before the
+        ledger: right only when no other waiting sample shares a session)."""
+        return TrainingBatch(step, groups, release_session=traces.release_session)
 
 
 @pytest.fixture(params=IMPLS)
@@ -592,6 +608,43 @@ def test_g_overwrite_release_keeps_routing_exported_to_siblings(
         assert sib is not None
         sib.lease.release()
     traces.close()
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+
+
+# -- (h) ------------------------------------------------------------------------------
+def test_h_a_session_outlives_the_first_batch_while_another_sample_waits(
+    impl: type[Routeplay] | type[Naive], store: RouteStore
+) -> None:
+    """Two samples of one session land in different batches; the second goes stale.
+    Training the first must not release the session: the retry's prefix is still there."""
+    traces = TraceStore(store)
+    _, rows = session_with_turn(store, traces)
+    ledger = SessionLedger(traces.release_session)
+    buffer = BufferConfig(max_staleness=1, max_retries=1).build(store, sessions=ledger)
+    a, b = borrowed(traces, "a", group="g1", version=0), borrowed(traces, "b", group="g2")
+    ledger.hold(a, b)
+    buffer.add("g1", [a])
+    buffer.add("g2", [b])
+    with impl.batch(1, buffer.sample(1, current_version=0), ledger, traces):
+        pass
+    assert buffer.refresh(current_version=2) == (["b"], [])  # b is stale: retried
+
+    [retry] = buffer.take_retries()
+    again = traces.export("s", TURN, f"rollout/{retry.sample_id}")  # the retry's history
+    if impl is Naive:
+        assert (again, traces.sessions()) == (None, [])  # the first batch took it along
+        return
+    assert again is not None
+    assert_rows(attempt(again.lease.read), rows)
+    redo = completed("b", TURN, group="g2", version=2, session="s")
+    redo = dataclasses.replace(redo, retries=retry.retries)
+    buffer.add("g2", [redo.with_routing(again.handle, again.lease, Origin.BORROWED)])
+    # Its prompt rows were routed by version 0's weights: the retry is 2 versions stale.
+    assert buffer.groups()[0].staleness(2) == 2
+    assert traces.sessions() == ["s"]
+    assert buffer.refresh(current_version=2) == ([], ["g2"])  # out of retries: discarded
+    assert traces.sessions() == []  # b was the last sample waiting on the session
     assert store.leaks() == []
     assert store.stats().live_payloads == 0
 

@@ -41,6 +41,7 @@ from routeplay.errors import (
     DuplicateExperts,
     ExpertOutOfRange,
     MalformedPayload,
+    MisuseError,
     RoutesDataError,
     RowCountMismatch,
     SpecMismatch,
@@ -107,7 +108,7 @@ def test_bad_body_is_refused_with_exact_class_and_message(name: str, tmp_path: P
     marker = tmp_path / "marker"
     case = bad_cases(marker)[name]
     with pytest.raises(RoutesDataError) as info:
-        read_response(case.engine, case.body, case.spec)
+        read_response(case.engine, case.body, case.spec, start_row=case.start_row)
     check_refusal(info.value, case.error, *case.mentions)
     assert not marker.exists()
 
@@ -142,13 +143,10 @@ def test_sglang_off_by_one_rows_are_refused(extra: int) -> None:
     start = 2
     rows = 4 + extra  # expected: 4 + 3 - 1 - 2 = 4 rows after start
     body = sglang_generate(
-        sglang.encode(full[: start + rows], start_row=start),
-        prompt=4,
-        completion=3,
-        start_len=start,
+        sglang.encode(full[: start + rows], start_row=start), prompt=4, completion=3
     )
     with pytest.raises(RoutesDataError) as info:
-        read_response("sglang", body, SPEC)
+        read_response("sglang", body, SPEC, start_row=start)
     exc = info.value
     assert isinstance(exc, ValueError)
     message = str(exc)
@@ -160,11 +158,9 @@ def test_sglang_off_by_one_rows_are_refused(extra: int) -> None:
 @pytest.mark.parametrize("extra", [1, -1], ids=["too-many", "too-few"])
 def test_sglang_off_by_one_rows_raise_row_count_mismatch(extra: int) -> None:
     full = routing(8)
-    body = sglang_generate(
-        sglang.encode(full[: 6 + extra], start_row=2), prompt=4, completion=3, start_len=2
-    )
+    body = sglang_generate(sglang.encode(full[: 6 + extra], start_row=2), prompt=4, completion=3)
     with pytest.raises(RowCountMismatch):
-        read_response("sglang", body, SPEC)
+        read_response("sglang", body, SPEC, start_row=2)
 
 
 # --- geometry -----------------------------------------------------------------------------
@@ -637,11 +633,22 @@ def test_missing_meta_info_is_malformed_without_the_routing_hint() -> None:
 @pytest.mark.parametrize("body", [[], [1, 2], "text", 3, None], ids=repr)
 def test_body_that_is_not_an_object_is_malformed(body: object) -> None:
     with pytest.raises(MalformedPayload) as info:
-        read_response("sglang", body, SPEC, where="w")
+        read_response("vllm", body, SPEC, where="w")
     check_refusal(info.value, MalformedPayload, "must be a JSON object")
 
 
-@pytest.mark.parametrize("choice", [1, -1])
+@pytest.mark.parametrize(
+    ("body", "mention"),
+    [([], "no batched /generate list[0]"), ([1, 2], "list[0] is not an object"), ("t", "object")],
+    ids=repr,
+)
+def test_sglang_batch_that_holds_no_objects_is_malformed(body: object, mention: str) -> None:
+    with pytest.raises(MalformedPayload) as info:
+        read_response("sglang", body, SPEC, where="w")
+    check_refusal(info.value, MalformedPayload, mention)
+
+
+@pytest.mark.parametrize("choice", [1, 2])
 def test_missing_choice_is_malformed(choice: int) -> None:
     body = vllm_completion(vllm.encode(routing(6), SPEC))
     with pytest.raises(MalformedPayload) as info:
@@ -652,7 +659,7 @@ def test_missing_choice_is_malformed(choice: int) -> None:
 def test_choice_that_is_not_an_object_is_malformed() -> None:
     with pytest.raises(MalformedPayload) as info:
         read_response("vllm", {"choices": ["x"]}, SPEC)
-    check_refusal(info.value, MalformedPayload, "choice is not an object", "found str")
+    check_refusal(info.value, MalformedPayload, "choices[0] is not an object", "found str")
 
 
 @pytest.mark.parametrize("count", [-1, 1.5, "4", True], ids=repr)
@@ -664,14 +671,13 @@ def test_bad_token_count_is_malformed(count: object) -> None:
     check_refusal(info.value, MalformedPayload, "prompt_tokens must be a non-negative integer")
 
 
-def test_bad_start_len_is_malformed() -> None:
-    body = sglang_generate(sglang.encode(routing(6)), start_len=-2)
-    with pytest.raises(MalformedPayload) as info:
-        read_response("sglang", body, SPEC)
-    check_refusal(info.value, MalformedPayload, "routed_experts_start_len")
+def test_negative_start_row_is_the_callers_mistake() -> None:
+    body = sglang_generate(sglang.encode(routing(6)))
+    with pytest.raises(MisuseError, match="start_row"):
+        read_response("sglang", body, SPEC, start_row=-2)
 
 
-def test_unknown_engine_is_a_plain_value_error_not_a_refusal() -> None:
-    with pytest.raises(ValueError, match="tgi") as info:
+def test_unknown_engine_is_the_callers_mistake_not_a_refusal() -> None:
+    with pytest.raises(MisuseError, match="tgi") as info:
         read_response("tgi", {}, SPEC)
     assert not isinstance(info.value, RoutesDataError)

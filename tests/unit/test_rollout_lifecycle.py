@@ -8,9 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import FaultyBackend, faulty_store
 
 from routeplay.core import Routes, RouteSpec, canonicalize
-from routeplay.errors import HandleError, MalformedPayload, MisuseError, RoutesDataError
+from routeplay.errors import (
+    AlreadyReleased,
+    HandleError,
+    MalformedPayload,
+    MisuseError,
+    RoutesDataError,
+    RoutesLost,
+)
 from routeplay.rollout import (
     BufferConfig,
     Origin,
@@ -18,6 +26,7 @@ from routeplay.rollout import (
     RolloutState,
     RoutingKind,
     SamplingPolicy,
+    SessionLedger,
     Status,
     TrainingBatch,
     load_buffer,
@@ -221,3 +230,323 @@ def test_buffer_close_is_idempotent(store: RouteStore) -> None:
         buffer.add("g", [sample(store, "a", "g", version=0)])
     buffer.close()
     assert store.leaks() == []
+
+
+# -- lifecycle on error paths (a shard that died: releases answer RoutesLost) ---------
+@pytest.fixture
+def faulty() -> tuple[RouteStore, FaultyBackend]:
+    return faulty_store("lifecycle-faults")
+
+
+def holders(store: RouteStore) -> dict[str, int]:
+    return dict(store.stats().leases_by_holder)
+
+
+def test_a_failed_release_leaves_a_resettable_state_that_still_names_the_lease(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    state = sample(store, "a", "g", version=0)
+    assert state.lease is not None
+    backend.lose_releases(state.lease)
+    with pytest.raises(RoutesLost):
+        state.release()
+    assert state.holds_lease  # release() raised: the caller's state is unchanged
+    after, error = state.try_release()
+    assert isinstance(error, RoutesLost)
+    assert (after.holds_lease, after.stuck, after.lease) == (False, True, None)
+    retry = after.reset_response()  # a stuck lease does not block the reset
+    assert retry.stuck
+    assert [lease.lease_ids for lease in retry.unreleased] == [state.lease.lease_ids]
+    assert holders(store) == {"rollout/a": 1}  # the store still counts it
+    with pytest.raises(RoutesLost):
+        retry.release()
+    backend.heal()
+    done = retry.release()  # retries the stuck lease
+    assert (done.stuck, done.unreleased) == (False, ())
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+
+
+def test_take_unreleased_hands_the_stuck_lease_over(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    state = sample(store, "a", "g", version=0)
+    backend.lose_releases(state.lease)  # type: ignore[arg-type]
+    after, _ = state.try_release()
+    clean, stuck = after.take_unreleased()
+    assert (clean.stuck, clean.unreleased, len(stuck)) == (False, (), 1)
+    backend.heal()
+    stuck[0].release()  # whoever took it over ends it
+    assert store.leaks() == []
+
+
+def test_buffer_discard_releases_every_sample_and_keeps_the_failed_one(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig().build(store)
+    buffer.add("g", [sample(store, sid, "g", version=0, seed=i) for i, sid in enumerate("abc")])
+    [group] = buffer.groups()
+    backend.lose_releases(group.states[0].lease)  # type: ignore[arg-type]
+    with pytest.raises(RoutesLost):
+        buffer.discard("g")
+    assert holders(store) == {"buffer/g": 1}  # b and c were released all the same
+    assert [s.sample_id for s in buffer.release_failed()] == ["a"]
+    assert buffer.stats().release_failed == 1
+    assert buffer.stats().stuck_leases == 1
+    assert buffer.discard("g") is False
+    backend.heal()
+    buffer.close()  # retries the release-failed sample
+    assert buffer.release_failed() == ()
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+
+
+def test_buffer_close_raises_the_first_error_with_the_others_as_notes_and_retries(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig().build(store)
+    buffer.add("g1", [sample(store, "a", "g1", version=0), sample(store, "b", "g1", version=0)])
+    buffer.add("g2", [sample(store, "c", "g2", version=0)])
+    for group in buffer.groups():
+        backend.lose_releases(group.states[0].lease)  # type: ignore[arg-type]
+    with pytest.raises(RoutesLost) as first:
+        buffer.close()
+    assert "1 more failure while closing the replay buffer: RoutesLost" in first.value.__notes__[0]
+    assert holders(store) == {"buffer/g1": 1, "buffer/g2": 1}
+    assert sorted(s.sample_id for s in buffer.release_failed()) == ["a", "c"]
+    with pytest.raises(RoutesLost):
+        buffer.close()  # a second close retries: not a silent no-op
+    assert backend.failed_releases == 4
+    backend.heal()
+    buffer.close()
+    buffer.close()  # idempotent once everything is released
+    assert buffer.stats().release_failed == 0
+    assert store.leaks() == []
+
+
+def test_take_release_failed_hands_the_samples_and_their_live_leases_over(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig().build(store)
+    buffer.add("g", [sample(store, "a", "g", version=0)])
+    backend.lose_releases(buffer.groups()[0].states[0].lease)  # type: ignore[arg-type]
+    with pytest.raises(RoutesLost):
+        buffer.close()
+    [taken] = buffer.take_release_failed()
+    assert taken.stuck
+    buffer.close()  # nothing left to retry: the caller owns the sample now
+    backend.heal()
+    taken.release()
+    assert store.leaks() == []
+
+
+def test_refresh_retries_a_stale_sample_whose_release_failed(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig(max_staleness=1, max_retries=1).build(store)
+    buffer.add("g", [sample(store, "a", "g", version=0), sample(store, "b", "g", version=0)])
+    backend.lose_releases(buffer.groups()[0].states[0].lease)  # type: ignore[arg-type]
+    with pytest.raises(RoutesLost):
+        buffer.refresh(current_version=2)
+    retries = buffer.take_retries()
+    assert [(s.sample_id, s.retries, s.stuck) for s in retries] == [
+        ("a", 1, False),
+        ("b", 1, False),
+    ]
+    assert buffer.stats().retried_samples == 2
+    assert [s.sample_id for s in buffer.release_failed()] == ["a"]  # the buffer keeps it
+    assert holders(store) == {"buffer/g": 1}
+    backend.heal()
+    buffer.close()
+    assert store.leaks() == []
+
+
+def test_a_group_whose_callers_lease_fails_to_end_enters_the_buffer_with_it(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    state = sample(store, "a", "g", version=0)
+    backend.lose_releases(state.lease)  # type: ignore[arg-type]
+    buffer = BufferConfig().build(store)
+    buffer.add("g", [state])  # the buffer's clone exists: the add succeeds
+    [entered] = buffer.groups()[0].states
+    assert entered.holds_lease
+    assert entered.stuck
+    assert buffer.stats().stuck_leases == 1
+    assert holders(store) == {"buffer/g": 1, "rollout/a": 1}
+    backend.heal()
+    buffer.close()  # releases the buffer's lease and retries the caller's
+    assert store.leaks() == []
+
+
+def test_training_batch_takes_every_lease_or_none(store: RouteStore) -> None:
+    buffer = BufferConfig().build(store)
+    buffer.add("g1", [sample(store, "a", "g1", version=0), sample(store, "b", "g1", version=0)])
+    buffer.add("g2", [sample(store, "c", "g2", version=0)])
+    groups = buffer.sample(2, current_version=0)
+    # c's lease was released elsewhere (e.g. a pickled copy in another process): this
+    # Lease object still looks live, but its shard refuses to clone it.
+    late = groups[1].states[0].lease
+    assert late is not None
+    store.backend.call([(0, "release", (late.lease_ids[0],))], "released elsewhere")
+    with pytest.raises(AlreadyReleased):
+        TrainingBatch(5, groups)
+    assert holders(store) == {"buffer/g1": 2}  # nothing moved to train/step-5
+    assert all(s.holds_lease for s in groups[0].states)
+    with TrainingBatch(6, groups[:1]) as batch:  # the caller can still hand them over
+        assert holders(store) == {"train/step-6": 2}
+        assert len(batch) == 2
+    assert store.leaks() == []
+
+
+def test_training_batch_rolls_back_when_a_clone_fails_on_a_dead_shard(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig().build(store)
+    buffer.add("g", [sample(store, sid, "g", version=0) for sid in "abc"])
+    [group] = buffer.sample(1, current_version=0)
+    backend.lose_clones(group.states[2].lease)  # type: ignore[arg-type]
+    with pytest.raises(RoutesLost):
+        TrainingBatch(1, [group])
+    assert holders(store) == {"buffer/g": 3}
+    backend.heal()
+    with TrainingBatch(2, [group]):
+        assert holders(store) == {"train/step-2": 3}
+    assert store.leaks() == []
+
+
+def test_training_batch_keeps_a_buffer_lease_that_fails_to_end_and_retries_it(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig().build(store)
+    buffer.add("g", [sample(store, "a", "g", version=0), sample(store, "b", "g", version=0)])
+    [group] = buffer.sample(1, current_version=0)
+    backend.lose_releases(group.states[0].lease)  # type: ignore[arg-type]
+    batch = TrainingBatch(3, [group])  # the batch's clones exist: the hand-over holds
+    assert holders(store) == {"buffer/g": 1, "train/step-3": 2}
+    assert [s.stuck for s in batch.states] == [True, False]
+    with pytest.raises(RoutesLost):
+        batch.close()
+    assert holders(store) == {"buffer/g": 1}  # both of the batch's own leases ended
+    assert [s.sample_id for s in batch.release_failed()] == ["a"]
+    with pytest.raises(RoutesLost):
+        batch.close()  # retried, still dead
+    backend.heal()
+    batch.close()
+    assert batch.release_failed() == ()
+    assert store.leaks() == []
+
+
+def test_staleness_counts_routing_rows_not_only_response_tokens(store: RouteStore) -> None:
+    """A retry at version 2 reusing prompt rows stored at version 0 is 2 versions stale."""
+    old = store.put(routing(4, 1), weight_version=0)  # prompt rows, from an old turn
+    new = store.put(routing(6, 2), weight_version=2)
+    handle = old + new[4:6]
+    state = RolloutState(sample_id="r", group_id="g", prompt_ids=(1, 2, 3, 4, 5))
+    state = state.extend((6, 7), (-0.1, -0.2), 2).with_status(Status.COMPLETED, "stop")
+    state = state.with_routing(handle, store.acquire(handle, "rollout/r"), Origin.BORROWED)
+    assert state.staleness(2) == 2
+    assert state.oldest_version() == 0
+    buffer = BufferConfig(max_staleness=1, max_retries=1).build(store)
+    buffer.add("g", [state])
+    assert buffer.groups()[0].staleness(2) == 2
+    assert buffer.refresh(current_version=2) == (["r"], [])
+    buffer.close()
+    assert store.leaks() == []
+
+
+def test_a_checkpoint_that_fails_to_load_cleans_up_although_a_release_fails(
+    faulty: tuple[RouteStore, FaultyBackend], tmp_path: Path
+) -> None:
+    store, backend = faulty
+    buffer = BufferConfig().build(store)
+    buffer.add("g1", [sample(store, "a", "g1", version=0, seed=1)])
+    buffer.add("g2", [sample(store, "b", "g2", version=0, seed=2), sample(store, "c", "g2", 0, 3)])
+    save_buffer(buffer, tmp_path, SPEC)
+    buffer.close()
+    arrays = dict(np.load(tmp_path / "routing.npz", allow_pickle=False))
+    arrays["r2"] = arrays["r2"].copy()
+    arrays["r2"][1] = 0  # c is corrupt: the load stops after storing b's routing
+    np.savez(tmp_path / "routing.npz", **arrays)
+    backend.dead_holders.add("buffer/g1")  # and the buffer's lease on g1 cannot end
+    with pytest.raises(RoutesDataError, match="row 1") as failed:
+        load_buffer(tmp_path, store, BufferConfig())
+    assert "RoutesLost" in failed.value.__notes__[0]  # the load error stays the error
+    assert holders(store) == {"buffer/g1": 1}  # visible in leaks(), for a revoke
+    assert store.stats().live_payloads == 1  # b's stored routing was dropped all the same
+    assert store.stats().unleased_payloads == 0
+
+
+# -- sessions: released when the last waiting sample is done ---------------------------
+def in_session(state: RolloutState, session: str) -> RolloutState:
+    return RolloutState(**{**_fields(state), "session_id": session})
+
+
+def test_a_session_is_released_when_its_last_waiting_sample_is_done(store: RouteStore) -> None:
+    released: list[str] = []
+    ledger = SessionLedger(released.append)
+    a, b, c = (in_session(sample(store, sid, f"g{sid}", 0), "s") for sid in "abc")
+    ledger.hold(a, b, c)
+    ledger.hold(b)  # a retry of the same sample registers nothing new
+    assert (ledger.sessions(), ledger.waiting("s")) == (["s"], 3)
+    buffer = BufferConfig().build(store, sessions=ledger)
+    for state in (a, b, c):
+        buffer.add(state.group_id, [state])
+    with TrainingBatch(1, buffer.sample(1, current_version=0), sessions=ledger):
+        pass
+    assert (released, ledger.waiting("s")) == ([], 2)  # b and c still wait on it
+    assert buffer.discard("gb") is True
+    assert (released, ledger.waiting("s")) == ([], 1)
+    [group] = buffer.sample(1, current_version=0)
+    for state in group.states:  # c's job failed: the caller says so
+        state.release()
+    assert ledger.done(*group.states) == ["s"]
+    assert released == ["s"]
+    assert ledger.done(*group.states) == []  # nothing waits: nothing more to release
+    assert store.leaks() == []
+
+
+def test_a_batch_refuses_two_ways_of_ending_sessions(store: RouteStore) -> None:
+    ledger = SessionLedger(lambda _: None)
+    with pytest.raises(MisuseError, match="sessions one way"):
+        TrainingBatch(1, [], release_session=lambda _: None, sessions=ledger)
+
+
+def test_a_sample_the_ledger_never_held_releases_its_session_if_nobody_else_waits(
+    store: RouteStore,
+) -> None:
+    released: list[str] = []
+    ledger = SessionLedger(released.append)
+    held = in_session(sample(store, "a", "g", 0), "s")
+    ledger.hold(held)
+    stranger = in_session(sample(store, "b", "g", 0), "s").release()
+    other = in_session(sample(store, "c", "g", 0), "t").release()
+    assert ledger.done(stranger, other) == ["t"]  # s: a still waits; t: nobody does
+    assert ledger.done(held.release()) == ["s"]
+    assert released == ["t", "s"]
+
+
+def test_a_session_release_that_fails_is_retried_by_close(store: RouteStore) -> None:
+    calls: list[str] = []
+
+    def flaky(session: str) -> None:
+        calls.append(session)
+        if len(calls) == 1:
+            raise RoutesLost("the trace store did not answer", where=f"session {session}")
+
+    ledger = SessionLedger(flaky)
+    state = in_session(sample(store, "a", "g", 0), "s").release()
+    ledger.hold(state)
+    with pytest.raises(RoutesLost):
+        ledger.done(state)
+    assert ledger.failed == ("s",)
+    ledger.close()
+    assert (calls, ledger.failed) == (["s", "s"], ())

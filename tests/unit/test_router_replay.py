@@ -16,12 +16,13 @@ from routeplay.core.spec import RouteSpec  # noqa: E402
 from routeplay.core.validate import canonicalize  # noqa: E402
 from routeplay.errors import (  # noqa: E402
     DtypeError,
+    DuplicateExperts,
     ExpertOutOfRange,
     MisuseError,
     RowCountMismatch,
     SpecMismatch,
 )
-from routeplay.train.replay import (  # noqa: E402
+from routeplay.train.replay_core import (  # noqa: E402
     ReplaySource,
     RouteRecorder,
     dense_sigmoid_scores,
@@ -346,3 +347,81 @@ def test_checkpoint_recompute_reads_the_same_ids(reentrant: bool) -> None:
     for a, b in zip(plain, again, strict=True):
         assert torch.equal(a, b)
         assert bool(a.abs().sum() > 0)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _with_duplicate(routes: np.ndarray, *, zero_row: bool) -> np.ndarray:
+    bad = routes.copy()
+    if zero_row:
+        bad[3, 1, :] = 0  # an all-zero padding row: every id is expert 0
+    else:
+        bad[3, 1, 1] = bad[3, 1, 0]
+    return bad
+
+
+def _as(kind: str, array: np.ndarray) -> Any:
+    """The same ids as a numpy array, a uint8/int64 tensor, or a provider of either."""
+    if kind == "numpy":
+        return array
+    if kind == "uint8":
+        return torch.from_numpy(array.astype(np.uint8))
+    if kind == "uint16":
+        return torch.from_numpy(array.astype(np.uint16))
+    if kind == "int64":
+        return torch.from_numpy(array.astype(np.int64))
+    if kind == "provider_numpy":
+        return lambda layer: array[:, layer, :]
+    assert kind == "provider_tensor"
+    tensor = torch.from_numpy(array.astype(np.int64))
+    return lambda layer: tensor[:, layer, :]
+
+
+KINDS = ["numpy", "uint8", "uint16", "int64", "provider_numpy", "provider_tensor"]
+
+
+def _all_layers(source: ReplaySource, rows: int) -> None:
+    for layer in range(SPEC.num_layers):
+        source.ids(layer, device=CPU, rows=rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("zero_row", [False, True], ids=["repeat", "zero_row"])
+def test_a_row_naming_an_expert_twice_is_refused(kind: str, zero_row: bool) -> None:
+    bad = _with_duplicate(distinct_ids(SPEC, 8), zero_row=zero_row)
+    with pytest.raises(DuplicateExperts, match="twice") as info:
+        _all_layers(ReplaySource(_as(kind, bad), SPEC), rows=8)
+    assert "row 3" in str(info.value)
+    if zero_row:
+        assert "all zeros" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad_id", [8, -1])
+def test_an_id_out_of_range_is_refused(kind: str, bad_id: int) -> None:
+    if bad_id < 0 and kind in ("uint8", "uint16"):
+        pytest.skip("unsigned tensors cannot hold a negative id")
+    bad = distinct_ids(SPEC, 8).astype(np.int64)
+    bad[5, 2, 0] = bad_id
+    with pytest.raises(ExpertOutOfRange):
+        _all_layers(ReplaySource(_as(kind, bad), SPEC), rows=8)
+
+
+@pytest.mark.parametrize("kind", ["provider_numpy", "provider_tensor"])
+def test_a_provider_block_of_the_wrong_shape_is_refused(kind: str) -> None:
+    routes = _as(kind, distinct_ids(SPEC, 8))
+    source = ReplaySource(lambda layer: routes(layer)[:, :1], SPEC)
+    with pytest.raises(SpecMismatch, match="wrong shape"):
+        source.ids(0, device=CPU, rows=8)
+    short = ReplaySource(lambda layer: routes(layer)[:5], SPEC)
+    with pytest.raises(RowCountMismatch):
+        short.ids(0, device=CPU, rows=8)
+
+
+def test_valid_routes_pass_every_check_and_unchecked_routes_are_not_read() -> None:
+    routes = distinct_ids(SPEC, 8)
+    for kind in KINDS:
+        _all_layers(ReplaySource(_as(kind, routes), SPEC), rows=8)
+    # check_ids=False is the caller's promise (e.g. routes validated at ingest): no pass.
+    ReplaySource(_with_duplicate(routes, zero_row=True), SPEC, check_ids=False)

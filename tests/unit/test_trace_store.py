@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 import pytest
+from faults import FaultyBackend, faulty_store
 
 from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import HandleError, RoutesLost
@@ -255,3 +256,76 @@ def test_leases_span_shards_when_turns_live_on_different_shards() -> None:
     )
     exported.lease.release()
     assert (store.leaks(), store.stats().live_payloads) == ([], 0)
+
+
+# -- error paths: a shard that died answers RoutesLost to releases ---------------------
+def faulty_traces() -> tuple[RouteStore, FaultyBackend, TraceStore]:
+    store, backend = faulty_store("traces-faults")
+    return store, backend, TraceStore(store)
+
+
+def test_release_session_attempts_every_lease_and_keeps_the_failed_one() -> None:
+    store, backend, traces = faulty_traces()
+    h1 = store.put(routing(len(TURN1) - 1, seed=1))
+    h2 = store.put(routing(len(TURN2) - 1, seed=2))
+    traces.insert("s", TURN1, h1)
+    traces.insert("s", TURN2, h2)
+    backend.dead_holders.add(session_holder("s"))
+    traces.insert("s", [*TURN1, 5], h1 + store.put(routing(1, seed=3)))  # leased while dead
+    with pytest.raises(RoutesLost):
+        traces.release_session("s")
+    assert holders(store) == {"session/s": 1}  # the other two were released
+    assert traces.sessions() == []
+    with pytest.raises(RoutesLost):
+        traces.release_session("s")  # a retry, not a silent no-op
+    assert traces.stats().unreleased == 1
+    backend.heal()
+    assert traces.release_session("s") == 1
+    assert traces.release_session("s") == 0
+    assert traces.stats().unreleased == 0
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+
+
+def test_release_all_releases_every_session_although_one_fails() -> None:
+    store, backend, traces = faulty_traces()
+    backend.dead_holders.add(session_holder("a"))
+    traces.insert("a", TURN1, store.put(routing(len(TURN1) - 1, seed=1)))
+    traces.insert("b", TURN1, store.put(routing(len(TURN1) - 1, seed=2)))
+    with pytest.raises(RoutesLost):
+        traces.release_all()
+    assert holders(store) == {"session/a": 1}  # b went although a failed first
+    [stuck] = traces.take_unreleased()
+    assert traces.stats().unreleased == 0
+    backend.heal()
+    stuck.release()
+    assert store.leaks() == []
+
+
+def test_an_overwrite_whose_release_fails_keeps_the_old_lease_as_unreleased() -> None:
+    store, backend, traces = faulty_traces()
+    backend.dead_holders.add(session_holder("s"))
+    traces.insert("s", TURN1, store.put(routing(len(TURN1) - 1, seed=1)))
+    backend.dead_holders.clear()
+    new = store.put(routing(len(TURN1) - 1, seed=2))
+    traces.insert("s", TURN1, new)  # the insert itself succeeded
+    assert traces.longest_prefix("s", TURN1).handle == new
+    assert (traces.stats().leases, traces.stats().unreleased) == (1, 1)
+    assert holders(store) == {"session/s": 2}
+    backend.heal()
+    assert traces.release_session("s") == 2
+    assert store.leaks() == []
+
+
+def test_exports_carry_the_weight_version_of_every_stored_row(store: RouteStore) -> None:
+    traces = TraceStore(store)
+    turn1 = store.put(routing(len(TURN1) - 1, seed=1), weight_version=0)
+    turn2 = turn1 + store.put(routing(len(TURN2) - len(TURN1), seed=2), weight_version=3)
+    traces.insert("s", TURN2, turn2)
+    exported = traces.export("s", [*TURN2[:12], 0], "rollout/retry")
+    assert exported is not None
+    assert exported.rows == 12
+    assert exported.handle.weight_versions().tolist() == [0] * 9 + [3] * 3
+    exported.lease.release()
+    traces.close()
+    assert store.leaks() == []

@@ -150,7 +150,7 @@ def measure_workload(
         "tokens": w.tokens,
         "samples": w.samples,
         "sp": w.sp,
-        "prompt_tokens": w.prompt_tokens,
+        "shared_prompt": w.prompt_tokens,
         "payload_bytes": w.payload_bytes,
         "unique_bytes": w.unique_bytes,
         "eager_ms": per_path["eager"]["median_ms"],

@@ -169,12 +169,12 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         out["rank_peak_over_eager"] = round(
             w["peak_rank_bytes"]["producer"] / w["peak_rank_bytes"]["eager"], 3
         )
-    plain = [w for w in results["workloads"] if not w["prompt_tokens"]]
+    plain = [w for w in results["workloads"] if not w["shared_prompt"]]
     out["writes_per_payload"] = {
         p: round(max(w["bytes_written"][p] / w["payload_bytes"] for w in plain), 3)
         for p in ("producer", "adopt")
     }
-    grpo = [w for w in results["workloads"] if w["prompt_tokens"]]
+    grpo = [w for w in results["workloads"] if w["shared_prompt"]]
     if grpo:
         out["grpo_written_over_unique"] = round(
             max(w["bytes_written"]["producer"] / w["unique_bytes"] for w in grpo), 3

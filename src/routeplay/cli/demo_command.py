@@ -8,30 +8,32 @@ one object-store write per payload), 2 when one failed, 1 on usage errors.
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from routeplay.core.wires import WIRE_NAMES
+
 EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
 
 
-class EngineFormat(str, Enum):
-    """Wire formats of the reference engine (``routeplay.pipeline.wire.WIRES``)."""
-
-    LMDEPLOY_KEY = "lmdeploy-key"
-    LMDEPLOY_INLINE = "lmdeploy-inline"
-    VLLM = "vllm"
-    SGLANG = "sglang"
+def _wire_name(value: str) -> str:
+    # The names come from the wire registry, so the CLI never lists them itself.
+    if value not in WIRE_NAMES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(WIRE_NAMES)}")
+    return value
 
 
 def demo_command(
     engine_format: Annotated[
-        EngineFormat | None,
+        str | None,
         typer.Option(
-            "--engine-format", help="Wire format the engine speaks (recipe default: lmdeploy-key)."
+            "--engine-format",
+            parser=_wire_name,
+            metavar="[" + "|".join(WIRE_NAMES) + "]",
+            help="Wire format the engine speaks (recipe default: lmdeploy-key).",
         ),
     ] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="RL steps (recipe default: 16).")] = None,
@@ -63,7 +65,7 @@ def demo_command(
     try:
         config = recipe(recipe_name)
         overrides = {
-            "wire": engine_format.value if engine_format else None,
+            "wire": engine_format,
             "steps": steps,
             "address": address,
             "seed": seed,

@@ -26,7 +26,18 @@ def inspect_command(
     model: Annotated[
         str | None, typer.Option("--preset", help="Model preset instead of L/K/E.")
     ] = None,
-    choice: Annotated[int, typer.Option(help="Choice index of OpenAI-style bodies.")] = 0,
+    choice: Annotated[
+        int, typer.Option(min=0, help="Choice of an OpenAI body, or element of a batched list.")
+    ] = 0,
+    start_row: Annotated[
+        int,
+        typer.Option(
+            "--start-row",
+            min=0,
+            help="First routing row the request asked for (SGLang routed_experts_start_len, "
+            "vLLM routed_experts_prompt_start): engines never echo it.",
+        ),
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> int:
     """Decode and validate the routed experts in an engine response, never executing bytes."""
@@ -39,7 +50,12 @@ def inspect_command(
         raise typer.Exit(EXIT_USAGE) from exc
     try:
         result = read_response(
-            engine, _parse_json(text, path), spec, choice=choice, where=path.name
+            engine,
+            _parse_json(text, path),
+            spec,
+            choice=choice,
+            start_row=start_row,
+            where=path.name,
         )
     except RoutesDataError as exc:
         _report_refusal(console, exc, as_json)
@@ -82,24 +98,7 @@ def _parse_json(text: bytes, path: Path) -> Any:
 
 
 def _summary(result: EngineRouting) -> dict[str, Any]:
-    counts = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
-    if result.key is not None:
-        return {"ok": True, "kind": "key", "key": result.key.key, "rows": result.key.rows, **counts}
-    routes = result.routes
-    assert routes is not None  # read_response returns data or a key
-    return {
-        "ok": True,
-        "kind": "routes",
-        "rows": routes.rows,
-        "start_row": routes.start_row,
-        "layers": routes.spec.num_layers,
-        "top_k": routes.spec.top_k,
-        "dtype": routes.spec.dtype.name,
-        "source_dtype": routes.source_dtype,
-        "nbytes": routes.nbytes,
-        "sha256": routes.sha256(),
-        **counts,
-    }
+    return {"ok": True, **result.summary()}
 
 
 def _report_refusal(console: Console, exc: RoutesDataError, as_json: bool) -> None:

@@ -5,13 +5,13 @@ wire formats of every engine, validation, and the metadata a sample carries inst
 data (``Segment``, ``Handle``).
 """
 
-from routeplay.core.formats import Engine, EngineRouting, read_response
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Piece, Segment, Source, StoreRef
 from routeplay.core.hf_config import spec_from_hf_config
 from routeplay.core.presets import PRESETS, preset
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec, canonical_dtype
 from routeplay.core.validate import canonicalize, expected_rows
+from routeplay.core.wires import Engine, EngineRouting, read_response, read_responses, read_stream
 
 __all__ = [
     "PRESETS",
@@ -31,5 +31,7 @@ __all__ = [
     "expected_rows",
     "preset",
     "read_response",
+    "read_responses",
+    "read_stream",
     "spec_from_hf_config",
 ]

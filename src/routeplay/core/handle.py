@@ -66,26 +66,38 @@ class StoreRef:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineKey:
-    """A payload still inside an engine-side store, consumed once by whoever reads it."""
+    """A payload still inside an engine-side store, consumed once by whoever reads it.
+
+    The sample's rows are ``[0, rows)`` of the stored array. The stored array holds
+    between ``rows`` and ``rows + trailing_rows`` rows: LMDeploy with
+    ``include_stop_str_in_output=False`` (its default) trims the stop token from the
+    answer and its counts but not from the stored array, which then ends with one row the
+    sample does not have. A store adopting the key accepts any row count in
+    ``payload_rows`` and exposes only rows ``[0, rows)``, as a slice of the stored array
+    (no copy); the trailing rows are never read.
+
+    Example:
+        >>> EngineKey(key="ab" * 28, rows=6, trailing_rows=1).payload_rows
+        range(6, 8)
+    """
 
     key: str
     """Key the engine returned (LMDeploy: hex of the stored ObjectRef)."""
     rows: int
-    """Token rows the payload must have (from the sample's token counts)."""
+    """Token rows of the sample (from its token counts): rows ``[0, rows)`` of the payload."""
     actor: str = "shared_store"
     """Name of the engine-side store actor."""
     namespace: str = "lmdeploy"
-    """Ray namespace of that actor."""
+    """Ray namespace of that actor (``lmdeploy``; ``sglang`` for XTuner's patched SGLang)."""
     run: str = ""
     """Run the key was issued to."""
-    trailing_rows_allowed: int = 1
-    """Extra rows the stored payload may have after ``rows``; they are ignored, not read.
-    LMDeploy trims the stop token's row from inline arrays but not from the payload it
-    stores when ``include_stop_str_in_output=False``, so a key may hold one row more."""
+    trailing_rows: int = 0
+    """Rows the stored array may hold beyond ``rows`` (LMDeploy: 1, the trimmed stop token)."""
 
-    def accepts(self, payload_rows: int) -> bool:
-        """True when a payload of ``payload_rows`` rows holds this key's rows."""
-        return self.rows <= payload_rows <= self.rows + self.trailing_rows_allowed
+    @property
+    def payload_rows(self) -> range:
+        """Row counts the stored array may have: ``rows`` to ``rows + trailing_rows``."""
+        return range(self.rows, self.rows + self.trailing_rows + 1)
 
 
 Source: TypeAlias = InlineSource | StoreRef | EngineKey

@@ -2,7 +2,9 @@
 
 Invariant: ``array`` is C-contiguous, read-only, ``[rows, L, K]`` in ``spec.dtype``,
 every id in ``[0, E)`` and distinct within each (row, layer). Only
-``routeplay.core.validate.canonicalize`` builds one from untrusted data.
+``routeplay.core.validate.canonicalize`` builds one from untrusted data, and the SGLang
+streaming decoder (``routeplay.core.formats.sglang``), which runs the same checks slice by
+slice and defers to ``canonicalize`` on any problem.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from routeplay.errors import (
 )
 
 __all__ = [
+    "DistinctCheck",
     "canonicalize",
     "check_distinct",
     "check_dtype",
@@ -47,7 +48,7 @@ def check_row_count(rows: int, expected: int, *, where: str = "") -> None:
         hint = (
             "One row too many: the engine included the last generated token."
             if off == 1
-            else "Check the token counts and routed_experts_start_len."
+            else "Check the token counts and the start row the request asked for."
         )
         raise RowCountMismatch(
             "routing rows do not match the token counts",
@@ -108,22 +109,65 @@ def check_range(array: IntArray, spec: RouteSpec, *, start_row: int = 0, where: 
     )
 
 
+class DistinctCheck:
+    """Reusable buffers for "no expert twice in a top-k row", over blocks of (row, layer) pairs.
+
+    A block is copied column-major (slot ``i`` of every pair contiguous), so comparing
+    slot ``i`` with slot ``i + s`` for every ``i`` at once is one contiguous SIMD pass per
+    shift ``s``: ``K - 1`` compares per block instead of ``K (K - 1) / 2`` (a per-row sort
+    is ~10x slower, strided columns ~3x). Blocks of ``max_pairs`` keep the buffers in cache.
+
+    Example:
+        >>> check = DistinctCheck(top_k=2, max_pairs=4, dtype=np.dtype(np.uint8))
+        >>> check.holds(np.array([[0, 1], [2, 3]], np.uint8)), check.holds(np.array([[5, 5]]))
+        (True, False)
+    """
+
+    def __init__(self, *, top_k: int, max_pairs: int, dtype: np.dtype[Any]) -> None:
+        self._top_k = top_k
+        self._columns = np.empty((top_k, max_pairs), dtype=dtype)
+        shifts = max(1, top_k - 1)
+        self._clash = np.empty((shifts, max_pairs), dtype=bool)
+        self._equal = np.empty((shifts, max_pairs), dtype=bool)
+
+    def holds(self, pairs: IntArray) -> bool:
+        """Whether every row of ``pairs`` (``[n <= max_pairs, K]``) has K distinct ids."""
+        top_k, count = self._top_k, pairs.shape[0]
+        if top_k < 2 or count == 0:
+            return True
+        columns = self._columns[:, :count]
+        np.copyto(columns, pairs.T)
+        clash = self._clash[:, :count]
+        np.equal(columns[1:], columns[:-1], out=clash)  # slots (i, i + 1)
+        for shift in range(2, top_k):
+            rows = top_k - shift
+            equal = self._equal[:rows, :count]
+            np.equal(columns[shift:], columns[:-shift], out=equal)  # slots (i, i + shift)
+            np.bitwise_or(clash[:rows], equal, out=clash[:rows])
+        return not bool(clash.any())
+
+
+_DISTINCT_BLOCK = 1 << 15
+"""(row, layer) pairs per block of ``check_distinct``: 256 KB of uint8 columns at K=8."""
+
+
 def check_distinct(array: IntArray, *, start_row: int = 0, where: str = "") -> None:
     """Refuse any (token, layer) row that names an expert twice (zero padding shows up here)."""
     _, layers, top_k = array.shape
     if top_k < 2 or array.size == 0:
         return
-    # Column-major copy makes every pairwise compare a contiguous SIMD pass (~3x faster
-    # than strided columns, ~10x faster than sorting each row).
-    columns = np.ascontiguousarray(array.reshape(-1, top_k).T)
-    clash = np.zeros(columns.shape[1], dtype=bool)
-    equal = np.empty_like(clash)
-    for i in range(top_k):
-        for j in range(i + 1, top_k):
-            np.equal(columns[i], columns[j], out=equal)
-            clash |= equal
-    if not clash.any():
+    pairs = array.reshape(-1, top_k)
+    check = DistinctCheck(
+        top_k=top_k, max_pairs=min(_DISTINCT_BLOCK, pairs.shape[0]), dtype=array.dtype
+    )
+    if all(
+        check.holds(pairs[first : first + _DISTINCT_BLOCK])
+        for first in range(0, pairs.shape[0], _DISTINCT_BLOCK)
+    ):
         return
+    # Only now find every clash, for the message (first offender and counts).
+    ordered = np.sort(pairs, axis=1)
+    clash = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
     flat = int(np.argmax(clash))
     row, layer = divmod(flat, layers)
     zero_rows = int((array.reshape(-1, top_k) == 0).all(axis=1).sum())

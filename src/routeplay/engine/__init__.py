@@ -16,11 +16,10 @@ from routeplay.engine.generator import FINISH_REASONS, EngineStats, Generation, 
 from routeplay.engine.model import DTYPES, EngineConfig, build_model
 
 if TYPE_CHECKING:
-    from routeplay.engine.server import ENGINE_OF, WIRES, EngineServer, ServerStats, WireHandler
+    from routeplay.engine.server import WIRES, EngineServer, ServerStats, WireHandler
 
 __all__ = [
     "DTYPES",
-    "ENGINE_OF",
     "FINISH_REASONS",
     "WIRES",
     "EngineConfig",
@@ -33,7 +32,7 @@ __all__ = [
     "build_model",
 ]
 
-_SERVER_NAMES = frozenset({"ENGINE_OF", "WIRES", "EngineServer", "ServerStats", "WireHandler"})
+_SERVER_NAMES = frozenset({"WIRES", "EngineServer", "ServerStats", "WireHandler"})
 
 
 def __getattr__(name: str) -> Any:

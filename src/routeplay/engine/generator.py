@@ -1,17 +1,19 @@
 """The reference engine: token generation with routing recording on a tiny HF MoE model.
 
 Decoding is incremental with the HF KV cache (prefill, then one token per forward), and
-the sampled tokens and their log-probs come from that decode, as in a real engine.
+the sampled tokens, their log-probs and the routing all come from that decode, as in a
+real engine (vLLM, SGLang and LMDeploy capture the router's choice inside the very passes
+that produce the tokens).
 
-Invariant: ``Generation.routing`` is the routing of *one full forward* over
-``prompt + completion[:-1]`` in the engine's precision, recorded after the decode: rows
-``0 .. P + C - 2``, prompt rows then generated rows (the last generated token is never fed
-back, so it has no row). A KV-cache decode step and a full forward run different kernel
-shapes, so in bf16 the router's top-k flips at near-ties (about 0.1% of (token, layer)
-pairs on the default config); real engines' decode and prefill differ the same way.
-Reporting the full forward's routing makes the payload exactly what a trainer forward in
-engine precision sees; ``EngineStats.decode_divergent_rows`` counts the (token, layer)
-pairs where the decode chose otherwise.
+Invariant: ``Generation.routing`` is what the routers chose in the passes that produced
+``Generation.token_ids``: the prefill's ``P`` prompt rows, then one row per KV-cache decode
+step, ``P + C - 1`` rows in all (the last generated token is never fed back, so it has no
+row). A decode step and a full forward run different kernel shapes, so in bf16 the router's
+top-k can flip at near-ties between the two; a trainer that recomputes a full forward
+therefore sees other experts on a few rows even in engine precision, which is what replay
+is for. As a diagnostic, ``ReferenceEngine(config, compare_full_forward=True)`` also runs
+one full forward per request and counts the (token, layer) pairs where it chose otherwise
+in ``EngineStats.full_forward_divergent_rows``; the reported routing never comes from it.
 """
 
 from __future__ import annotations
@@ -68,24 +70,35 @@ class EngineStats:
     """Prompt tokens processed, summed over requests."""
     completion_tokens: int
     """Tokens generated, summed over requests."""
-    decode_divergent_rows: int
-    """(token, layer) pairs where the KV-cache decode chose other experts than the reported
-    full-forward routing (numerics of different kernel shapes at near-ties)."""
+    full_forward_divergent_rows: int | None
+    """(token, layer) pairs where a full forward over the same tokens chose other experts
+    than the reported (decode-pass) routing; ``None`` unless the engine was built with
+    ``compare_full_forward=True``."""
     weight_version: int
     """Current weight version."""
 
 
 class ReferenceEngine:
-    """A tiny MoE model that generates while recording routing; thread-safe (one lock)."""
+    """A tiny MoE model that generates while recording routing; thread-safe (one lock).
 
-    def __init__(self, config: EngineConfig) -> None:
+    ``compare_full_forward`` (off by default: it costs one more forward per request) counts
+    how often a full forward would have chosen other experts than the decode did.
+
+    Example:
+        >>> engine = ReferenceEngine(EngineConfig(hidden_size=32, vocab_size=64))
+        >>> gen = engine.generate([1, 2, 3], max_new_tokens=4, seed=0)
+        >>> gen.routing.shape  # 3 prompt rows + 3 fed-back generated tokens
+        (6, 2, 2)
+    """
+
+    def __init__(self, config: EngineConfig, *, compare_full_forward: bool = False) -> None:
         self._config = config
         self._model: PreTrainedModel = build_model(config)
         self._spec = model_spec(self._model)
         self._lock = threading.Lock()
         self._weight_version = 0
         self._generations = self._prompt_tokens = self._completion_tokens = 0
-        self._divergent = 0
+        self._divergent: int | None = 0 if compare_full_forward else None
 
     @property
     def config(self) -> EngineConfig:
@@ -127,14 +140,15 @@ class ReferenceEngine:
         prompt = self._check_request(prompt_ids, max_new_tokens, temperature, stop_after)
         stops = self._stop_ids(eos_id)
         with self._lock:
-            tokens, logprobs, finish, divergent = self._decode(
+            tokens, logprobs, finish, routing = self._decode(
                 prompt, max_new_tokens, temperature, seed, stop_after, stops
             )
-            routing = self._full_forward_routing(prompt + tokens[:-1])
+            if self._divergent is not None:
+                full = self._full_forward_routing(prompt + tokens[:-1])
+                self._divergent += _count_divergent(routing, full)
             self._generations += 1
             self._prompt_tokens += len(prompt)
             self._completion_tokens += len(tokens)
-            self._divergent += self._count_divergent(divergent, routing)
             version = self._weight_version
         assert routing.shape[0] == len(prompt) + len(tokens) - 1
         routing.setflags(write=False)
@@ -180,7 +194,7 @@ class ReferenceEngine:
                 generations=self._generations,
                 prompt_tokens=self._prompt_tokens,
                 completion_tokens=self._completion_tokens,
-                decode_divergent_rows=self._divergent,
+                full_forward_divergent_rows=self._divergent,
                 weight_version=self._weight_version,
             )
 
@@ -217,6 +231,8 @@ class ReferenceEngine:
                     finish = "length" if len(tokens) >= max_new_tokens else "abort"
                     break
                 step_input = torch.tensor([[token]], dtype=torch.long)
+            # One recorded forward per pass: the prefill's P rows, then one row for each
+            # token fed back; the last sampled token never was, so P + C - 1 rows.
             decoded = recorder.routes()
         return tokens, logprobs, finish, decoded
 
@@ -226,13 +242,6 @@ class ReferenceEngine:
                 input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False, logits_to_keep=1
             )
             return recorder.routes()
-
-    @staticmethod
-    def _count_divergent(
-        decoded: npt.NDArray[np.unsignedinteger], reported: npt.NDArray[np.unsignedinteger]
-    ) -> int:
-        # Compare expert sets (the order inside a top-k row carries no meaning for replay).
-        return int((np.sort(decoded, axis=2) != np.sort(reported, axis=2)).any(axis=2).sum())
 
     def _check_request(
         self,
@@ -302,6 +311,12 @@ class ReferenceEngine:
                 where="ReferenceEngine.generate",
             )
         return ids
+
+
+def _count_divergent(a: npt.NDArray[np.unsignedinteger], b: npt.NDArray[np.unsignedinteger]) -> int:
+    # (row, layer) pairs whose expert *sets* differ: the order inside a top-k row carries
+    # no meaning for replay.
+    return int((np.sort(a, axis=2) != np.sort(b, axis=2)).any(axis=2).sum())
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:

@@ -1,26 +1,15 @@
 """The reference engine behind each real engine's wire format, in process and over HTTP.
 
 ``WireHandler`` turns one request body (parsed JSON) into the response body a real engine
-would send, routing encoded by ``routeplay.core.formats`` exactly as that engine encodes it,
-every decoder layer on the wire (``wire_layers``). ``EngineServer`` serves a handler with
-FastAPI/uvicorn on a loopback address, in a background thread.
-
-- ``vllm``: ``POST /v1/completions``; ``choices[0].routed_experts`` is base64 ``.npy`` of
-  rows ``[routed_experts_prompt_start, T)``;
-- ``sglang``: ``POST /generate``; ``meta_info.routed_experts`` is base64 raw int32 of rows
-  ``[routed_experts_start_len, T)``;
-- ``lmdeploy-inline``: ``POST /generate``; ``meta_info.routed_experts`` is nested lists
-  ``[T][L][K]``;
-- ``lmdeploy-key``: ``POST /generate``; ``meta_info.routed_experts`` is the key of the
-  uint16 ``[T, L, K]`` array put into the ``shared_store`` engine store.
+would send, built by that engine's body builder (``routeplay.core.wires``: the same code
+path as the fake engines), every decoder layer on the wire. ``EngineServer`` serves a
+handler with FastAPI/uvicorn on a loopback address, in a background thread. Each wire of
+``routeplay.core.wires.WIRES`` is served on its endpoint (``WireFormat.path``); its
+request fields are parsed by ``routeplay.engine.requests``.
 
 Every server also answers ``GET /health``. A bad request gets 400 with
 ``{"error": {"type": ..., "message": ...}}``; a failing engine store gets 503.
 Prompts are token ids: the reference engine has no tokenizer, so ``text`` is always "".
-Beyond the real engines' fields, every wire takes ``stop_after`` (interrupt after that many
-tokens, finish reason ``abort``: a partial rollout) and ``stop_token_ids``; a missing
-``seed`` means 0, so every request is reproducible. SGLang answers also carry
-``meta_info.weight_version``, as SGLang's do.
 """
 
 from __future__ import annotations
@@ -29,7 +18,6 @@ import ipaddress
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -38,89 +26,19 @@ import numpy.typing as npt
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from routeplay.core.formats import lmdeploy, sglang, vllm
+from routeplay.core.formats import lmdeploy as key_format
+from routeplay.core.wires import WIRE_NAMES, Answer, BodyOptions, WireFormat
+from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import Generation, ReferenceEngine
+from routeplay.engine.requests import Job, parse_request
 from routeplay.errors import LifetimeError, MisuseError, RoutesDataError
-from routeplay.rollout.fake_engines import wire_layers
 
-__all__ = ["ENGINE_OF", "WIRES", "EngineServer", "ServerStats", "WireHandler"]
+__all__ = ["WIRES", "EngineServer", "ServerStats", "WireHandler"]
 
-WIRES: Final = ("lmdeploy-key", "lmdeploy-inline", "vllm", "sglang")
-"""Wire formats a server can speak."""
-
-ENGINE_OF: Final[dict[str, str]] = {
-    "lmdeploy-key": "lmdeploy",
-    "lmdeploy-inline": "lmdeploy",
-    "vllm": "vllm",
-    "sglang": "sglang",
-}
-"""Wire -> the engine name ``routeplay.core.read_response`` reads it with."""
-
-_PATHS: Final[dict[str, str]] = {
-    "lmdeploy-key": "/generate",
-    "lmdeploy-inline": "/generate",
-    "vllm": "/v1/completions",
-    "sglang": "/generate",
-}
-
-
-# --------------------------------------------------------------------------- requests
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send model names, stream flags...
-
-
-class _VllmRequest(_Body):
-    prompt: list[StrictInt] = Field(min_length=1)
-    max_tokens: StrictInt = 16
-    temperature: float = 1.0
-    seed: StrictInt | None = None
-    stop_after: StrictInt | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    routed_experts_prompt_start: StrictInt = Field(0, ge=0)
-
-
-class _SglangSampling(_Body):
-    max_new_tokens: StrictInt = 128
-    temperature: float = 1.0
-    seed: StrictInt | None = None
-    stop_after: StrictInt | None = None
-    stop_token_ids: list[StrictInt] | None = None
-
-
-class _SglangRequest(_Body):
-    input_ids: list[StrictInt] = Field(min_length=1)
-    sampling_params: _SglangSampling = Field(default_factory=_SglangSampling)
-    return_routed_experts: bool = False
-    routed_experts_start_len: StrictInt = Field(0, ge=0)
-
-
-class _LmdeployRequest(_Body):
-    input_ids: list[StrictInt] = Field(min_length=1)
-    max_tokens: StrictInt = 128
-    temperature: float = 1.0
-    seed: StrictInt | None = None
-    stop_after: StrictInt | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    return_routed_experts: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Job:
-    """A validated request, in the engine's terms."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    stop_after: int | None
-    stops: list[int] | None
-    start: int = 0
-    routing: bool = True
+WIRES: Final = WIRE_NAMES
+"""Wire formats a server can speak (``routeplay.core.wires.WIRE_NAMES``)."""
 
 
 # --------------------------------------------------------------------------- handler
@@ -135,15 +53,19 @@ class ServerStats:
     refused: int
     """Requests refused as bad (400)."""
     keys_put: int
-    """Payloads put into the engine store (``lmdeploy-key``)."""
+    """Payloads put into the engine store (key-store wires)."""
 
 
 class WireHandler:
     """One wire format in process: request body in, the engine's response body out.
 
-    ``engine_store`` (``lmdeploy-key`` only) is the ``shared_store`` actor handle, or any
+    ``engine_store`` (key-store wires only) is the ``shared_store`` actor handle, or any
     object whose ``put.remote(array)`` returns an ObjectRef of the key (a Ray actor) or the
     key itself (an in-process fake). Bad requests raise ``MisuseError``.
+
+    Example:
+        >>> handler = WireHandler(engine, "sglang")  # doctest: +SKIP
+        >>> body = handler({"input_ids": [1, 2, 3], "return_routed_experts": True})
     """
 
     def __init__(
@@ -154,41 +76,33 @@ class WireHandler:
         engine_store: Any = None,
         put_timeout_s: float = 60.0,
     ) -> None:
-        if wire not in WIRES:
-            raise MisuseError("unknown wire format", expected=f"one of {WIRES}", found=wire)
-        if (wire == "lmdeploy-key") != (engine_store is not None):
+        if wire not in WIRE_NAMES:
+            raise MisuseError("unknown wire format", expected=f"one of {WIRE_NAMES}", found=wire)
+        self.format: WireFormat = wire_format(wire)
+        if self.format.key_store != (engine_store is not None):
             raise MisuseError(
-                "an engine store goes with the lmdeploy-key wire, and only with it",
+                "an engine store goes with a key-store wire, and only with it",
                 expected="engine_store for lmdeploy-key, None otherwise",
                 found=f"wire {wire!r}, engine_store {type(engine_store).__name__}",
                 hint="Start one with routeplay.store.start_engine_store().",
             )
         self.engine = engine
-        self.wire = wire
         self._store = engine_store
         self._put_timeout_s = put_timeout_s
         self._lock = threading.Lock()
         self._requests = self._refused = self._keys = 0
-        parse: dict[str, Callable[[dict[str, Any]], _Job]] = {
-            "vllm": self._parse_vllm,
-            "sglang": self._parse_sglang,
-            "lmdeploy-key": self._parse_lmdeploy,
-            "lmdeploy-inline": self._parse_lmdeploy,
-        }
-        answer: dict[str, Callable[[_Job, Generation], dict[str, Any]]] = {
-            "vllm": self._answer_vllm,
-            "sglang": self._answer_sglang,
-            "lmdeploy-key": self._answer_lmdeploy,
-            "lmdeploy-inline": self._answer_lmdeploy,
-        }
-        self._parse, self._answer = parse[wire], answer[wire]
+
+    @property
+    def wire(self) -> str:
+        """The wire format's name."""
+        return self.format.name
 
     @property
     def path(self) -> str:
         """The endpoint this wire is served on."""
-        return _PATHS[self.wire]
+        return self.format.path
 
-    def __call__(self, body: object) -> dict[str, Any]:
+    def __call__(self, body: object) -> Any:
         """Generate for one request body and answer as the real engine would."""
         try:
             if not isinstance(body, dict):
@@ -198,7 +112,7 @@ class WireHandler:
                     found=type(body).__name__,
                     where=self.path,
                 )
-            job = self._parse(body)
+            job = parse_request(self.format, body)
             if job.start > len(job.prompt):
                 raise MisuseError(
                     "the routing start row lies beyond the prompt",
@@ -228,122 +142,23 @@ class WireHandler:
         with self._lock:
             return ServerStats(requests=self._requests, refused=self._refused, keys_put=self._keys)
 
-    # -- parsing -----------------------------------------------------------------------
-
-    def _validate(self, model: type[_Body], body: dict[str, Any]) -> Any:
-        try:
-            return model.model_validate(body)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
-                for err in exc.errors()[:5]
-            )
-            raise MisuseError(
-                f"bad {self.wire} request",
-                expected=f"a {self.wire} request body (token ids, no text prompts)",
-                found=problems,
-                where=self.path,
-            ) from exc
-
-    def _parse_vllm(self, body: dict[str, Any]) -> _Job:
-        req: _VllmRequest = self._validate(_VllmRequest, body)
-        return _Job(
-            prompt=req.prompt,
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            seed=req.seed or 0,
-            stop_after=req.stop_after,
-            stops=req.stop_token_ids,
-            start=req.routed_experts_prompt_start,
+    def _answer(self, job: Job, gen: Generation) -> Any:
+        answer = Answer(
+            prompt_tokens=gen.prompt_tokens,
+            token_ids=tuple(gen.token_ids),
+            logprobs=tuple(gen.logprobs),
+            finish_reason=gen.finish_reason,
+            routing=gen.routing,
+            weight_version=gen.weight_version,
         )
-
-    def _parse_sglang(self, body: dict[str, Any]) -> _Job:
-        req: _SglangRequest = self._validate(_SglangRequest, body)
-        params = req.sampling_params
-        return _Job(
-            prompt=req.input_ids,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            seed=params.seed or 0,
-            stop_after=params.stop_after,
-            stops=params.stop_token_ids,
-            start=req.routed_experts_start_len,
-            routing=req.return_routed_experts,
+        options = BodyOptions(
+            endpoint=self.format.endpoint,
+            start_row=job.start,
+            return_routing=job.routing,
+            put=self._put if self.format.key_store else None,
+            include_stop=job.include_stop,
         )
-
-    def _parse_lmdeploy(self, body: dict[str, Any]) -> _Job:
-        req: _LmdeployRequest = self._validate(_LmdeployRequest, body)
-        return _Job(
-            prompt=req.input_ids,
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            seed=req.seed or 0,
-            stop_after=req.stop_after,
-            stops=req.stop_token_ids,
-            routing=req.return_routed_experts,
-        )
-
-    # -- answering ---------------------------------------------------------------------
-
-    def _wire(self, generation: Generation, dtype: str) -> npt.NDArray[Any]:
-        return wire_layers(generation.routing, self.engine.spec, dtype)
-
-    def _answer_vllm(self, job: _Job, gen: Generation) -> dict[str, Any]:
-        rows = self._wire(gen, str(vllm.wire_dtype(self.engine.spec)))[job.start :]
-        choice = {
-            "index": 0,
-            "text": "",
-            "token_ids": list(gen.token_ids),
-            "logprobs": {"token_logprobs": list(gen.logprobs)},
-            "finish_reason": gen.finish_reason,
-            "routed_experts": vllm.encode(rows, self.engine.spec),
-        }
-        usage = {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-        }
-        return {"object": "text_completion", "choices": [choice], "usage": usage}
-
-    def _answer_sglang(self, job: _Job, gen: Generation) -> dict[str, Any]:
-        finish: dict[str, Any] = {"type": gen.finish_reason}
-        if gen.finish_reason == "stop":
-            finish["matched"] = gen.token_ids[-1]
-        elif gen.finish_reason == "length":
-            finish["length"] = gen.completion_tokens
-        else:
-            finish["message"] = "stop_after"
-        meta: dict[str, Any] = {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": gen.completion_tokens,
-            "finish_reason": finish,
-            "output_token_logprobs": [
-                [lp, tok, None] for lp, tok in zip(gen.logprobs, gen.token_ids, strict=True)
-            ],
-            "weight_version": gen.weight_version,
-        }
-        if job.routing:
-            meta["routed_experts"] = sglang.encode(self._wire(gen, "int32"), start_row=job.start)
-            meta["routed_experts_start_len"] = job.start
-        return {"text": "", "output_ids": list(gen.token_ids), "meta_info": meta}
-
-    def _answer_lmdeploy(self, job: _Job, gen: Generation) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": gen.completion_tokens,
-        }
-        if job.routing:
-            rows = self._wire(gen, str(lmdeploy.WIRE_DTYPE))
-            meta["routed_experts"] = (
-                self._put(rows) if self.wire == "lmdeploy-key" else lmdeploy.encode_lists(rows)
-            )
-        return {
-            "text": "",
-            "token_ids": list(gen.token_ids),
-            "logprobs": list(gen.logprobs),
-            "finish_reason": gen.finish_reason,
-            "meta_info": meta,
-        }
+        return self.format.protocol.build_body([answer], self.engine.spec, options)
 
     def _put(self, rows: npt.NDArray[np.uint16]) -> str:
         answer = self._store.put.remote(rows)
@@ -351,7 +166,7 @@ class WireHandler:
             from routeplay.store import ray_calls  # Ray is needed only in this mode
 
             answer = ray_calls.get(answer, timeout_s=self._put_timeout_s, what="shared_store.put")
-        if not lmdeploy.is_key(answer):
+        if not key_format.is_key(answer):
             raise MisuseError(
                 "the engine store answered put with something other than a key",
                 expected="56 lowercase hex characters (ObjectRef.hex())",

@@ -15,12 +15,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from routeplay.core.spec import RouteSpec
+from routeplay.core.wires import WIRE_NAMES
 from routeplay.engine.model import EngineConfig
 from routeplay.errors import MisuseError
 from routeplay.pipeline.rollout_worker import RolloutWorker
 from routeplay.pipeline.rollouts import JobPlanner, RolloutPool
 from routeplay.pipeline.trainer import Trainer
-from routeplay.pipeline.wire import WIRES
 from routeplay.rollout import BufferConfig
 from routeplay.store import RouteStore
 
@@ -120,7 +120,7 @@ class DemoConfig:
     steps: int = 16
     """RL steps (each: rollout, train, weight push)."""
     wire: str = "lmdeploy-key"
-    """Engine wire format: lmdeploy-key, lmdeploy-inline, vllm or sglang."""
+    """Engine wire format, one of ``routeplay.core.wires.WIRE_NAMES``."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The reference engine's model (bf16); the trainer runs the same weights in float32."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -139,8 +139,8 @@ class DemoConfig:
     """Seed of prompts, user turns and sampling."""
 
     def __post_init__(self) -> None:
-        if self.wire not in WIRES:
-            raise MisuseError("unknown engine wire format", expected=WIRES, found=self.wire)
+        if self.wire not in WIRE_NAMES:
+            raise MisuseError("unknown engine wire format", expected=WIRE_NAMES, found=self.wire)
         if self.steps < 1:
             raise MisuseError("a demo needs at least one step", found=self.steps)
 

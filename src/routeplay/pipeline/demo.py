@@ -3,11 +3,12 @@ trainer with R3 replay -> weights back to the engine. Set-up and teardown live i
 ``services``, the step's jobs in ``rollouts``, the learner in ``trainer``.
 
 Each step, at the engine's weight version ``v``:
-1. stale groups go back to the rollout queue (the buffer releases only its own leases);
+1. stale groups go back to the rollout queue (the buffer releases only its own leases;
+   a trace session goes when its last waiting sample is trained, discarded or lost);
 2. workers regenerate them, resume the samples interrupted last step (history rows kept,
    new rows appended at ``v``), and start new groups and two-turn trace sessions;
 3. the oldest fresh groups become a ``TrainingBatch`` (it takes their leases over and
-   releases them and their sessions when the step ends, also on an exception);
+   releases them when the step ends, also on an exception, and marks its samples done);
 4. the trainer replays the engine's routing per micro-batch, steps, and pushes its
    float32 weights to the engine as version ``v + 1``.
 """
@@ -39,22 +40,23 @@ def run_demo(config: DemoConfig, progress: DemoProgress | None = None) -> DemoRe
             meter.point(0, "start")
             for step in range(config.steps):
                 version = svc.engine.weight_version
-                _, discarded = svc.buffer.refresh(version)
-                svc.release_sessions(discarded)
+                svc.buffer.refresh(version)
                 retries, resumes = svc.buffer.take_retries(), svc.groups.take_interrupted()
                 jobs = planner.jobs(step, retries, resumes)
                 svc.groups.expect(jobs)
+                svc.sessions.hold(*(job.state for job in jobs))
 
                 progress.phase(step, "rollout", len(jobs))
                 done, failed = svc.pool.run(jobs, version, on_done=lambda _: progress.advance())
                 svc.groups.lost(failed)
+                svc.sessions.done(*(job.state for job in failed))
                 for group_id, states in svc.groups.add(done):
                     svc.buffer.add(group_id, states)
                 meter.point(step, "rollout")
 
                 groups = svc.buffer.sample(config.trainer.groups_per_step, version)
                 progress.phase(step, "train", 1)
-                with TrainingBatch(step, groups, release_session=svc.release_session) as batch:
+                with TrainingBatch(step, groups, sessions=svc.sessions) as batch:
                     stats = svc.trainer.step(batch, version, tally)
                 svc.engine.load_weights(svc.trainer.weights(), version + 1)
                 point = meter.point(step, "train")

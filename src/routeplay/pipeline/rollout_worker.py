@@ -7,8 +7,8 @@ shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
 - a fresh sample is generated (``stop_after`` interrupts it: status ``ABORTED``);
 - an interrupted sample is resumed with prompt + partial completion, its routing as the
   ``history``, so only the rows the history lacks are stored, under the new weight
-  version (SGLang ``routed_experts_start_len`` and vLLM ``routed_experts_prompt_start``
-  = ``history.rows``: the engine sends only those rows; LMDeploy sends all of them);
+  version (the request's start row = ``history.rows`` where the engine has one, SGLang
+  and vLLM: the engine sends only those rows; LMDeploy sends all of them);
 - a turn of a trace session borrows the session's prefix rows through ``export`` (the
   sample's own lease) and appends the rest.
 
@@ -29,8 +29,8 @@ import ray
 
 from routeplay.core.handle import Handle
 from routeplay.core.spec import RouteSpec
+from routeplay.core.wires import wire as wire_format
 from routeplay.errors import EngineUnavailable, MalformedPayload
-from routeplay.pipeline.wire import adapter_name, read_completion, request, routing_start
 from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.store import Lease, RoutesProducer, RouteStore, producer_actor
@@ -66,9 +66,9 @@ class WorkerShell(RoutesProducer):
     ) -> None:
         self._store = store
         self._trace = trace
-        self._wire = wire
+        self._wire = wire_format(wire)
         self._spec = spec
-        self._adapter = ADAPTERS[adapter_name(wire)]
+        self._adapter = ADAPTERS[self._wire.engine.value]
         self._writer = ProducerWriter(producer=self, store=store)
         self._client = httpx.Client(base_url=url, timeout=timeout_s)
 
@@ -76,20 +76,19 @@ class WorkerShell(RoutesProducer):
         """Generate (or resume) ``state`` once; returns it COMPLETED or ABORTED, leased."""
         history, borrowed = self._history(state)
         prompt = state.prompt_ids + state.response_ids
-        start = routing_start(self._wire, history.rows if history is not None else 0)
-        path, body = request(
-            self._wire,
+        start = self._wire.routing_start(history.rows if history is not None else 0)
+        path, body = self._wire.request(
             prompt,
             max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
             temperature=sampling.temperature,
             seed=sampling.seed,
             stop_after=sampling.stop_after,
-            start_len=start,
+            start_row=start,
         )
         where = f"sample {state.sample_id}"
         try:
             answer = self._post(path, body, where)
-            completion = read_completion(self._wire, answer, where=where)
+            completion = self._wire.read_completion(answer, where=where)
             handle = self._adapter.ingest(
                 answer,
                 spec=self._spec,
@@ -97,7 +96,7 @@ class WorkerShell(RoutesProducer):
                 weight_version=version,
                 history=history,
                 where=where,
-                start_row=start if self._wire == "vllm" else 0,  # SGLang bodies carry theirs
+                start_row=start,  # never echoed by the engine: the request's own
             )
             lease = self._store.acquire(handle, f"rollout/{state.sample_id}")
         finally:
@@ -108,9 +107,11 @@ class WorkerShell(RoutesProducer):
         else:
             origin = Origin.BORROWED if borrowed is not None else Origin.PRODUCED
         status = Status.ABORTED if completion.finish_reason == "abort" else Status.COMPLETED
+        # The interrupted input's lease (the new one covers its rows): a failed release
+        # rides along in ``unreleased`` instead of losing the new lease by raising.
+        released, _ = state.try_release()
         return (
-            state.release()  # the interrupted input's lease; the new lease covers its rows
-            .extend(completion.token_ids, completion.logprobs, version)
+            released.extend(completion.token_ids, completion.logprobs, version)
             .with_routing(handle, lease, origin)
             .with_status(status, completion.finish_reason)
         )

@@ -163,20 +163,13 @@ class GroupAssembler:
     def __init__(self) -> None:
         self._members: dict[str, dict[str, RolloutState]] = {}
         self._sizes: dict[str, int] = {}
-        self._sessions: dict[str, list[str]] = {}
 
     def expect(self, jobs: Iterable[Job]) -> None:
-        """Note each new group's size and sessions (resumes and retries change nothing)."""
+        """Note each new group's size (resumes and retries change nothing)."""
         for job in jobs:
             if job.kind in ("new", "conversation"):
                 group = job.state.group_id
                 self._sizes[group] = self._sizes.get(group, 0) + 1
-                if job.state.session_id is not None:
-                    self._sessions.setdefault(group, []).append(job.state.session_id)
-
-    def sessions(self, group_id: str) -> list[str]:
-        """Trace sessions of a group's samples (and forget them)."""
-        return self._sessions.pop(group_id, [])
 
     def lost(self, jobs: Iterable[Job]) -> None:
         """Failed jobs: their groups complete without them."""

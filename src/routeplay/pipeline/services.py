@@ -21,13 +21,14 @@ from typing import Any
 
 import ray
 
+from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.server import EngineServer
 from routeplay.pipeline.config import DemoConfig
 from routeplay.pipeline.meter import Meter, StoreTotals
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
-from routeplay.rollout import ReplayBuffer, TraceStoreActor
+from routeplay.rollout import ReplayBuffer, SessionLedger, TraceStoreActor
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
@@ -104,7 +105,9 @@ class DemoServices:
                 spec=self.engine.spec,
             )
             self._stack.callback(self.pool.close)
-            self.buffer: ReplayBuffer = config.buffer.build(self.store)
+            # A session goes when its last waiting sample is trained, discarded or lost.
+            self.sessions = SessionLedger(self.release_session)
+            self.buffer: ReplayBuffer = config.buffer.build(self.store, sessions=self.sessions)
             self.groups = GroupAssembler()
             self.trainer: Trainer = config.trainer.build(config.engine, self.store)
             self.meter = Meter(self.store)  # last: the baseline is the started system
@@ -114,15 +117,10 @@ class DemoServices:
             raise
 
     def release_session(self, session: str) -> int:
-        """Release one trace session (the ``TrainingBatch`` calls this after its step)."""
+        """Release one trace session (the ``SessionLedger`` calls this when the session's
+        last waiting sample is done)."""
         released: int = ray.get(self.trace.release_session.remote(session))
         return released
-
-    def release_sessions(self, group_ids: list[str]) -> None:
-        """Sessions of discarded groups: nobody will train them."""
-        for group in group_ids:
-            for session in self.groups.sessions(group):
-                self.release_session(session)
 
     def teardown(self, step: int) -> Teardown:
         """Release every holder the run created (buffer, samples waiting for their group
@@ -149,7 +147,7 @@ class DemoServices:
         )
 
     def _engine_store(self, wire: str) -> Any:
-        if wire != "lmdeploy-key":
+        if not wire_format(wire).key_store:
             return None
         try:
             ray.get_actor(LMDEPLOY_NAME, namespace=LMDEPLOY_NAMESPACE)

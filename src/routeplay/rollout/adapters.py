@@ -4,11 +4,15 @@ Every adapter ends in ``stitch``, which is also the partial-rollout rule: the sa
 history rows (with their own weight versions) are kept, and only rows the history does
 not have yet are stored and appended as a new segment:
 
-- a full-sequence response (vLLM, LMDeploy, SGLang without start_len) contributes
+- a full-sequence response (vLLM, LMDeploy, SGLang without a start row) contributes
   ``current[len(history):]`` (never the whole array again: no duplicated rows);
-- a response with ``routed_experts_start_len`` must start exactly at ``len(history)``;
-- an LMDeploy key stays lazy: it is adopted by the store without being read, and the
-  handle points at its rows ``[len(history), T)``.
+- a response whose request asked for rows from a start row (SGLang, vLLM) must start
+  at or before ``len(history)``;
+- an engine-store key (LMDeploy, XTuner's SGLang) stays lazy: it is adopted by the store
+  without being read, and the handle points at its rows ``[len(history), T)``.
+
+Where routing sits in each body is ``routeplay.core.wires``' business; adapters only
+call it.
 
 Row counts are checked at every resume against the response's token counts.
 """
@@ -18,11 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from routeplay.core.formats import Engine, EngineRouting, read_response, vllm
 from routeplay.core.handle import EngineKey, Handle
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import expected_rows
+from routeplay.core.wires import ENGINES, Engine, EngineRouting, read_response
+from routeplay.core.wires import vllm as vllm_wire
 from routeplay.errors import HandleError, RowCountMismatch
 from routeplay.store.client import RouteStore
 from routeplay.store.producer import RoutesProducer
@@ -113,7 +118,7 @@ class HttpAdapter:
     ) -> Handle:
         """Decode, validate, store (or adopt the key) and stitch onto ``history``.
 
-        ``start_row``: vLLM's ``routed_experts_prompt_start`` when the request set it.
+        ``start_row``: the first routing row the request asked for (engines never echo it).
         """
         routing = read_response(
             self.engine, response, spec, choice=self.choice, where=where, start_row=start_row
@@ -144,21 +149,7 @@ class VllmInProcessAdapter:
         start_row: int = 0,
     ) -> Handle:
         """Concatenate prompt and completion routing, validate, store, stitch."""
-        completion = response.outputs[self.choice]
-        prompt_tokens, completion_tokens = len(response.prompt_token_ids), len(completion.token_ids)
-        routes = vllm.from_outputs(
-            response.prompt_routed_experts,
-            completion.routed_experts,
-            spec,
-            expected=expected_rows(prompt_tokens, completion_tokens),
-            where=where or "vllm RequestOutput",
-        )
-        routing = EngineRouting(
-            engine=Engine.VLLM,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            routes=routes,
-        )
+        routing = vllm_wire.WIRE.read_output(response, spec, choice=self.choice, where=where)
         return stitch(
             routing, spec=spec, writer=writer, weight_version=weight_version, history=history
         )
@@ -192,7 +183,7 @@ def stitch(
     if routes.start_row > kept.rows:
         raise HandleError(
             "the response skips rows the history does not have",
-            expected=f"rows from {kept.rows} (routed_experts_start_len <= history)",
+            expected=f"rows from at most {kept.rows} (the request's start row <= history)",
             found=f"rows from {routes.start_row}",
         )
     new_rows = routes.tail(kept.rows)
@@ -210,8 +201,7 @@ def _total_rows(routing: EngineRouting) -> int | None:
 
 
 ADAPTERS: dict[str, EngineAdapter] = {
-    "vllm": HttpAdapter(name="vllm", engine=Engine.VLLM),
+    **{engine.value: HttpAdapter(name=engine.value, engine=engine) for engine in ENGINES},
     "vllm-inprocess": VllmInProcessAdapter(),
-    "sglang": HttpAdapter(name="sglang", engine=Engine.SGLANG),
-    "lmdeploy": HttpAdapter(name="lmdeploy", engine=Engine.LMDEPLOY),
 }
+"""One HTTP adapter per engine of the wire registry, plus vLLM in process."""

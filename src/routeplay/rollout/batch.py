@@ -1,10 +1,20 @@
 """``TrainingBatch``: the hand-off from the replay buffer to one training step.
 
-The batch *takes over* its samples' leases (a transfer: no data moves, the payloads
-never reach zero leases on the way) under the holder ``train/step-<n>``. It is a context
-manager: on exit, normal or by exception, it releases its leases and then the trace
-sessions its samples consumed. Each release runs even if an earlier one fails; the
-first failure is raised after all of them ran.
+The batch *takes over* its samples' leases under the holder ``train/step-<n>`` (no data
+moves, the payloads never reach zero leases on the way), all or nothing: it first clones
+every lease for itself; if any clone fails (a lease already released, a dead shard), the
+clones made so far are released again and the error is raised, leaving every sample
+exactly as the caller passed it. Only when every clone exists do the buffer's leases
+end; one whose release fails rides along in the sample's ``unreleased`` and is retried
+when the batch closes.
+
+It is a context manager: on exit, normal or by exception, it releases its leases and
+then tells its trace sessions. With ``sessions`` (a ``SessionLedger``) each sample is
+*done*, and a session is released only when its last waiting sample is; with
+``release_session`` every session the samples consumed is released at once (right only
+when no other waiting sample shares one). Each release runs even if an earlier one
+fails; the first failure is raised after all of them ran, and the samples whose release
+failed stay in ``release_failed()`` (the next ``close()`` retries them).
 """
 
 from __future__ import annotations
@@ -12,8 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from routeplay.errors import MisuseError
 from routeplay.rollout.buffer import Group
-from routeplay.rollout.state import RolloutState
+from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
+from routeplay.rollout.sessions import SessionLedger
+from routeplay.rollout.state import RolloutState, release_states
+from routeplay.store.lease import Lease
 
 __all__ = ["TrainingBatch"]
 
@@ -27,35 +41,77 @@ class TrainingBatch:
         groups: Sequence[Group],
         *,
         release_session: Callable[[str], object] | None = None,
+        sessions: SessionLedger | None = None,
     ) -> None:
+        """Take the groups' leases over (all or nothing).
+
+        Example:
+            >>> groups = buffer.sample(2, current_version=3)  # doctest: +SKIP
+            >>> with TrainingBatch(3, groups, sessions=ledger) as batch:
+            ...     trainer.step(batch)
+        """
+        if release_session is not None and sessions is not None:
+            raise MisuseError(
+                "a batch tells its sessions one way",
+                expected="release_session or sessions",
+                found="both",
+                where=f"batch {step}",
+                hint="Prefer sessions: a session then lives while a sample still waits on it.",
+            )
         self.step = step
         self.holder = f"train/step-{step}"
-        self.states: tuple[RolloutState, ...] = tuple(
-            self._take(state) for group in groups for state in group.states
-        )
+        states = [state for group in groups for state in group.states]
+        self.states: tuple[RolloutState, ...] = self._take_all(states)
         self.sessions = sorted({s.session_id for s in self.states if s.session_id is not None})
         self._release_session = release_session
+        self._ledger = sessions
+        self._failed: list[RolloutState] = []
         self._closed = False
 
-    def _take(self, state: RolloutState) -> RolloutState:
-        if state.holds_lease:
-            assert state.lease is not None
-            return state.with_lease(state.lease.transfer(self.holder))
-        return state
+    def _take_all(self, states: Sequence[RolloutState]) -> tuple[RolloutState, ...]:
+        """Clone every live lease for the batch, then end the originals."""
+        clones: list[Lease | None] = []
+        try:
+            for state in states:
+                live = state.lease if state.holds_lease else None
+                clones.append(live.clone(self.holder) if live is not None else None)
+        except BaseException as exc:  # nothing moved: the caller keeps every lease
+            made = [clone for clone in clones if clone is not None]
+            undo = attempt_each(made, Lease.release)
+            attach_notes(exc, [e for _, e in undo], f"rolling back batch {self.step}")
+            raise
+        return tuple(
+            state if clone is None else state.swap_lease(clone)
+            for state, clone in zip(states, clones, strict=True)
+        )
 
     def close(self) -> None:
-        """Release the batch's leases, then its sessions (idempotent)."""
+        """Release the batch's leases, then its sessions (idempotent once all released;
+        samples whose release failed are retried by every call)."""
         if self._closed:
+            pending, self._failed = self._failed, []
+            raise_first(self._release(pending), f"closing batch {self.step} again")
             return
         self._closed = True
-        errors: list[BaseException] = []
-        for state in self.states:
-            _collect(errors, state.release)
+        errors = self._release(self.states)
+        if self._ledger is not None:
+            try:
+                self._ledger.done(*self.states)
+            except Exception as exc:  # the ledger keeps the session for its close()
+                errors.append(exc)
         if self._release_session is not None:
-            for session in self.sessions:
-                _collect(errors, self._release_session, session)
-        if errors:
-            raise errors[0]
+            errors.extend(e for _, e in attempt_each(self.sessions, self._release_session))
+        raise_first(errors, f"closing batch {self.step}")
+
+    def release_failed(self) -> tuple[RolloutState, ...]:
+        """Samples whose release failed at ``close()`` (their live leases in
+        ``unreleased``), until a later ``close()`` releases them."""
+        return tuple(self._failed)
+
+    def _release(self, states: Sequence[RolloutState]) -> list[Exception]:
+        failed, errors = release_states(states)
+        self._failed.extend(failed)
+        return errors
 
     def __enter__(self) -> TrainingBatch:
         return self
@@ -70,10 +126,3 @@ class TrainingBatch:
 
     def __len__(self) -> int:
         return len(self.states)
-
-
-def _collect(errors: list[BaseException], call: Callable[..., object], *args: object) -> None:
-    try:
-        call(*args)
-    except Exception as exc:  # keep releasing the rest; the first failure is re-raised
-        errors.append(exc)

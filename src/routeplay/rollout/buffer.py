@@ -7,16 +7,32 @@ group goes stale: if its samples may still be retried, each sample releases the
 stays valid, because the session holds its own lease); otherwise the group is
 discarded with the buffer's leases. ``sample`` hands groups out still leased; a
 ``TrainingBatch`` then takes those leases over.
+
+Staleness (``RolloutState.staleness``) counts the weight versions of the response tokens
+*and* of the routing rows, prompt rows borrowed from a trace session included: a retry
+at version 2 that reuses prompt rows stored at version 0 is 2 versions stale.
+
+Releases on error paths: ``discard``, ``refresh`` and ``close`` attempt every sample's
+release, then raise the first error (``releasing.first_error``). A sample whose release
+failed (a dead shard) is never forgotten: it moves to the *release-failed* set
+(``release_failed()``, counted by ``stats()``); every ``close()`` retries that set (a
+second ``close()`` is a retry, not a silent no-op) and ``take_release_failed()`` hands
+its samples, with their live leases, to whoever can revoke them. A stale sample whose
+release failed is still retried: the buffer keeps the stuck lease, the retry starts
+clean. With ``sessions`` (a ``SessionLedger``), every discarded sample is *done* for its
+trace session.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from routeplay.errors import MisuseError
-from routeplay.rollout.state import RolloutState
+from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
+from routeplay.rollout.sessions import SessionLedger
+from routeplay.rollout.state import RolloutState, release_states
 from routeplay.store.client import RouteStore
 from routeplay.store.lease import Lease
 
@@ -43,9 +59,13 @@ class BufferConfig:
     policy: SamplingPolicy = SamplingPolicy.FIFO
     """Order in which groups are sampled."""
 
-    def build(self, store: RouteStore) -> ReplayBuffer:
-        """An empty buffer over ``store``."""
-        return ReplayBuffer(store, self)
+    def build(self, store: RouteStore, *, sessions: SessionLedger | None = None) -> ReplayBuffer:
+        """An empty buffer over ``store`` (``sessions``: told of every discarded sample).
+
+        Example:
+            >>> buffer = BufferConfig(max_staleness=1).build(store)  # doctest: +SKIP
+        """
+        return ReplayBuffer(store, self, sessions=sessions)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +80,7 @@ class Group:
     """Insertion order (FIFO)."""
 
     def staleness(self, current_version: int) -> int:
-        """Staleness of the stalest sample."""
+        """Staleness of the stalest sample (response tokens and routing rows)."""
         return max((s.staleness(current_version) for s in self.states), default=0)
 
 
@@ -74,6 +94,10 @@ class BufferStats:
     discarded_groups: int
     sampled_groups: int
     waiting_retries: int
+    release_failed: int = 0
+    """Samples whose release failed, kept until a ``close()`` retry or a take-over."""
+    stuck_leases: int = 0
+    """Leases still live after a failed release, over every sample the buffer holds."""
 
 
 @dataclass(slots=True)
@@ -83,14 +107,18 @@ class _Counters:
     sampled: int = 0
     order: int = 0
     retry_queue: list[RolloutState] = field(default_factory=list)
+    release_failed: list[RolloutState] = field(default_factory=list)
 
 
 class ReplayBuffer:
     """Completed groups, their leases, staleness retries and discards."""
 
-    def __init__(self, store: RouteStore, config: BufferConfig) -> None:
+    def __init__(
+        self, store: RouteStore, config: BufferConfig, *, sessions: SessionLedger | None = None
+    ) -> None:
         self.store = store
         self.config = config
+        self._sessions = sessions
         self._groups: dict[str, Group] = {}
         self._counts = _Counters()
 
@@ -108,31 +136,35 @@ class ReplayBuffer:
         try:  # all or nothing: the buffer's leases first, the callers' end only on success
             for state in states:
                 claims.append(self._claim(state, holder))
-        except BaseException:
-            for lease in claims:
-                if lease is not None:
-                    lease.release()
+        except BaseException as exc:
+            rollback = attempt_each([c for c in claims if c is not None], Lease.release)
+            attach_notes(exc, [e for _, e in rollback], "rolling back the buffer's leases")
             raise
         taken = tuple(self._move(state, lease) for state, lease in zip(states, claims, strict=True))
         self._groups[group_id] = Group(group_id=group_id, states=taken, added=self._counts.order)
         self._counts.order += 1
 
     def refresh(self, current_version: int) -> tuple[list[str], list[str]]:
-        """Retry or discard stale groups; returns (retried sample ids, discarded group ids)."""
-        retried, discarded = [], []
+        """Retry or discard stale groups; returns (retried sample ids, discarded group ids).
+
+        Every stale group is handled even if a release fails; the first failure is then
+        raised (the retried and discarded samples are queued and counted all the same).
+        """
+        retried, discarded, errors = [], [], []
         for group in list(self._groups.values()):
             if group.staleness(current_version) <= self.config.max_staleness:
                 continue
             del self._groups[group.group_id]
             if all(s.retries < self.config.max_retries for s in group.states):
                 for state in group.states:
-                    self._counts.retry_queue.append(state.release().reset_response())
+                    errors.extend(self._retry(state))
                     retried.append(state.sample_id)
             else:
-                self._release_group(group)
+                errors.extend(self._end(group.states))
                 discarded.append(group.group_id)
         self._counts.retried += len(retried)
         self._counts.discarded += len(discarded)
+        raise_first(errors, f"refreshing the buffer at version {current_version}")
         return retried, discarded
 
     def requeue(self, states: Sequence[RolloutState]) -> None:
@@ -162,12 +194,16 @@ class ReplayBuffer:
         return picked
 
     def discard(self, group_id: str) -> bool:
-        """Drop a group and the buffer's leases on it; False if it is not here."""
+        """Drop a group and the buffer's leases on it; False if it is not here.
+
+        Every sample's release is attempted; the first failure is raised afterwards and
+        the samples it concerns stay in ``release_failed()``.
+        """
         group = self._groups.pop(group_id, None)
         if group is None:
             return False
-        self._release_group(group)
         self._counts.discarded += 1
+        raise_first(self._end(group.states), f"discarding group {group_id}")
         return True
 
     def groups(self) -> list[Group]:
@@ -183,12 +219,37 @@ class ReplayBuffer:
             discarded_groups=self._counts.discarded,
             sampled_groups=self._counts.sampled,
             waiting_retries=len(self._counts.retry_queue),
+            release_failed=len(self._counts.release_failed),
+            stuck_leases=sum(len(s.unreleased) for s in self._everything() if s.stuck),
         )
 
+    def release_failed(self) -> tuple[RolloutState, ...]:
+        """Samples whose release failed: they hold no own lease, their live leases are
+        in ``unreleased`` (``close()`` retries them)."""
+        return tuple(self._counts.release_failed)
+
+    def take_release_failed(self) -> list[RolloutState]:
+        """Hand the release-failed samples (and their live leases) to the caller, e.g.
+        to revoke them once the dead holder is known; the buffer forgets them."""
+        out, self._counts.release_failed = self._counts.release_failed, []
+        return out
+
     def close(self) -> None:
-        """Release every lease the buffer holds (idempotent)."""
+        """Release every lease the buffer holds, then retry the release-failed samples.
+
+        Idempotent once everything is released; while releases keep failing, every call
+        retries them and raises the first error again.
+
+        Example:
+            >>> with BufferConfig().build(store) as buffer:  # doctest: +SKIP
+            ...     buffer.add("g", states)
+        """
+        failed, self._counts.release_failed = self._counts.release_failed, []
+        errors = self._end(failed, done=False)  # earlier failures; done for their sessions
         for group_id in list(self._groups):
-            self.discard(group_id)
+            self._counts.discarded += 1
+            errors.extend(self._end(self._groups.pop(group_id).states))
+        raise_first(errors, "closing the replay buffer")
 
     def __enter__(self) -> ReplayBuffer:
         return self
@@ -209,16 +270,39 @@ class ReplayBuffer:
 
     @staticmethod
     def _move(state: RolloutState, lease: Lease | None) -> RolloutState:
-        """Finish the transfer: the caller's lease ends, the buffer's takes its place."""
-        if lease is None:
-            return state
-        if state.lease is not None:
-            state.lease.release()
-        return state.with_lease(lease)
+        """Finish the transfer: the caller's lease ends, the buffer's takes its place. A
+        caller's lease whose release fails rides along in ``unreleased`` (the group is in
+        the buffer either way; the buffer retries it when it releases the sample)."""
+        return state if lease is None else state.swap_lease(lease)
 
-    def _release_group(self, group: Group) -> None:
-        for state in group.states:
-            state.release()
+    def _end(self, states: Iterable[RolloutState], *, done: bool = True) -> list[Exception]:
+        """Release each sample; keep the ones that failed; tell the session ledger."""
+        states = list(states)
+        failed, errors = release_states(states)
+        self._counts.release_failed.extend(failed)
+        if done and self._sessions is not None:
+            try:
+                self._sessions.done(*states)
+            except Exception as exc:  # the ledger keeps the session for its close()
+                errors.append(exc)
+        return errors
+
+    def _retry(self, state: RolloutState) -> list[Exception]:
+        """Queue a stale sample for regeneration; a stuck lease stays with the buffer."""
+        after, error = state.try_release()
+        if error is None:
+            self._counts.retry_queue.append(after.reset_response())
+            return []
+        self._counts.release_failed.append(after)
+        clean, _ = after.take_unreleased()
+        self._counts.retry_queue.append(clean.reset_response())
+        return [error]
+
+    def _everything(self) -> Iterable[RolloutState]:
+        for group in self._groups.values():
+            yield from group.states
+        yield from self._counts.retry_queue
+        yield from self._counts.release_failed
 
     def _rank(self, group: Group, current_version: int) -> tuple[int, int]:
         if self.config.policy is SamplingPolicy.STALENESS_FIRST:

@@ -5,7 +5,10 @@ routing handle's segments as ``[rows, weight_version]``) and ``routing.npz`` (on
 canonical array per sample). References to the object store are never saved: they
 would not survive the process, and pickled refs have no owner. ``np.load`` runs with
 ``allow_pickle=False`` and every array is validated again on load (a checkpoint is
-outside data). Loading puts each array into the store once and the buffer leases it.
+outside data). Loading puts each array into the store once and the buffer leases it;
+queued retries come back without routing (they regenerate). A load that fails halfway
+releases whatever it leased and drops whatever it stored, every step attempted, the
+cleanup's own failures attached as notes to the error that stopped the load.
 
 Format versions: 2 (current) records ``origin``, ``retries``, ``routing_kind`` and
 per-segment weight versions; 1 (older) had none of them and still loads, with routing
@@ -14,8 +17,6 @@ marked ``RESTORED``, one weight version per sample, and retries 0.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ import numpy as np
 from routeplay.core.handle import Handle, Segment
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import MalformedPayload, RouteplayError
+from routeplay.errors import MalformedPayload
 from routeplay.rollout.buffer import BufferConfig, ReplayBuffer
+from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
 from routeplay.store.client import RouteStore
 
@@ -83,23 +85,21 @@ def load_buffer(folder: Path, store: RouteStore, config: BufferConfig) -> Replay
                     pending.append(_restore(record, spec, store, arrays))
                 buffer.add(group["group_id"], pending)
                 pending = []
-            for record in meta.get("retries", []):
-                pending.append(_restore(record, spec, store, arrays))
-    except BaseException:
-        buffer.close()  # a half-loaded checkpoint leaves no lease and no payload behind
-        _drop_unowned(store, pending)
+            # Queued retries regenerate: their old routing is neither stored nor kept.
+            retries = [_restore(record, spec, None, arrays) for record in meta.get("retries", [])]
+    except BaseException as exc:  # a half-loaded checkpoint leaves no lease, no payload
+        cleanup = [e for _, e in attempt_each([buffer], ReplayBuffer.close)]
+        cleanup += [e for _, e in attempt_each(pending, lambda state: _drop(store, state))]
+        attach_notes(exc, cleanup, f"cleaning up the checkpoint {folder} that failed to load")
         raise
-    _drop_unowned(store, pending)  # queued retries regenerate: old routing is not kept
-    buffer.requeue([dataclasses.replace(s, routing=None, origin=Origin.NONE) for s in pending])
+    buffer.requeue(retries)
     return buffer
 
 
-def _drop_unowned(store: RouteStore, states: list[RolloutState]) -> None:
-    """Payloads stored for states nobody will own: one lease and its release drop them."""
-    for state in states:
-        if state.routing is not None and state.routing.rows:
-            with contextlib.suppress(RouteplayError):  # already gone is fine
-                store.acquire(state.routing, "checkpoint/discard").release()
+def _drop(store: RouteStore, state: RolloutState) -> None:
+    """A payload stored for a state nobody will own: one lease and its release drop it."""
+    if state.routing is not None and state.routing.rows:
+        store.acquire(state.routing, "checkpoint/discard").release()
 
 
 def _state_record(state: RolloutState, names: dict[int, str]) -> dict[str, Any]:
@@ -125,11 +125,12 @@ def _state_record(state: RolloutState, names: dict[int, str]) -> dict[str, Any]:
 
 
 def _restore(
-    record: dict[str, Any], spec: RouteSpec, store: RouteStore, arrays: Any
+    record: dict[str, Any], spec: RouteSpec, store: RouteStore | None, arrays: Any
 ) -> RolloutState:
+    """A state from its record; its routing stored anew (not at all without ``store``)."""
     routing = record.get("routing")
     handle = None
-    if routing is not None:
+    if routing is not None and store is not None:
         where = f"checkpoint sample {record['sample_id']}"
         routes = canonicalize(arrays[routing["array"]], spec, where=where)
         stored = store.put(routes)

@@ -6,21 +6,47 @@ to is kept alive by the state's *own* lease, whatever produced the rows: this ro
 lease too) or a checkpoint (``RESTORED``). The origin is visible for logs and metrics,
 but release never depends on it: ``release()`` ends this state's lease and nothing else.
 
-Resetting a response is a pure state change and refuses to run while the state still
-holds a lease, so a reset can never silently drop (leak) or free (break) routing.
+The lease lifecycle of a sample (each row is one method; nothing else changes it)::
+
+    from       method                          to
+    ---------  ------------------------------  ----------------------------------------
+    UNROUTED   with_routing(handle, lease)     LEASED
+    LEASED     release() / try_release()       RELEASED   the own lease ended
+    LEASED     release(), the release fails    raises     the caller's state is unchanged
+    LEASED     try_release(), release fails    RELEASED   + the lease kept in unreleased
+    LEASED     reset_response()                refused    MisuseError: release first
+    RELEASED   reset_response()                UNROUTED   pending regeneration
+    any        release(), all succeed          RELEASED   unreleased retried and emptied
+    LEASED     swap_lease(new)                 LEASED     old lease released (or stuck)
+    any        take_unreleased()               same       the stuck leases go to the caller
+
+- ``reset_response`` and ``with_routing`` refuse while the own lease is live, so a reset
+  can never silently drop (leak) or free (break) routing.
+- A lease whose release failed (a dead shard) is *stuck*: it moves to ``unreleased``
+  and rides along with the state through ``reset_response`` and ``with_routing`` (a
+  stale sample can still be reset and regenerated), until a later ``release()`` ends it
+  or ``take_unreleased()`` hands it to a caller that can revoke it. ``stuck`` says
+  whether one is left. So a live lease is always named by the state that holds it,
+  whatever raised on the way.
+
+Staleness counts every weight version the sample depends on: its response tokens'
+*and* its routing rows' (prompt rows borrowed from a trace session were routed by the
+weights of the turn that stored them, so they count too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from routeplay.core.handle import Handle
 from routeplay.errors import HandleError, MisuseError
+from routeplay.rollout.releasing import attempt_each, first_error
 from routeplay.store.lease import Lease
 
-__all__ = ["Origin", "RolloutState", "RoutingKind", "Status"]
+__all__ = ["Origin", "RolloutState", "RoutingKind", "Status", "release_states"]
 
 
 class Status(Enum):
@@ -86,6 +112,9 @@ class RolloutState:
     """Who produced the routing rows (informational; release never looks at it)."""
     retries: int = 0
     """Times this sample was reset for regeneration."""
+    unreleased: tuple[Lease, ...] = field(default=(), compare=False)
+    """Leases of this state whose release failed (e.g. a dead shard): still counted by
+    the store, retried by every ``release()``, never dropped by a transition."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -114,9 +143,24 @@ class RolloutState:
         """True while this state's own lease is live."""
         return self.lease is not None and not self.lease.released
 
+    @property
+    def stuck(self) -> bool:
+        """True while a lease whose release failed is still live (see ``unreleased``)."""
+        return any(not lease.released for lease in self.unreleased)
+
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the response tokens and the routing rows
+        (prompt rows included); None when the sample has neither yet."""
+        versions = list(self.weight_versions)
+        if self.routing is not None and self.routing.segments:
+            versions.append(min(seg.weight_version for seg in self.routing.segments))
+        return min(versions) if versions else None
+
     def staleness(self, current_version: int) -> int:
-        """How many versions behind the oldest response token is (0 with no response)."""
-        return current_version - min(self.weight_versions) if self.weight_versions else 0
+        """How many versions behind the oldest weights this sample depends on are: its
+        response tokens' and its routing rows' (0 with neither)."""
+        oldest = self.oldest_version()
+        return 0 if oldest is None else current_version - oldest
 
     def with_routing(self, routing: Handle, lease: Lease, origin: Origin) -> RolloutState:
         """Attach routing and the lease that keeps it; refuses to drop a live lease."""
@@ -128,6 +172,13 @@ class RolloutState:
     def with_lease(self, lease: Lease) -> RolloutState:
         """The same routing under a new lease of this state (after a transfer or clone)."""
         return dataclasses.replace(self, lease=lease)
+
+    def swap_lease(self, lease: Lease) -> RolloutState:
+        """Hold ``lease`` (a clone taken first) instead of the own lease, which is
+        released; if that release fails the old lease rides along in ``unreleased``
+        (the second half of a transfer must not lose the new lease by raising)."""
+        after, _ = self.try_release()
+        return after.with_lease(lease)
 
     def extend(
         self,
@@ -148,13 +199,41 @@ class RolloutState:
         return dataclasses.replace(self, status=status, finish_reason=finish_reason)
 
     def release(self) -> RolloutState:
-        """End this state's own lease (idempotent); other holders are untouched."""
-        if self.lease is not None:
-            self.lease.release()
-        return dataclasses.replace(self, lease=None)
+        """End this state's own lease and retry its ``unreleased`` ones (idempotent);
+        other holders are untouched. If a release fails, the first error is raised and
+        this state still names every lease (use ``try_release`` to go on regardless).
+
+        Example:
+            >>> state = state.release()  # doctest: +SKIP
+        """
+        state, error = self.try_release()
+        if error is not None:
+            raise error
+        return state
+
+    def try_release(self) -> tuple[RolloutState, Exception | None]:
+        """``release()`` that never raises: the next state (no own lease; leases whose
+        release failed in ``unreleased``) and the first error, or None.
+
+        Example:
+            >>> state, error = state.try_release()  # doctest: +SKIP
+            >>> retry = state.reset_response()  # works even if error is not None
+        """
+        leases = [lease for lease in (self.lease, *self.unreleased) if lease is not None]
+        failures = attempt_each(leases, Lease.release)
+        stuck = tuple(lease for lease, _ in failures)
+        error = first_error([exc for _, exc in failures], f"releasing sample {self.sample_id}")
+        return dataclasses.replace(self, lease=None, unreleased=stuck), error
+
+    def take_unreleased(self) -> tuple[RolloutState, tuple[Lease, ...]]:
+        """This state without its stuck leases, and those leases (still live in the
+        store), for a caller that can revoke them; the caller then owns them."""
+        stuck = tuple(lease for lease in self.unreleased if not lease.released)
+        return dataclasses.replace(self, unreleased=()), stuck
 
     def reset_response(self) -> RolloutState:
-        """Drop the response and its routing for regeneration (pure: releases nothing)."""
+        """Drop the response and its routing for regeneration (pure: releases nothing;
+        stuck leases in ``unreleased`` are kept, to be released later)."""
         self._check_no_live_lease("reset the response")
         return dataclasses.replace(
             self,
@@ -174,5 +253,27 @@ class RolloutState:
             raise MisuseError(
                 f"cannot {action} while the state holds a live lease",
                 where=f"sample {self.sample_id}",
-                hint="Call release() first: resets never release, releases never guess.",
+                hint=(
+                    "Call release() first (try_release() if it may fail: a stuck lease"
+                    " rides along): resets never release, releases never guess."
+                ),
             )
+
+
+def release_states(
+    states: Iterable[RolloutState],
+) -> tuple[list[RolloutState], list[Exception]]:
+    """``try_release`` every state (all attempted); returns the states whose release
+    failed, in their released form (live leases in ``unreleased``), and the errors.
+
+    Example:
+        >>> failed, errors = release_states(group.states)  # doctest: +SKIP
+    """
+    failed: list[RolloutState] = []
+    errors: list[Exception] = []
+    for state in states:
+        after, error = state.try_release()
+        if error is not None:
+            failed.append(after)
+            errors.append(error)
+    return failed, errors

@@ -12,7 +12,17 @@ Ownership (the rules that keep routing neither freed early nor leaked):
   session never invalidates an exported sample, and releasing the sample never touches
   the session;
 - ``release_session`` is the one place a session's leases end; it is idempotent, and
-  ``session()`` / ``close()`` call it on exit so an exception cannot leak a session.
+  ``session()`` / ``close()`` call it on exit so an exception cannot leak a session;
+- a release that fails (a dead shard) never loses the lease: it is kept as the
+  session's *unreleased* lease (counted by ``stats().unreleased``), retried by the next
+  ``release_session`` of that session and by ``release_all``/``close``, or handed to a
+  caller that can revoke it with ``take_unreleased``. Every lease of a release step is
+  attempted and the first failure is raised afterwards (``releasing.first_error``).
+
+Weight versions: stored handles keep their segments, and an export is a slice of one,
+so every exported row carries the weight version it was stored with (a later turn's
+prompt rows stay at the version of the turn that produced them, and the replay
+buffer's staleness counts them).
 
 The trace store never writes payloads: a later turn's handle normally reuses the
 earlier turn's segments and appends only the new rows, so shared prefixes are stored
@@ -31,6 +41,7 @@ import ray
 
 from routeplay.core.handle import Handle
 from routeplay.errors import HandleError
+from routeplay.rollout.releasing import attempt_each, raise_first
 from routeplay.rollout.token_trie import TokenTrie, as_key
 from routeplay.store.client import RouteStore
 from routeplay.store.lease import Lease
@@ -103,6 +114,8 @@ class TraceStoreStats:
     rows: int
     """Routing rows the stored handles cover, summed per sequence (rows shared by two
     sequences count twice here; their bytes live once in the route store)."""
+    unreleased: int = 0
+    """Leases whose release failed, kept for a retry or a revoke (not in ``leases``)."""
 
 
 _NO_MATCH = PrefixMatch(matched=0, rows=0, handle=None)
@@ -114,13 +127,18 @@ class TraceStore:
     def __init__(self, store: RouteStore) -> None:
         self._store = store
         self._tries: dict[str, TokenTrie[TraceEntry]] = {}
+        self._unreleased: dict[str, list[Lease]] = {}
 
     # -- writing ----------------------------------------------------------------------
     def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
         """Store the routing of a full token sequence; the session leases the handle.
 
         An entry already stored under the same tokens is replaced and only the session's
-        lease on it is released (leases of samples exported from it stay valid).
+        lease on it is released (leases of samples exported from it stay valid); if
+        that release fails, the lease is kept as unreleased (the insert still counts).
+
+        Example:
+            >>> traces.insert("s", prompt + response, handle)  # doctest: +SKIP
         """
         tokens = as_key(token_ids)
         if handle.rows != len(tokens) - 1:
@@ -135,7 +153,7 @@ class TraceStore:
         trie = self._tries.setdefault(session, TokenTrie())
         old = trie.insert(tokens, TraceEntry(handle, lease))
         if old is not None:  # acquired first, so shared payloads never reach zero leases
-            old.lease.release()
+            self._end(session, [old.lease])
 
     # -- reading ----------------------------------------------------------------------
     def longest_prefix(self, session: str, token_ids: Iterable[int]) -> PrefixMatch:
@@ -154,7 +172,12 @@ class TraceStore:
 
     def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
         """``longest_prefix`` plus a lease of ``holder`` on the matched rows (None when no
-        row is reusable). The exported sample outlives the session until it is released."""
+        row is reusable). The exported sample outlives the session until it is released;
+        its rows keep the weight versions they were stored with.
+
+        Example:
+            >>> exported = traces.export("s", prompt, "rollout/a")  # doctest: +SKIP
+        """
         match = self.longest_prefix(session, token_ids)
         if match.handle is None:
             return None
@@ -173,23 +196,38 @@ class TraceStore:
             nodes=sum(trie.node_count() for trie in tries),
             leases=sum(len(trie) for trie in tries),
             rows=sum(entry.handle.rows for trie in tries for entry in trie.values()),
+            unreleased=sum(len(leases) for leases in self._unreleased.values()),
         )
 
     # -- releasing --------------------------------------------------------------------
     def release_session(self, session: str) -> int:
-        """Release every lease the session holds and drop its trie (idempotent).
+        """Release every lease the session holds and drop its trie (idempotent), and
+        retry the session's unreleased leases.
 
         Returns the leases released. Every lease is attempted even if one release fails;
-        the first failure is raised afterwards.
+        the failed ones are kept as unreleased and the first failure is raised.
         """
-        trie = self._tries.pop(session, None)
-        if trie is None:
-            return 0
-        return _release([entry.lease for entry in trie.values()])
+        released, errors = self._release(session)
+        raise_first(errors, f"releasing session {session}")
+        return released
 
     def release_all(self) -> int:
-        """Release every session; returns the leases released."""
-        return sum(self.release_session(session) for session in self.sessions())
+        """Release every session (all attempted, first failure raised); returns the
+        leases released."""
+        total, errors = 0, []
+        for session in dict.fromkeys([*self._tries, *self._unreleased]):
+            released, failed = self._release(session)
+            total += released
+            errors.extend(failed)
+        raise_first(errors, "releasing every trace session")
+        return total
+
+    def take_unreleased(self) -> list[Lease]:
+        """Hand the leases whose release failed to the caller (e.g. to revoke them once
+        the dead shard is known); the trace store forgets them."""
+        out = [lease for leases in self._unreleased.values() for lease in leases]
+        self._unreleased.clear()
+        return out
 
     def close(self) -> None:
         """Release every session (idempotent)."""
@@ -214,21 +252,21 @@ class TraceStore:
     ) -> None:
         self.close()
 
+    # -- internals --------------------------------------------------------------------
+    def _release(self, session: str) -> tuple[int, list[Exception]]:
+        trie = self._tries.pop(session, None)
+        leases = [entry.lease for entry in trie.values()] if trie is not None else []
+        leases += self._unreleased.pop(session, [])
+        live = [lease for lease in leases if not lease.released]
+        errors = self._end(session, live)
+        return len(live) - len(errors), errors
 
-def _release(leases: list[Lease]) -> int:
-    released = 0
-    failure: Exception | None = None
-    for lease in leases:
-        if lease.released:
-            continue
-        try:
-            lease.release()
-            released += 1
-        except Exception as exc:  # keep releasing the rest; report the first failure
-            failure = failure or exc
-    if failure is not None:
-        raise failure
-    return released
+    def _end(self, session: str, leases: list[Lease]) -> list[Exception]:
+        """Release ``leases``; keep each one that fails as the session's unreleased."""
+        failures = attempt_each(leases, Lease.release)
+        if failures:
+            self._unreleased.setdefault(session, []).extend(lease for lease, _ in failures)
+        return [exc for _, exc in failures]
 
 
 class TraceStoreShell:
@@ -251,6 +289,9 @@ class TraceStoreShell:
 
     def release_all(self) -> int:
         return self._traces.release_all()
+
+    def take_unreleased(self) -> list[Lease]:
+        return self._traces.take_unreleased()
 
     def sessions(self) -> list[str]:
         return self._traces.sessions()

@@ -259,7 +259,7 @@ class RouteStore:
         whose metadata does not fit ``spec`` is freed, not leaked, and refused) and has
         its rows validated and narrowed once, on the engine store's node, into a block
         the shard owns. Readers only copy; the trainer node pulls compact bytes. A
-        payload with up to ``key.trailing_rows_allowed`` extra rows keeps ``[0, rows)``."""
+        payload with up to ``key.trailing_rows`` extra rows keeps ``[0, rows)`` (a slice)."""
         return self.adopt_keys([key], spec, weight_version=weight_version)[0]
 
     def adopt_keys(
@@ -325,7 +325,9 @@ class RouteStore:
 
     def release_many(self, leases: Sequence[Lease]) -> None:
         """End many leases with one call per shard, not waited for (idempotent per
-        lease); a failure is raised by this client's next call or ``flush``."""
+        lease): the reader's path (a training step, a materializer's finished samples).
+        A failure is raised by this client's next call or ``flush`` (``ReleaseFailed``).
+        ``Lease.release`` waits instead, for holders that must know the outcome."""
         by_shard: dict[int, list[str]] = {}
         live = [lease for lease in leases if not lease.released]
         for lease in live:
@@ -340,7 +342,9 @@ class RouteStore:
         self._releases.settle(wait=True)
 
     def _release_parts(self, parts: dict[int, str]) -> None:
-        self._releases.submit([(i, "release_many", ([lid],)) for i, lid in parts.items()])
+        # One lease, waited for: a holder's lifecycle (buffer, session, sample state)
+        # must know whether its lease ended, to keep it or retry it if the shard failed.
+        self._call([(i, "release", (lid,)) for i, lid in parts.items()], "release")
 
     def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
         calls = [(i, "clone", (lid, holder)) for i, lid in parts.items()]

@@ -1,22 +1,49 @@
-"""Starting the engine-side store where engines look for it.
+"""Starting the engine-side store where engines look for it, and refusing impostors.
 
 Start it *before* the engine, on the same Ray cluster: LMDeploy's engine first calls
 ``ray.get_actor("shared_store", namespace="lmdeploy")`` and only creates its own actor
 when that fails, so it finds and uses this one. SGLang setups that keep routing in a
 Ray store use the same actor under namespace ``sglang``.
+
+Invariant: ``start_engine_store`` returns only a handle to a live routeplay engine store.
+If the name is already held by another actor (LMDeploy's own ``SharedStore``, started
+first), it raises ``ForeignEngineStore`` instead of joining it; if the actor's Ray worker
+cannot import routeplay, it raises ``RouteplayNotImportable``. Both checks are cheap: the
+first reads the method names Ray keeps on the handle (no call), the second is one
+``stats`` call, answered once the actor is up.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any
 
-from routeplay.store.actors import EngineStoreActor
+import ray
+from ray import exceptions as rex
+
+from routeplay.errors import ForeignEngineStore, RouteplayNotImportable, StoreFailure, StoreTimeout
+from routeplay.store.actors import EngineStoreActor, EngineStoreShell
 
 __all__ = ["LMDEPLOY_NAME", "LMDEPLOY_NAMESPACE", "SGLANG_NAMESPACE", "start_engine_store"]
 
 LMDEPLOY_NAME = "shared_store"
 LMDEPLOY_NAMESPACE = "lmdeploy"
 SGLANG_NAMESPACE = "sglang"
+
+_CONTRACT = tuple(
+    name
+    for name, _ in inspect.getmembers(EngineStoreShell, inspect.isfunction)
+    if not name.startswith("_")
+)
+"""Methods every routeplay engine store has; LMDeploy's has only put/get (and clear)."""
+
+_IMPORT_HINT = (
+    "routeplay must be importable in every process that uses the engine store: the actor's "
+    "worker, the engine, and each consumer (Ray rebuilds the actor from its class there). "
+    "Install routeplay in that Python environment, or ship it with runtime_env="
+    "{'py_modules': [routeplay]}. See docs/engine-store.md."
+)
 
 
 def start_engine_store(
@@ -25,17 +52,86 @@ def start_engine_store(
     namespace: str = LMDEPLOY_NAMESPACE,
     ttl_s: float | None = 600.0,
     resources: dict[str, float] | None = None,
+    runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 60.0,
 ) -> Any:
     """Start (or join) the detached engine store actor, as LMDeploy would create its own.
 
-    ``resources`` pins it (e.g. to the engine's node, so payloads are written there).
+    ``resources`` pins it (e.g. to the engine's node, so payloads are written there);
+    ``runtime_env`` is the actor's Ray runtime environment. Waits up to ``timeout_s`` for
+    the actor to answer. Raises ``ForeignEngineStore`` if another kind of actor holds
+    ``namespace/name``, ``RouteplayNotImportable`` if the actor's worker cannot import
+    routeplay, ``StoreTimeout`` if the actor does not come up in time.
+
+    Example:
+        >>> store = start_engine_store(ttl_s=600)  # before the LMDeploy server starts
+        >>> key = ray.get(store.put.remote(routing))  # what LMDeploy's engine then does
     """
-    return EngineStoreActor.options(
+    where = f"Ray actor {namespace}/{name}"
+    actor = EngineStoreActor.options(
         name=name,
         namespace=namespace,
         lifetime="detached",
-        get_if_exists=True,
+        get_if_exists=True,  # an existing actor of that name is returned, whatever its class
         num_cpus=0,
         resources=resources or {},
+        runtime_env=runtime_env,
     ).remote(ttl_s, timeout_s)
+    _refuse_foreign(actor, where)
+    _wait_until_up(actor, where, timeout_s)
+    return actor
+
+
+def _refuse_foreign(actor: Any, where: str) -> None:
+    """Raise ``ForeignEngineStore`` unless the handle has every method of ours."""
+    missing = [method for method in _CONTRACT if not hasattr(actor, method)]
+    if not missing:
+        return
+    raise ForeignEngineStore(
+        "another actor already holds the engine store's name",
+        where=where,
+        expected=f"routeplay's {EngineStoreShell.__module__}.{EngineStoreShell.__qualname__}",
+        found=f"{_class_of(actor)} without {', '.join(missing)}",
+        hint="It is most likely LMDeploy's own SharedStore, started before routeplay's. "
+        "Stop the engine, ray.kill(ray.get_actor(name, namespace=namespace)), call "
+        "start_engine_store() and then start the engine again.",
+    )
+
+
+def _class_of(actor: Any) -> str:
+    # Ray keeps the creating class's descriptor on every handle, even when this process
+    # cannot import that class (it then builds the handle on a placeholder class).
+    descriptor = getattr(actor, "_ray_actor_creation_function_descriptor", None)
+    module = getattr(descriptor, "module_name", "")
+    name = getattr(descriptor, "class_name", "")
+    return f"{module}.{name}" if module and name else "an actor of another class"
+
+
+def _wait_until_up(actor: Any, where: str, timeout_s: float) -> None:
+    """One ``stats`` call: the actor exists, runs routeplay's code and can answer us."""
+    try:
+        ray.get(actor.stats.remote(), timeout=timeout_s)
+    except rex.GetTimeoutError as exc:
+        raise StoreTimeout(
+            "the engine store actor did not come up in time",
+            where=where,
+            expected=f"an answer within {timeout_s}s",
+            hint="Are the resources it is pinned to (resources=...) on the cluster?",
+        ) from exc
+    except rex.RayActorError as exc:
+        if "failed to import" in str(exc):  # Ray's words when the actor's class won't load
+            raise RouteplayNotImportable(
+                "the engine store actor's Ray worker cannot import routeplay",
+                where=where,
+                found=_import_failure(str(exc)),
+                hint=_IMPORT_HINT,
+            ) from exc
+        raise StoreFailure(
+            "the engine store actor died while starting", where=where, found=type(exc).__name__
+        ) from exc
+
+
+def _import_failure(message: str) -> str:
+    """The ``ModuleNotFoundError: ...`` line of Ray's message, else its first line."""
+    found = re.search(r"(?:ModuleNotFoundError|ImportError): [^\n]*", message)
+    return found.group(0) if found else message.strip().splitlines()[0][:300]

@@ -4,7 +4,7 @@ Plain numpy over ``routeplay.core.validate`` (no Ray). ``check_key_meta`` runs w
 key lives (the engine store), before the key is consumed, so a refused key is freed
 there and never leaks. ``canonical_rows`` runs once per payload, on the engine's node
 (``routeplay.store.actors.KeyValidator``): it keeps the key's rows (an LMDeploy payload
-may hold one trailing row more, see ``EngineKey.trailing_rows_allowed``), validates
+may hold one trailing row more, see ``EngineKey.trailing_rows``), validates
 them and narrows them to the canonical dtype, so trainer ranks only ever copy.
 """
 
@@ -26,7 +26,7 @@ __all__ = ["canonical_rows", "check_key_meta", "check_key_rows", "meta_nbytes", 
 
 def check_key_rows(payload_rows: int, key: EngineKey, *, where: str) -> None:
     """Refuse a payload whose row count the key cannot explain."""
-    if not key.accepts(payload_rows):
+    if payload_rows not in key.payload_rows:
         check_row_count(payload_rows, key.rows, where=where)
 
 

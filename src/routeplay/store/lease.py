@@ -7,12 +7,14 @@ an exception inside ``with`` still releases it. Copies of a lease (pickled into 
 process) name the same lease ids, and releasing any copy twice is still a no-op.
 
 A lease granted in this process pins its payloads' block references in its client (so
-its rows read without a shard call); releasing it unpins them at once, and the release
-itself is sent to the shard without waiting. Pins are only a shortcut, never needed
-for correctness, so they go early whenever their lifetime could be in doubt: when the
-lease is pickled (its copy elsewhere may be the one released) and when the lease object
-is garbage collected. A pickled copy carries no references: it locates what it reads.
-So no reference handed out with a lease keeps an object alive past its release.
+its rows read without a shard call); releasing it unpins them at once. ``release`` waits
+for the shard (a holder's lifecycle must know the outcome); ``release_all`` sends many
+releases without waiting (the reader's path: its errors surface at the next call).
+Pins are only a shortcut, never needed for correctness, so they go early whenever their
+lifetime could be in doubt: when the lease is pickled (its copy elsewhere may be the one
+released) and when the lease object is garbage collected. A pickled copy carries no
+references: it locates what it reads. So no reference handed out with a lease keeps an
+object alive past its release.
 """
 
 from __future__ import annotations

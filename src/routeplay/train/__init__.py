@@ -1,25 +1,67 @@
 """routeplay.train: the learner side. Rank-local, bounded routing materialization
 (``Materializer`` over a ``PackingPlan``) and router replay inside torch / HF
-transformers MoE models (``replay``, ``record``)."""
+transformers MoE models (``replay``, ``record``).
 
-from routeplay.train.hf import find_routers, model_spec, record, replay
-from routeplay.train.materializer import (
-    Materializer,
-    MaterializerStats,
-    MicroBatchRoutes,
-    padding_rows,
-)
-from routeplay.train.packing import (
-    Pack,
-    PackedSample,
-    PackingPlan,
-    RankCoords,
-    local_ranges,
-    local_tokens,
-    pack_samples,
-)
-from routeplay.train.replay import RecorderStats, ReplaySource, ReplayStats, RouteRecorder
-from routeplay.train.routers import FAMILIES
+Names are resolved on first use (PEP 562), so ``import routeplay.train.packing`` or the
+materializer loads neither torch nor Ray: a trainer process pays only for what it uses.
+The torch primitives of replay live in ``routeplay.train.replay_core``; ``replay`` here is
+the HF entry point (``routeplay.train.hf.replay``), not a module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from routeplay.train.hf import find_routers, model_spec, record, replay
+    from routeplay.train.materializer import (
+        Materializer,
+        MaterializerStats,
+        MicroBatchRoutes,
+        padding_rows,
+    )
+    from routeplay.train.packing import (
+        Pack,
+        PackedSample,
+        PackingPlan,
+        RankCoords,
+        local_ranges,
+        local_tokens,
+        pack_samples,
+        seq_alignment,
+    )
+    from routeplay.train.replay_core import (
+        RecorderStats,
+        ReplaySource,
+        ReplayStats,
+        RouteRecorder,
+    )
+    from routeplay.train.routers import FAMILIES
+
+_HOME = {
+    "FAMILIES": "routers",
+    "Materializer": "materializer",
+    "MaterializerStats": "materializer",
+    "MicroBatchRoutes": "materializer",
+    "Pack": "packing",
+    "PackedSample": "packing",
+    "PackingPlan": "packing",
+    "RankCoords": "packing",
+    "RecorderStats": "replay_core",
+    "ReplaySource": "replay_core",
+    "ReplayStats": "replay_core",
+    "RouteRecorder": "replay_core",
+    "find_routers": "hf",
+    "local_ranges": "packing",
+    "local_tokens": "packing",
+    "model_spec": "hf",
+    "pack_samples": "packing",
+    "padding_rows": "materializer",
+    "record": "hf",
+    "replay": "hf",
+    "seq_alignment": "packing",
+}
 
 __all__ = [
     "FAMILIES",
@@ -42,4 +84,18 @@ __all__ = [
     "padding_rows",
     "record",
     "replay",
+    "seq_alignment",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'routeplay.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"routeplay.train.{home}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

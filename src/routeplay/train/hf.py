@@ -34,7 +34,7 @@ import torch
 from routeplay.core.hf_config import spec_from_hf_config
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import SpecMismatch
-from routeplay.train.replay import ReplaySource, RouteRecorder, RoutesLike
+from routeplay.train.replay_core import ReplaySource, RouteRecorder, RoutesLike
 from routeplay.train.routers import FAMILIES, RouterFamily, family_of
 
 __all__ = ["RouterMap", "RouterSite", "find_routers", "model_spec", "record", "replay"]

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,8 +42,10 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError
-from routeplay.store.lease import Lease
 from routeplay.train.packing import Pack, PackedSample, PackingPlan, RankCoords, local_ranges
+
+if TYPE_CHECKING:  # the store package imports Ray; a trainer process may run without it
+    from routeplay.store.lease import Lease
 
 __all__ = [
     "Materializer",
@@ -191,10 +193,8 @@ class Materializer:
         self._prefetch = prefetch
         self.name = name or f"materializer {coords.describe()}"
         self._order = self._check_order(order)
-        # Ranges of every pack length in the plan, computed (and checked) before any read.
-        self._ranges = {
-            length: local_ranges(length, coords) for length in {p.length for p in plan.packs}
-        }
+        # This rank's positions of every pack, computed (and checked) before any read.
+        self._ranges = [local_ranges(pack, coords) for pack in plan.packs]
         self._check_sources()
         self._leases: dict[str, Lease] = dict(leases or {})
         self._release_after = self._lease_schedule()
@@ -282,7 +282,7 @@ class Materializer:
 
         for index in packs:
             pack = self._plan.packs[index]
-            for start, stop in self._ranges[pack.length]:
+            for start, stop in self._ranges[index]:
                 position = start
                 for sample in _overlapping(pack, start, stop):
                     lo, hi = max(start, sample.offset), min(stop, sample.stop)
@@ -394,7 +394,9 @@ class Materializer:
             return
         leases = [self._leases.pop(sample_id) for sample_id in sample_ids]
         with self._store_lock:
-            Lease.release_all(leases)
+            # Through the leases' own class: this module must not import the store at run
+            # time (a trainer process may run without Ray).
+            type(leases[0]).release_all(leases)
         with self._stats_lock:
             self._counts["released"] += len(leases)
 

@@ -3,10 +3,25 @@
 A step's samples are packed into packs of ``pack_max_length`` positions; a sample of
 ``tokens`` tokens feeds its input ids ``tokens[:-1]`` to positions
 ``[offset, offset + tokens - 1)`` of its pack, and exactly those positions carry its
-routing rows ``[0, tokens - 1)``. Packs are grouped into micro-batches (each trained by
-one data-parallel rank), and inside a micro-batch every pack is split over context
-parallelism (CP) first and sequence parallelism (SP) second: ``local_ranges`` says which
-positions of a pack one rank holds, in the order its input ids are laid out.
+routing rows ``[0, tokens - 1)``. A sample's *sequence* (its ``span``) may run on past its
+rows: per-sequence alignment padding (THD packs pad each sequence to a multiple of
+``2 * cp * tp``), or the last token when the trainer feeds it (engines route no row for it).
+Packs are grouped into micro-batches (each trained by one data-parallel rank), and inside a
+micro-batch every pack is split over context parallelism (CP) first and sequence
+parallelism (SP) second: ``local_ranges`` says which positions of a pack one rank holds, in
+the order its input ids are laid out.
+
+CP splits (``RankCoords.cp_split``), each named for the trainers that lay tokens out so:
+
+- ``per_sequence``: every sequence is cut into ``2 * cp`` equal chunks and CP rank ``r``
+  holds chunks ``r`` and ``2 * cp - 1 - r`` of each, sequence after sequence (Megatron-Core
+  THD with TransformerEngine, verl, slime, NeMo-RL); the pack's tail past the last
+  sequence is padding, dealt in ``cp`` equal parts at the end of each rank's tokens.
+- ``pack_zigzag``: the whole pack is cut into ``2 * cp`` chunks, rank ``r`` holds chunks
+  ``r`` and ``2 * cp - 1 - r`` (Megatron's BSHD ``get_batch_on_this_cp_rank``,
+  LLaMA-Factory / EasyContext zigzag ring attention on one packed row).
+- ``contiguous``: rank ``r`` holds the r-th of ``cp`` equal chunks of the pack (slime's
+  all-gather CP for sparse attention, llama3-style ring attention).
 
 Invariants kept by construction: a sample's handle has exactly ``tokens - 1`` rows (a
 ``RowCountMismatch`` otherwise, raised when the plan is built, before any read); samples
@@ -34,10 +49,11 @@ __all__ = [
     "local_ranges",
     "local_tokens",
     "pack_samples",
+    "seq_alignment",
 ]
 
-CpSplit: TypeAlias = Literal["contiguous", "zigzag"]
-_CP_SPLITS: tuple[CpSplit, ...] = ("contiguous", "zigzag")
+CpSplit: TypeAlias = Literal["per_sequence", "pack_zigzag", "contiguous"]
+_CP_SPLITS: tuple[CpSplit, ...] = ("per_sequence", "pack_zigzag", "contiguous")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,13 +68,17 @@ class PackedSample:
     """Prompt plus response tokens; the sample trains on ``tokens - 1`` positions."""
     offset: int
     """Pack position of the sample's first input id."""
+    span: int | None = None
+    """Pack positions of the sample's sequence: its rows, then padding (the trainer's
+    per-sequence alignment, or a fed last token); None means exactly its rows."""
 
     def __post_init__(self) -> None:
-        if self.tokens < 1 or self.offset < 0:
+        if self.tokens < 1 or self.offset < 0 or self.positions < self.tokens - 1:
             raise MisuseError(
-                "a packed sample needs at least one token and a non-negative offset",
-                expected="tokens >= 1, offset >= 0",
-                found=f"tokens={self.tokens}, offset={self.offset}",
+                "a packed sample needs a token, a non-negative offset, and a span "
+                "covering its rows",
+                expected="tokens >= 1, offset >= 0, span >= tokens - 1",
+                found=f"tokens={self.tokens}, offset={self.offset}, span={self.span}",
                 where=f"sample {self.sample_id}",
             )
         if self.handle.rows != self.tokens - 1:
@@ -78,8 +98,18 @@ class PackedSample:
 
     @property
     def stop(self) -> int:
-        """Pack position one past the sample's last input id."""
+        """Pack position one past the sample's last routed input id."""
         return self.offset + self.rows
+
+    @property
+    def positions(self) -> int:
+        """Pack positions its sequence occupies (``span``, or its rows)."""
+        return self.rows if self.span is None else self.span
+
+    @property
+    def end(self) -> int:
+        """Pack position one past the sample's sequence (its padding included)."""
+        return self.offset + self.positions
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,14 +126,14 @@ class Pack:
             raise MisuseError("a pack needs at least one position", found=self.length)
         end = 0
         for sample in self.samples:
-            if sample.offset < end or sample.stop > self.length:
+            if sample.offset < end or sample.end > self.length:
                 raise MisuseError(
                     "samples of a pack must be ordered, disjoint and inside the pack",
-                    expected=f"offset >= {end} and stop <= {self.length}",
-                    found=f"positions [{sample.offset}, {sample.stop})",
+                    expected=f"offset >= {end} and end <= {self.length}",
+                    found=f"positions [{sample.offset}, {sample.end})",
                     where=f"sample {sample.sample_id}",
                 )
-            end = sample.stop
+            end = sample.end
 
     @property
     def real_rows(self) -> int:
@@ -198,10 +228,10 @@ class RankCoords:
     """Context-parallel rank."""
     cp_size: int = 1
     """Context-parallel ranks sharing one pack."""
-    cp_split: CpSplit = "contiguous"
-    """``contiguous``: CP rank r holds the r-th of ``cp_size`` equal chunks; ``zigzag``:
-    it holds chunks r and ``2 * cp_size - 1 - r`` of ``2 * cp_size`` (balances causal
-    attention work)."""
+    cp_split: CpSplit = "per_sequence"
+    """How CP cuts a pack (see the module docstring): ``per_sequence`` (Megatron THD,
+    verl, slime, NeMo-RL), ``pack_zigzag`` (Megatron BSHD) or ``contiguous``. All agree
+    when ``cp_size == 1``."""
 
     def __post_init__(self) -> None:
         for rank, size, label in (
@@ -224,35 +254,117 @@ class RankCoords:
         return f"dp{self.dp_rank}/cp{self.cp_rank}/sp{self.sp_rank}"
 
 
-def local_ranges(pack_length: int, coords: RankCoords) -> list[tuple[int, int]]:
+def seq_alignment(*, cp_size: int = 1, sp_size: int = 1) -> int:
+    """Multiple each THD sequence is padded to: ``2 * cp * sp`` with CP, ``sp`` without.
+
+    The rule of Megatron-based trainers (verl ``preprocess_packed_seqs``, NeMo-RL, slime's
+    per-sequence CP): every sequence splits into ``2 * cp`` chunks, and the CP-local stream
+    into ``sp`` (= TP with sequence parallelism) equal parts. Pass it to ``pack_samples``.
+
+    Example:
+        >>> seq_alignment(cp_size=2, sp_size=4)
+        16
+    """
+    if cp_size < 1 or sp_size < 1:
+        raise MisuseError("cp_size and sp_size must be positive", found=(cp_size, sp_size))
+    return 2 * cp_size * sp_size if cp_size > 1 else sp_size
+
+
+def local_ranges(pack: Pack | int, coords: RankCoords) -> list[tuple[int, int]]:
     """Pack positions ``[start, stop)`` one rank holds, in the order of its input ids.
 
-    CP splits the pack first, SP then splits the CP-local sequence into ``sp_size``
-    contiguous equal parts. Adjacent ranges are merged (zigzag with ``cp_size = 1`` is one
-    range); a zigzag SP part may straddle the two CP chunks and then has two ranges.
+    CP cuts the pack first (``coords.cp_split``), SP then splits the CP-local stream into
+    ``sp_size`` contiguous equal parts. Adjacent ranges are merged; an SP part may straddle
+    CP chunks and then has several ranges. ``per_sequence`` needs the ``Pack`` (its
+    sequences); the other splits need only its length.
+
+    Example:
+        >>> local_ranges(16, RankCoords(cp_size=2, cp_rank=1, cp_split="pack_zigzag"))
+        [(4, 12)]
     """
+    length = pack if isinstance(pack, int) else pack.length
     cp, sp = coords.cp_size, coords.sp_size
-    chunks = 2 * cp if coords.cp_split == "zigzag" else cp
-    if pack_length % chunks or (pack_length // cp) % sp:
+    if coords.cp_split == "per_sequence" and cp > 1:
+        if isinstance(pack, int):
+            raise MisuseError(
+                "per-sequence CP needs the pack's sequences, not only its length",
+                where=f"cp_size={cp}",
+                hint="Pass the Pack to local_ranges.",
+            )
+        cp_local = _per_sequence_chunks(pack, coords)
+    else:
+        cp_local = _whole_pack_chunks(length, coords)
+    local = sum(stop - start for start, stop in cp_local)
+    if local % sp:
         raise MisuseError(
-            "pack length does not split evenly over the CP and SP ranks",
-            expected=f"a multiple of {chunks} whose 1/{cp} is a multiple of {sp}",
-            found=pack_length,
+            "the CP-local tokens do not split evenly over the SP ranks",
+            expected=f"a multiple of {sp} tokens per CP rank",
+            found=f"{local} tokens (pack of {length})",
             where=f"cp_size={cp} ({coords.cp_split}), sp_size={sp}",
             hint="Choose pack_max_length as a multiple of 2 * cp_size * sp_size.",
         )
-    chunk = pack_length // chunks
-    if coords.cp_split == "zigzag":
-        cp_local = [(coords.cp_rank * chunk, (coords.cp_rank + 1) * chunk)]
+    part = local // sp
+    return _slice_stream(cp_local, coords.sp_rank * part, (coords.sp_rank + 1) * part)
+
+
+def _whole_pack_chunks(length: int, coords: RankCoords) -> list[tuple[int, int]]:
+    cp = coords.cp_size
+    chunks = 2 * cp if coords.cp_split == "pack_zigzag" else cp
+    if length % chunks:
+        raise MisuseError(
+            "pack length does not split evenly over the CP ranks",
+            expected=f"a multiple of {chunks}",
+            found=length,
+            where=f"cp_size={cp} ({coords.cp_split}), sp_size={coords.sp_size}",
+            hint="Choose pack_max_length as a multiple of 2 * cp_size * sp_size.",
+        )
+    size = length // chunks
+    out = [(coords.cp_rank * size, (coords.cp_rank + 1) * size)]
+    if coords.cp_split == "pack_zigzag":
         mirror = 2 * cp - 1 - coords.cp_rank
-        cp_local.append((mirror * chunk, (mirror + 1) * chunk))
-    else:
-        cp_local = [(coords.cp_rank * chunk, (coords.cp_rank + 1) * chunk)]
-    part = pack_length // cp // sp
-    lo, hi = coords.sp_rank * part, (coords.sp_rank + 1) * part  # in CP-local coordinates
+        out.append((mirror * size, (mirror + 1) * size))
+    return out
+
+
+def _per_sequence_chunks(pack: Pack, coords: RankCoords) -> list[tuple[int, int]]:
+    cp, rank = coords.cp_size, coords.cp_rank
+    mirror = 2 * cp - 1 - rank
     out: list[tuple[int, int]] = []
-    base = 0  # CP-local coordinate of the current chunk's first position
-    for start, stop in cp_local:
+    end = 0
+    for sample in pack.samples:
+        if sample.offset != end or sample.positions % (2 * cp):
+            raise MisuseError(
+                "per-sequence CP needs back-to-back sequences padded to a multiple of 2 * cp",
+                expected=f"offset {end}, span a multiple of {2 * cp}",
+                found=f"offset {sample.offset}, span {sample.positions}",
+                where=f"sample {sample.sample_id}",
+                hint="Pack with pack_samples(..., seq_align=seq_alignment(cp_size=..., "
+                "sp_size=...)).",
+            )
+        size = sample.positions // (2 * cp)
+        if size:
+            out.append((sample.offset + rank * size, sample.offset + (rank + 1) * size))
+            out.append((sample.offset + mirror * size, sample.offset + (mirror + 1) * size))
+        end = sample.end
+    tail = pack.length - end
+    if tail % cp:
+        raise MisuseError(
+            "the pack's padding tail does not split evenly over the CP ranks",
+            expected=f"a multiple of {cp} positions after the last sequence",
+            found=tail,
+            hint="Choose pack_max_length as a multiple of 2 * cp_size * sp_size.",
+        )
+    if tail:
+        share = tail // cp
+        out.append((end + rank * share, end + (rank + 1) * share))
+    return out
+
+
+def _slice_stream(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Positions ``[lo, hi)`` of the stream the ranges form, as merged pack ranges."""
+    out: list[tuple[int, int]] = []
+    base = 0  # stream coordinate of the current range's first position
+    for start, stop in ranges:
         a, b = max(lo, base), min(hi, base + stop - start)
         if a < b:
             first, last = start + a - base, start + b - base
@@ -264,9 +376,9 @@ def local_ranges(pack_length: int, coords: RankCoords) -> list[tuple[int, int]]:
     return out
 
 
-def local_tokens(pack_length: int, coords: RankCoords) -> int:
+def local_tokens(pack: Pack | int, coords: RankCoords) -> int:
     """Positions of one pack a rank holds (the same on every rank)."""
-    return sum(stop - start for start, stop in local_ranges(pack_length, coords))
+    return sum(stop - start for start, stop in local_ranges(pack, coords))
 
 
 def pack_samples(
@@ -276,46 +388,76 @@ def pack_samples(
     *,
     dp_size: int = 1,
     spec: RouteSpec | None = None,
+    seq_align: int = 1,
+    feeds_last_token: bool = False,
+    pack_multiple: int | None = None,
 ) -> PackingPlan:
     """Greedy in-order packing of ``(sample_id, handle, tokens)`` samples.
 
-    A sample goes to the current pack if its ``tokens - 1`` positions fit, else it opens
-    a new pack. Consecutive packs form micro-batches of ``packs_per_micro_batch`` (the last
-    may be shorter), dealt round-robin over ``dp_size`` data-parallel ranks. Row counts
-    are checked here, before anything is read. ``spec`` defaults to the first sample's.
+    A sample's sequence takes ``tokens - 1`` positions (``tokens`` if the trainer feeds the
+    last token too, which then gets a padding row), rounded up to a multiple of
+    ``seq_align`` (``seq_alignment(...)`` for Megatron-style THD packs). It goes to the
+    current pack if it fits, else it opens a new pack. Consecutive packs form micro-batches
+    of ``packs_per_micro_batch`` (the last may be shorter), dealt round-robin over
+    ``dp_size`` data-parallel ranks. Row counts are checked here, before anything is read.
+    ``spec`` defaults to the first sample's. Every pack is ``pack_max_length`` long, unless
+    ``pack_multiple`` is given: then a pack ends at its last sequence rounded up to that
+    multiple, as trainers that build each micro-batch to fit size it (verl: the sum of the
+    padded sequences, ``pack_multiple=seq_align``; slime: ``cp * tp * 128``).
+
+    Example:
+        >>> plan = pack_samples(samples, 4096, seq_align=seq_alignment(cp_size=2, sp_size=2))
     """
-    if pack_max_length < 1 or packs_per_micro_batch < 1 or dp_size < 1:
+    multiple = pack_multiple or 1
+    if min(pack_max_length, packs_per_micro_batch, dp_size, seq_align, multiple) < 1:
         raise MisuseError(
-            "pack_max_length, packs_per_micro_batch and dp_size must be positive",
-            found=(pack_max_length, packs_per_micro_batch, dp_size),
+            "pack_max_length, packs_per_micro_batch, dp_size, seq_align and pack_multiple "
+            "must be positive",
+            found=(pack_max_length, packs_per_micro_batch, dp_size, seq_align, pack_multiple),
         )
     packs: list[tuple[PackedSample, ...]] = []
     current: list[PackedSample] = []
     used = 0
     for sample_id, handle, tokens in samples:
         spec = handle.spec if spec is None else spec
-        rows = tokens - 1
-        if rows > pack_max_length:
+        fed = tokens if feeds_last_token else tokens - 1
+        span = -(-fed // seq_align) * seq_align
+        if span > pack_max_length:
             raise MisuseError(
                 "sample is longer than a pack",
-                expected=f"at most {pack_max_length} trained positions",
-                found=f"{rows} positions ({tokens} tokens)",
+                expected=f"at most {pack_max_length} positions",
+                found=f"{span} positions ({tokens} tokens, aligned to {seq_align})",
                 where=f"sample {sample_id}",
                 hint="Raise pack_max_length or truncate the sample before packing.",
             )
-        if used + rows > pack_max_length:
+        if used + span > pack_max_length:
             packs.append(tuple(current))
             current, used = [], 0
-        current.append(PackedSample(sample_id=sample_id, handle=handle, tokens=tokens, offset=used))
-        used += rows
+        current.append(
+            PackedSample(
+                sample_id=sample_id,
+                handle=handle,
+                tokens=tokens,
+                offset=used,
+                span=None if span == tokens - 1 else span,
+            )
+        )
+        used += span
     if current:
         packs.append(tuple(current))
     if spec is None:
         raise MisuseError("nothing to pack", hint="Pass at least one sample, or a spec.")
     groups = _chunks(range(len(packs)), packs_per_micro_batch)
+
+    def length(samples: tuple[PackedSample, ...]) -> int:
+        if pack_multiple is None:
+            return pack_max_length
+        end = samples[-1].end if samples else 0
+        return max(-(-end // multiple) * multiple, multiple)
+
     return PackingPlan(
         spec=spec,
-        packs=tuple(Pack(samples=p, length=pack_max_length) for p in packs),
+        packs=tuple(Pack(samples=p, length=length(p)) for p in packs),
         micro_batches=groups,
         dp_ranks=tuple(i % dp_size for i in range(len(groups))),
     )

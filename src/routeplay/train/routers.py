@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from routeplay.train.replay import (
+from routeplay.train.replay_core import (
     dense_sigmoid_scores,
     sigmoid_topk_weights,
     softmax_topk_weights,

@@ -1,7 +1,7 @@
-"""Wire formats of every engine: decoders to canonical ``Routes``, encoders for tests and
-the reference engine, and readers of whole HTTP response bodies."""
+"""Codecs of every engine's routing payload: decoders to canonical ``Routes`` and encoders
+for tests and the reference engine. Where a payload sits in a body is the business of
+``routeplay.core.wires``."""
 
 from routeplay.core.formats import lmdeploy, sglang, vllm
-from routeplay.core.formats.response import Engine, EngineRouting, read_response
 
-__all__ = ["Engine", "EngineRouting", "lmdeploy", "read_response", "sglang", "vllm"]
+__all__ = ["lmdeploy", "sglang", "vllm"]

@@ -39,18 +39,26 @@ def parse_key(
     actor: str = "shared_store",
     namespace: str = "lmdeploy",
     run: str = "",
+    trailing_rows: int = 0,
     where: str = "",
 ) -> EngineKey:
     """A structured reference to the payload behind ``value``; no data is touched."""
     if not is_key(value):
         raise MalformedPayload(
-            "routed_experts string is not an LMDeploy shared_store key",
+            "routing string is not an LMDeploy shared_store key",
             expected="56 lowercase hex characters (ObjectRef.hex())",
             found=repr(value)[:80],
             where=where,
         )
     assert isinstance(value, str)  # narrowed by is_key
-    return EngineKey(key=value, rows=rows, actor=actor, namespace=namespace, run=run)
+    return EngineKey(
+        key=value,
+        rows=rows,
+        actor=actor,
+        namespace=namespace,
+        run=run,
+        trailing_rows=trailing_rows,
+    )
 
 
 def decode_lists(

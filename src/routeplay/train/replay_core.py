@@ -33,9 +33,10 @@ import torch
 
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import check_dtype, check_range, check_shape
+from routeplay.core.validate import check_distinct, check_dtype, check_range, check_shape
 from routeplay.errors import (
     DtypeError,
+    DuplicateExperts,
     ExpertOutOfRange,
     MisuseError,
     RowCountMismatch,
@@ -49,6 +50,7 @@ __all__ = [
     "ReplayStats",
     "RouteRecorder",
     "RoutesLike",
+    "check_ids_of",
     "dense_sigmoid_scores",
     "in_backward",
     "sigmoid_topk_weights",
@@ -181,12 +183,22 @@ class ReplaySource:
     a numpy array or torch tensor ``[tokens, L, K]`` (``L`` may also count every decoder
     layer, dense ones included, as some engines send: the spec's layer map then picks the
     MoE columns), or a provider ``layer -> [tokens, K]``. Arrays are checked once here
-    (shape, dtype, and with ``check_ids`` the id range); token rows are checked per layer
-    against the router's input, since only the model knows how many tokens it flattened.
+    (shape, dtype, and with ``check_ids`` the id range and that no row names an expert
+    twice); a provider's blocks get the same checks each time a layer asks for them; token
+    rows are checked per layer against the router's input, since only the model knows how
+    many tokens it flattened. A repeated id would run that expert twice for the token and
+    drop one of its K experts (zero padding rows do exactly this), so it is refused, never
+    replayed. ``check_ids=False`` skips the id checks for routes already validated
+    (canonical ``Routes`` are never re-checked).
+
+    Example:
+        >>> source = ReplaySource(mb.routes, spec)
+        >>> ids = source.ids(0, device=logits.device, rows=logits.shape[0])
     """
 
     def __init__(self, routes: RoutesLike, spec: RouteSpec, *, check_ids: bool = True) -> None:
         self._spec = spec
+        self._check_ids = check_ids
         self._array: npt.NDArray[Any] | None = None
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
@@ -206,7 +218,7 @@ class ReplaySource:
             self._array = routes
             self._check(routes.shape, routes.dtype)
             if check_ids:
-                check_range(self._moe_columns(routes), spec, where="replay routes")
+                check_ids_of(self._moe_columns(routes), spec)
         elif isinstance(routes, torch.Tensor):
             self._tensor = routes
             dtype = _TORCH_TO_NUMPY.get(routes.dtype)
@@ -219,7 +231,7 @@ class ReplaySource:
                 )
             self._check(tuple(routes.shape), dtype)
             if check_ids:
-                self._check_tensor_range(self._moe_columns(routes))
+                check_ids_of(self._moe_columns(routes), spec)
         elif callable(routes):
             self._provider = routes
         else:
@@ -264,6 +276,8 @@ class ReplaySource:
                 where=where,
                 hint="Routes must cover exactly the tokens of this forward, padding included.",
             )
+        if self._provider is not None and self._check_ids:
+            self._check_block(block, where)
         ids = _widen(block, device)
         with self._lock:
             self._calls += 1
@@ -322,21 +336,82 @@ class ReplaySource:
             return data
         return data[:, list(self._columns), :]
 
-    def _check_tensor_range(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() == 0:
-            return
-        if tensor.dtype == torch.uint16:  # no min/max kernels for uint16: read its bits wider
-            tensor = tensor.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
-        elif tensor.dtype in (torch.uint32, torch.uint64):
-            tensor = tensor.to(torch.int64)
-        low, high = int(tensor.min()), int(tensor.max())  # one sync per replay, not per layer
-        if low < 0 or high >= self._spec.num_experts:
-            raise ExpertOutOfRange(
-                "expert id out of range",
-                expected=f"ids in [0, {self._spec.num_experts})",
-                found=f"ids in [{low}, {high}]",
-                where="replay routes",
-            )
+    def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str) -> None:
+        """Range and distinct ids of one provider block ``[rows, K]``."""
+        check_ids_of(block[:, None, :], self._spec, where=where)
+
+
+def check_ids_of(
+    routes: npt.NDArray[Any] | torch.Tensor, spec: RouteSpec, *, where: str = "replay routes"
+) -> None:
+    """Refuse ``[rows, L, K]`` ids that would misroute: out of range, or repeated in a row.
+
+    Numpy arrays use the vectorized ingest checks; tensors are checked where they lie
+    (one device sync per check). Raises ``ExpertOutOfRange`` or ``DuplicateExperts``.
+
+    Example:
+        >>> check_ids_of(mb.routes, spec)                  # before handing routes to a router
+    """
+    if isinstance(routes, np.ndarray):
+        check_range(routes, spec, where=where)
+        check_distinct(routes, where=where)
+    else:
+        _check_tensor_range(routes, spec, where=where)
+        _check_tensor_distinct(routes, where=where)
+
+
+def _readable(tensor: torch.Tensor) -> torch.Tensor:
+    """The ids as a dtype with min/max/sort kernels everywhere (uint16 has barebones support)."""
+    if tensor.dtype == torch.uint16:  # read its bits wider
+        return tensor.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+    if tensor.dtype in (torch.uint32, torch.uint64):
+        return tensor.to(torch.int64)
+    return tensor
+
+
+def _check_tensor_range(tensor: torch.Tensor, spec: RouteSpec, *, where: str) -> None:
+    """Refuse ids outside ``[0, num_experts)`` in ``[rows, L, K]``; one device sync."""
+    if tensor.numel() == 0:
+        return
+    tensor = _readable(tensor)
+    low, high = int(tensor.min()), int(tensor.max())  # one sync per replay, not per layer
+    if low < 0 or high >= spec.num_experts:
+        raise ExpertOutOfRange(
+            "expert id out of range",
+            expected=f"ids in [0, {spec.num_experts})",
+            found=f"ids in [{low}, {high}]",
+            where=where,
+        )
+
+
+def _check_tensor_distinct(tensor: torch.Tensor, *, where: str) -> None:
+    """Refuse any ``(token, layer)`` row of ``[rows, L, K]`` naming an expert twice.
+
+    ``K * (K - 1) / 2`` elementwise compares of id columns on the device (28 for K=8,
+    cheaper than sorting each row), one sync for the verdict; locating the first bad row
+    costs more only when one exists.
+    """
+    top_k = tensor.shape[-1]
+    if tensor.numel() == 0 or top_k < 2:
+        return
+    ids = _readable(tensor)
+    clash = torch.zeros(ids.shape[:-1], dtype=torch.bool, device=ids.device)  # [rows, L]
+    for i in range(top_k):
+        for j in range(i + 1, top_k):
+            clash |= ids[..., i] == ids[..., j]
+    if not bool(clash.any()):
+        return
+    row, layer = (int(i) for i in clash.nonzero()[0])
+    zero_rows = int((_readable(tensor) == 0).all(dim=-1).sum())
+    hint = f"{int(clash.sum())} rows repeat an expert"
+    hint += f", {zero_rows} are all zeros (padding?)." if zero_rows else "."
+    raise DuplicateExperts(
+        "an expert appears twice in one top-k row",
+        expected=f"{tensor.shape[-1]} distinct ids",
+        found=_readable(tensor[row, layer]).tolist(),
+        where=f"{where}, row {row}, MoE layer {layer}",
+        hint=hint + " Pad with distinct ids (routeplay.train.padding_rows).",
+    )
 
 
 def _widen(block: npt.NDArray[Any] | torch.Tensor, device: torch.device) -> torch.Tensor:

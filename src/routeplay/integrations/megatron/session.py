@@ -1,0 +1,457 @@
+"""Fill Megatron-Core's ``RouterReplay`` from routeplay routes, one router call at a time.
+
+``MegatronReplay`` wraps the routers one rank holds (``find_megatron_routers``) for the
+length of a training step. Inside ``with session.replay(routes, chunk=c):`` every forward
+of model chunk ``c`` routes tokens to exactly the given experts (R3); inside
+``with session.record(chunk=c) as rec:`` it records what the routers chose, and
+``session.replay(rec, chunk=c)`` replays that in the update (R2).
+
+How it drives Megatron (``megatron/core/transformer/moe/router_replay.py``): a forward
+pre-hook on each ``TopKRouter`` sets that router's action and data just before it runs, and
+a forward hook clears them right after:
+
+- forward: ``REPLAY_FORWARD`` with ``target_topk_idx`` = this layer's ids, widened to
+  int64 on the router's device at that moment (one layer at a time, never the whole
+  payload), in the order the router sees tokens (the materializer's rows; with
+  ``sp_scatter`` this TP rank's part of the CP-local rows; BSHD rows batch-major turned
+  into Megatron's sequence-major flattening). Megatron gathers the router's live scores at
+  those ids, so the gate keeps its gradient;
+- backward recompute (activation checkpointing): ``REPLAY_BACKWARD`` with the ids of the
+  forward being recomputed. Megatron pops them from ``replay_backward_list`` (a FIFO per
+  router, so pipeline schedules with several micro-batches in flight stay aligned); the
+  session keeps only a small marker per in-flight forward and re-widens the layer when
+  its recompute starts, so no int64 copy waits for the backward;
+- record: ``RECORD``, then the chosen ids are taken out compactly (uint8, int32 past 256
+  experts) and Megatron's copy is dropped.
+
+Replay refuses what would misroute before the router runs: ids out of range or repeated
+in a row (zero padding), wrong shapes, and a token count other than the router's input.
+``close()`` (also on errors, via ``with``) removes the hooks and clears Megatron's global
+replay state (every instance's indices and actions), which otherwise outlives the step.
+Only one session may be open per process, since that state is process-global.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import MisuseError, RowCountMismatch
+from routeplay.integrations.megatron.layout import MegatronLayout
+from routeplay.integrations.megatron.routers import MegatronRouter, find_megatron_routers
+from routeplay.train.materializer import MicroBatchRoutes
+from routeplay.train.replay_core import ReplaySource, RoutesLike, check_ids_of, in_backward
+
+__all__ = ["MegatronReplay", "MegatronReplayStats", "Recording"]
+
+
+class Recording:
+    """What one chunk's routers chose in recorded forwards, compact, in router token order.
+
+    ``ids(moe_layer)`` is that layer's ``[tokens, K]`` ids on the router's device (all
+    recorded forwards, rows concatenated). Replay it with ``session.replay(recording)``
+    under the same layout: the rows are already the ones each router sees. ``close()``
+    drops the ids (idempotent; also on leaving ``with recording:``).
+
+    Example:
+        >>> with torch.no_grad(), session.record(chunk=0) as rec:
+        ...     old_logits = model_chunks[0](tokens, position_ids, None)
+        >>> with rec, session.replay(rec, chunk=0):
+        ...     logits = model_chunks[0](tokens, position_ids, None)
+    """
+
+    def __init__(self, spec: RouteSpec) -> None:
+        self._spec = spec
+        self._dtype = torch.uint8 if spec.num_experts <= 256 else torch.int32
+        self._layers: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """MoE layers recorded, in order."""
+        return tuple(sorted(self._layers))
+
+    def ids(self, moe_layer: int) -> torch.Tensor:
+        """Compact ``[tokens, K]`` ids of one recorded MoE layer."""
+        calls = self._layers.get(moe_layer)
+        if not calls:
+            raise MisuseError(
+                "this MoE layer was not recorded",
+                expected=f"one of {list(self.layers)}",
+                found=moe_layer,
+                hint="Record the same model chunk you replay.",
+            )
+        return calls[0] if len(calls) == 1 else torch.cat(calls)
+
+    def numpy(self) -> npt.NDArray[np.unsignedinteger]:
+        """Canonical ``[tokens, recorded layers, K]`` on the host (for inspection or storage)."""
+        stacked = torch.stack([self.ids(layer) for layer in self.layers], dim=1)
+        return stacked.cpu().numpy().astype(self._spec.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Compact bytes held."""
+        return sum(t.numel() * t.element_size() for ts in self._layers.values() for t in ts)
+
+    def close(self) -> None:
+        """Drop every recorded id (idempotent)."""
+        self._layers.clear()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add(self, moe_layer: int, ids: torch.Tensor) -> None:
+        self._layers.setdefault(moe_layer, []).append(ids.detach().to(self._dtype))
+
+
+ReplayInput: TypeAlias = "RoutesLike | MicroBatchRoutes | Recording"
+"""Routes ``[tokens, L, K]`` (numpy, tensor, ``Routes``, a micro-batch), a provider
+``layer -> [tokens, K]``, or a ``Recording`` (R2)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronReplayStats:
+    """What a session did so far (a snapshot)."""
+
+    replayed: int
+    """Router forwards that used replayed ids."""
+    recomputes: int
+    """Backward recomputes that replayed the ids of their forward."""
+    recorded: int
+    """Router forwards recorded."""
+    pending: int
+    """Forwards whose backward recompute is still to come."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Replaying:
+    """An open ``replay`` block of one chunk."""
+
+    source: ReplaySource | Recording
+    """Where each layer's ids come from."""
+    scatter: bool
+    """Rows are the CP-local stream: keep this TP rank's part."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Recording:
+    """An open ``record`` block of one chunk."""
+
+    recording: Recording
+    """Receives each router's chosen ids."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Pending:
+    """A forward whose recompute will replay the same ids; widened only then."""
+
+    mode: _Replaying
+    """The block the forward ran in (its source outlives the block until the recompute)."""
+    seq: int
+    """Sequence length the router saw."""
+    batch: int
+    """Batch size the router saw."""
+
+
+class MegatronReplay:
+    """Routing replay for the Megatron-Core routers of one rank, for one step.
+
+    ``model`` is the rank's model (or its list of model chunks with virtual pipeline
+    stages), built with ``moe_enable_routing_replay=True``. ``layout`` (default: one rank)
+    gives the TP rank for ``sp_scatter`` and, with ``num_layers``, checks that each chunk
+    holds the layers it should. ``recompute`` says whether routers run again in the
+    backward (activation recompute); None reads it from the routers' config (``full``
+    granularity, or ``selective`` with ``moe``). ``check_ids=False`` skips the id checks
+    (range, distinct) for routes already validated.
+
+    Example:
+        >>> with MegatronReplay(model_chunks, spec, layout=layout) as session:
+        ...     for mb in materializer:              # this rank's rows, router order
+        ...         with session.replay(mb, chunk=0):
+        ...             loss = forward_step(model_chunks[0], batch)
+        ...         loss.backward()                  # recompute replays the same experts
+    """
+
+    _open: ClassVar[MegatronReplay | None] = None
+    _open_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        spec: RouteSpec,
+        *,
+        layout: MegatronLayout | None = None,
+        recompute: bool | None = None,
+        check_ids: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.layout = layout or MegatronLayout()
+        self.routers = find_megatron_routers(model, spec, layout=layout)
+        self._check_ids = check_ids
+        self._recompute = (
+            _recomputes(self.routers[0].module.config) if recompute is None else recompute
+        )
+        self._modes: dict[int, _Replaying | _Recording] = {}
+        self._pending: dict[int, deque[_Pending]] = {id(r): deque() for r in self.routers}
+        self._counts = {"replayed": 0, "recomputes": 0, "recorded": 0}
+        self._hooks: list[Any] = []
+        self._closed = False
+        with MegatronReplay._open_lock:
+            if MegatronReplay._open is not None:
+                raise MisuseError(
+                    "another MegatronReplay session is open in this process",
+                    hint="Megatron's replay state is process-global: close() the other first.",
+                )
+            MegatronReplay._open = self
+        try:
+            for router in self.routers:
+                self._hooks.append(
+                    router.module.register_forward_pre_hook(self._before(router), with_kwargs=True)
+                )
+                self._hooks.append(router.module.register_forward_hook(self._after(router)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- what callers use ------------------------------------------------------------
+    @contextmanager
+    def replay(
+        self, routes: ReplayInput, *, chunk: int = 0, sp_scatter: bool = False
+    ) -> Iterator[None]:
+        """Replay ``routes`` in the forwards of model chunk ``chunk`` inside the block.
+
+        Rows must be the tokens the chunk's routers see, in order: a micro-batch from a
+        materializer built with ``layout.coords()``. With ``sp_scatter=True`` the rows are
+        the CP-local stream and this TP rank takes its part (as Megatron scatters the
+        sequence). Run the backward after the block or inside it; either way the recompute
+        replays the forward's ids.
+        """
+        mode = _Replaying(source=self._source(routes, chunk), scatter=sp_scatter)
+        if sp_scatter and isinstance(mode.source, Recording):
+            raise MisuseError(
+                "a recording is already in router order: replay it without sp_scatter"
+            )
+        with self._mode(chunk, mode):
+            yield
+
+    @contextmanager
+    def record(self, *, chunk: int = 0) -> Iterator[Recording]:
+        """Record what model chunk ``chunk``'s routers choose in the block's forwards (R2)."""
+        recording = Recording(self.spec)
+        with self._mode(chunk, _Recording(recording=recording)):
+            yield recording
+
+    def stats(self) -> MegatronReplayStats:
+        """Replayed, recomputed and recorded router calls so far."""
+        return MegatronReplayStats(
+            replayed=self._counts["replayed"],
+            recomputes=self._counts["recomputes"],
+            recorded=self._counts["recorded"],
+            pending=sum(len(q) for q in self._pending.values()),
+        )
+
+    def close(self) -> None:
+        """Remove the hooks and clear Megatron's global replay state (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            for queue in self._pending.values():
+                queue.clear()
+            self._modes.clear()
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            RouterReplay.clear_global_indices()
+            RouterReplay.clear_global_router_replay_action()
+        finally:
+            with MegatronReplay._open_lock:
+                if MegatronReplay._open is self:
+                    MegatronReplay._open = None
+
+    def __enter__(self) -> MegatronReplay:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- blocks ------------------------------------------------------------------------------
+    @contextmanager
+    def _mode(self, chunk: int, mode: _Replaying | _Recording) -> Iterator[None]:
+        if self._closed:
+            raise MisuseError("the MegatronReplay session is closed")
+        if not any(r.chunk == chunk for r in self.routers):
+            raise MisuseError(
+                "this rank holds no router in that model chunk",
+                expected=sorted({r.chunk for r in self.routers}),
+                found=chunk,
+            )
+        if chunk in self._modes:
+            raise MisuseError(
+                "a replay or record block is already open for this chunk", found=chunk
+            )
+        marks = {key: len(queue) for key, queue in self._pending.items()}
+        self._modes[chunk] = mode
+        try:
+            yield
+        except BaseException:
+            # A failed forward is never recomputed: forget the markers it left.
+            for key, queue in self._pending.items():
+                while len(queue) > marks[key] and queue[-1].mode is mode:
+                    queue.pop()
+            raise
+        finally:
+            del self._modes[chunk]
+
+    def _source(self, routes: ReplayInput, chunk: int) -> ReplaySource | Recording:
+        if isinstance(routes, Recording):
+            missing = [
+                r.moe_layer
+                for r in self.routers
+                if r.chunk == chunk and r.moe_layer not in routes.layers
+            ]
+            if missing:
+                raise MisuseError(
+                    "the recording lacks layers this chunk replays",
+                    found=missing,
+                    hint="Record the same model chunk you replay.",
+                )
+            return routes
+        data = routes.routes if isinstance(routes, MicroBatchRoutes) else routes
+        if callable(data) or isinstance(data, Routes):
+            return ReplaySource(data, self.spec, check_ids=self._check_ids)
+        source = ReplaySource(data, self.spec, check_ids=False)  # shape and dtype
+        if self._check_ids:
+            check_ids_of(self._owned_columns(data, chunk), self.spec)
+        return source
+
+    def _owned_columns(self, data: Any, chunk: int) -> Any:
+        """The routes' columns this chunk replays (PP ranks check only their layers)."""
+        layers = [r.moe_layer for r in self.routers if r.chunk == chunk]
+        if data.shape[1] != self.spec.num_layers:  # every decoder layer was sent
+            layers = [self.spec.moe_layer_indices()[layer] for layer in layers]
+        if layers == list(range(data.shape[1])):
+            return data
+        return data[:, layers, :]
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _before(self, router: MegatronRouter) -> Any:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay, queue = router.replay, self._pending[id(router)]
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hidden = args[0] if args else kwargs["input"]
+            seq, batch = int(hidden.shape[0]), int(hidden.shape[1]) if hidden.dim() == 3 else 1
+            device = _device_of(module)
+            if in_backward():
+                if not queue:
+                    if self._counts["replayed"]:  # a replayed forward went unrecorded
+                        raise MisuseError(
+                            "a router is recomputed in the backward but its forward left no ids",
+                            where=router.name,
+                            hint="Pass recompute=True to MegatronReplay (activation recompute "
+                            "is on), and replay every forward of the step.",
+                        )
+                    replay.clear_router_replay_action()
+                    return
+                pending = queue.popleft()
+                ids = self._ids(router, pending.mode, pending.seq, pending.batch, device)
+                replay.replay_backward_list = [ids]
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                self._counts["recomputes"] += 1
+                return
+            mode = self._modes.get(router.chunk)
+            if isinstance(mode, _Replaying):
+                replay.target_topk_idx = self._ids(router, mode, seq, batch, device)
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                if self._recompute and torch.is_grad_enabled():
+                    queue.append(_Pending(mode=mode, seq=seq, batch=batch))
+            elif isinstance(mode, _Recording):
+                replay.set_router_replay_action(RouterReplayAction.RECORD)
+            else:
+                replay.clear_router_replay_action()
+
+        return hook
+
+    def _after(self, router: MegatronRouter) -> Any:
+        replay = router.replay
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            mode = None if in_backward() else self._modes.get(router.chunk)
+            if isinstance(mode, _Recording) and replay.recorded_topk_idx is not None:
+                mode.recording._add(router.moe_layer, replay.recorded_topk_idx)
+                self._counts["recorded"] += 1
+            elif isinstance(mode, _Replaying):
+                self._counts["replayed"] += 1
+            # Megatron keeps the last ids until told otherwise: drop them now.
+            replay.recorded_topk_idx = None
+            replay.target_topk_idx = None
+            replay.replay_backward_list = []
+            replay.clear_router_replay_action()
+
+        return hook
+
+    def _ids(
+        self, router: MegatronRouter, mode: _Replaying, seq: int, batch: int, device: torch.device
+    ) -> torch.Tensor:
+        """int64 ``[seq * batch, K]`` ids in the router's (sequence-major) token order."""
+        tokens = seq * batch
+        where = f"MoE layer {router.moe_layer} ({router.name})"
+        if isinstance(mode.source, Recording):
+            ids = mode.source.ids(router.moe_layer).to(device=device, dtype=torch.int64)
+            if ids.shape[0] != tokens:
+                raise RowCountMismatch(
+                    "recorded rows differ from the tokens this router sees",
+                    expected=tokens,
+                    found=int(ids.shape[0]),
+                    where=where,
+                    hint="Replay a recording under the layout and micro-batch it was made in.",
+                )
+            return ids
+        parts = self.layout.tp_size if mode.scatter else 1
+        ids = mode.source.ids(router.moe_layer, device=device, rows=tokens * parts, where=where)
+        # Rows are batch-major [batch, seq * parts]; Megatron flattens [seq, batch].
+        ids = ids.view(batch, seq * parts, -1)
+        if mode.scatter:
+            rank = self.layout.tp_rank
+            ids = ids[:, rank * seq : (rank + 1) * seq]
+        if batch > 1 or mode.scatter:
+            ids = ids.transpose(0, 1).reshape(tokens, -1)
+        return ids.reshape(tokens, -1)
+
+
+def _recomputes(config: Any) -> bool:
+    """Whether Megatron re-runs routers in the backward under this config."""
+    granularity = getattr(config, "recompute_granularity", None)
+    modules = getattr(config, "recompute_modules", None) or ()
+    return granularity == "full" or (granularity == "selective" and "moe" in modules)
+
+
+def _device_of(router: torch.nn.Module) -> torch.device:
+    """Where the router computes: Megatron moves CPU-initialized gates to the GPU on first use."""
+    weight = router.weight
+    assert isinstance(weight, torch.Tensor)
+    if weight.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return weight.device
