@@ -123,3 +123,32 @@ def test_an_lmdeploy_key_with_a_trailing_row_is_validated_once_near_the_engine(
     stats = ray.get(engine_store.stats.remote())  # type: ignore[attr-defined]
     assert (stats.live_keys, stats.consumed) == (0, 1)
     ray.kill(engine_store)
+
+
+def test_a_grpo_group_of_lmdeploy_keys_is_validated_together_and_shares_its_prompt(
+    store: RouteStore,
+) -> None:
+    spec = preset("qwen3-30b-a3b")
+    engine_store = start_engine_store(name="shared_store_group", ttl_s=30)
+    prompt = make_routing(spec, 700, all_layers=True, seed=5)
+    payloads = []
+    for i, extra in enumerate((300, 400, 500)):
+        own = make_routing(spec, 700 + extra, all_layers=True, seed=6 + i)
+        own[:700] = prompt  # routed alike: an engine with prefix caching
+        payloads.append(own)
+    keys = [
+        EngineKey(
+            key=ray.get(engine_store.put.remote(p)),  # type: ignore[attr-defined]
+            rows=len(p),
+            actor="shared_store_group",
+        )
+        for p in payloads
+    ]
+    before = _created()
+    handles = store.adopt_keys(keys, spec, shared_prefix=700)
+    written = _created() - before
+    once = spec.nbytes(700) + spec.nbytes(300 + 400 + 500)
+    assert once <= written < once * 1.02, (written, once)  # the prompt written once
+    with store.acquire(handles[2], "buffer/g") as lease:
+        np.testing.assert_array_equal(lease.read(), payloads[2].astype(spec.dtype))
+    ray.kill(engine_store)

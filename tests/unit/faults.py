@@ -107,8 +107,10 @@ class FaultyBackend:
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         return self.inner.borrow(refs)
 
-    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
-        return self.inner.adopt_keys(shard, keys, spec)
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        return self.inner.adopt_keys(shard, keys, spec, shared_prefix)
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return self.inner.put_blocks(blocks)

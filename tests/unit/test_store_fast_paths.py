@@ -268,3 +268,24 @@ def test_one_block_per_payload_unless_it_exceeds_the_block_size() -> None:
     np.testing.assert_array_equal(small.read(split), routing(rows + 1, seed=2).array)
     with pytest.raises(MisuseError):
         StoreConfig(run="tiny", max_block_bytes=1024)
+
+
+def test_a_group_of_adopted_keys_stores_its_verified_prompt_once(store: RouteStore) -> None:
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    prompt = routing(32, seed=40)
+    group = _group(prompt, [5, 6, 7], seed=41)
+    other = routing(32 + 4, seed=42)  # another prompt: keeps its own rows
+    keys = [
+        EngineKey(key=backend.engine_store().put(r.array.astype(np.uint16)), rows=r.rows)
+        for r in [*group, other]
+    ]
+    handles = store.adopt_keys(keys, SPEC, shared_prefix=32)
+    assert store.stats().shared_prefix_bytes_saved == 2 * prompt.nbytes
+    assert len({h.segments[0].source for h in handles[:3]}) == 1
+    assert len(handles[3].segments) == 1
+    leases = store.acquire_many([(h, f"buffer/{i}") for i, h in enumerate(handles)])
+    for handle, routes in zip(handles, [*group, other], strict=True):
+        np.testing.assert_array_equal(store.read(handle), routes.array)
+    store.release_many(leases)
+    assert store.stats().live_payloads == 0

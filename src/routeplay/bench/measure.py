@@ -94,7 +94,7 @@ class Bench:
             if path == "producer":
                 handles = ray.get(self.rollout.produce.remote(self.w.prompt_tokens))
             else:
-                handles = ray.get(self.rollout.adopt.remote(keys, rows))
+                handles = ray.get(self.rollout.adopt.remote(keys, rows, self.w.prompt_tokens))
             holder = f"train/{path}/{seed}"
             out = ray.get(
                 [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks]

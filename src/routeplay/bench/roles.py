@@ -104,11 +104,13 @@ class _BenchRollout(RoutesProducer):
         batch, self._decoded = self._decoded, []
         return self.put_routes_many(self.store, batch, shared_prefix=shared_prefix)
 
-    def adopt(self, keys: Sequence[str], rows: Sequence[int]) -> list[Handle]:
+    def adopt(
+        self, keys: Sequence[str], rows: Sequence[int], shared_prefix: int = 0
+    ) -> list[Handle]:
         """Adopted-key path: the step's keys taken over in one call, validated once near
-        the engine (in parallel there)."""
+        the engine (in parallel there; a GRPO group's prompt rows stored once)."""
         engine_keys = [EngineKey(key=key, rows=n) for key, n in zip(keys, rows, strict=True)]
-        return self.store.adopt_keys(engine_keys, self.spec)
+        return self.store.adopt_keys(engine_keys, self.spec, shared_prefix=shared_prefix)
 
     def eager(self, keys: Sequence[str]) -> list[list[Any]]:
         """XTuner's path: get, np.asarray, put again (this worker owns the copies)."""

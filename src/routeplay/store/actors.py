@@ -17,9 +17,11 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
-from routeplay.store.key_check import canonical_rows, take_checked_many
+from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
+from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
+from routeplay.store.writes import plan_batch
 
 __all__ = [
     "EngineStoreActor",
@@ -102,7 +104,9 @@ class StoreShardShell(_Reaped):
         refs = take_and_wait(producer, token, sum(p.blocks for p in payloads), self._timeout_s)
         return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
 
-    def adopt_keys(self, keys: list[EngineKey], spec: RouteSpec) -> list[Any]:
+    def adopt_keys(
+        self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
         """Consume engine keys and have their rows validated and narrowed once, on the
         engine store's node; this shard owns the canonical blocks the validator returns.
         One call to each engine store for all its keys; validations run in parallel.
@@ -125,6 +129,11 @@ class StoreShardShell(_Reaped):
                 what=f"{namespace}/{name}: take {len(picked)} keys",
             )
             validator = self._validator(node)
+            if shared_prefix > 0 and not any(isinstance(t, BaseException) for t in taken):
+                group = self._adopt_group(validator, picked, taken, spec, shared_prefix)
+                for index, stored in zip(indices, group, strict=True):
+                    out[index] = stored
+                continue
             for index, key, wrapped in zip(indices, picked, taken, strict=True):
                 if isinstance(wrapped, BaseException):
                     out[index] = wrapped
@@ -132,6 +141,32 @@ class StoreShardShell(_Reaped):
                 block = validator.canonical.remote(wrapped[0], key, spec)
                 out[index] = self._adopt_block(block, key.rows, spec.nbytes(key.rows))
         return out
+
+    def _adopt_group(
+        self,
+        validator: Any,
+        keys: list[EngineKey],
+        taken: list[Any],
+        spec: RouteSpec,
+        shared_prefix: int,
+    ) -> list[tuple[StoreRef, ...]]:
+        """Keys of one group (a GRPO group's samples): validated together near the
+        engine, their verified-equal prompt rows stored once (``routeplay.store.writes``).
+        Waited for (the layout depends on the rows); returns each key's StoreRefs."""
+        raw = [wrapped[0] for wrapped in taken]
+        token, samples, payloads, saved = ray_calls.get(
+            validator.canonical_group.remote(keys, spec, shared_prefix, *raw),
+            timeout_s=self._timeout_s,
+            what=f"validate a group of {len(keys)} engine keys",
+        )
+        del raw, taken
+        count = sum(p.blocks for p in payloads)
+        refs = validator.take.options(num_returns=count).remote(token)
+        blocks = [refs] if count == 1 else list(refs)
+        # Written on the engine's node before we answer (as for a producer's blocks).
+        ray.wait(blocks, num_returns=count, timeout=self._timeout_s, fetch_local=False)
+        stored = self._locked(lambda: self._shard.adopt_many(blocks, payloads, saved))
+        return [tuple(stored[i] for i in parts) for parts in samples]
 
     def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
@@ -252,6 +287,28 @@ class EngineStoreShell(_Reaped):
 
 class KeyValidatorShell:
     """Validates adopted engine payloads on the node that holds them (one per node)."""
+
+    def __init__(self) -> None:
+        self._outbox = PayloadOutbox()
+
+    def canonical_group(
+        self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int, *payloads: Any
+    ) -> tuple[str, tuple[tuple[int, ...], ...], list[StoredPayload], int]:
+        """Validate a group's payloads and lay them out (shared prompt rows once); the
+        arrays wait here until the shard takes them, so the shard owns the blocks."""
+        batch = [canonical_routes(p, k, spec) for p, k in zip(payloads, keys, strict=True)]
+        del payloads
+        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        token = self._outbox.stage_many(tuple(layout.arrays))
+        stored = [
+            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+            for a in layout.arrays
+        ]
+        return token, layout.samples, stored, layout.saved_bytes
+
+    def take(self, token: str) -> Any:
+        """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
+        return self._outbox.take(token)
 
     def canonical(
         self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec

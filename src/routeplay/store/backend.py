@@ -21,8 +21,9 @@ from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
-from routeplay.store.key_check import canonical_rows, take_checked_many
-from routeplay.store.shard import StoreShard
+from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
+from routeplay.store.shard import StoredPayload, StoreShard
+from routeplay.store.writes import plan_batch
 
 __all__ = ["Backend", "LocalBackend", "RayBackend", "Settled", "ShardCall"]
 
@@ -64,8 +65,11 @@ class Backend(Protocol):
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any: ...
 
-    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
-        """A StoreRef per key, or the error that refused it."""
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        """Per key: a StoreRef, a tuple of StoreRefs (a shared prompt, then its own rows),
+        or the error that refused it."""
         ...
 
     def submit(self, calls: Sequence[ShardCall]) -> list[Any]: ...
@@ -150,9 +154,11 @@ class RayBackend:
             getattr(store, method).remote(*args), timeout_s=self._timeout_s, what=what
         )
 
-    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
         """One call: the shard consumes the keys and validates them on the engine's node."""
-        pending = self._shards[shard].adopt_keys.remote(list(keys), spec)
+        pending = self._shards[shard].adopt_keys.remote(list(keys), spec, shared_prefix)
         # The shard itself waits up to timeout_s for the engine store; give it room.
         what = f"adopt {len(keys)} engine keys"
         return list(ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what))
@@ -254,8 +260,12 @@ class LocalBackend:
             return [ref.value() for ref in result]
         return result
 
-    def adopt_keys(self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec) -> list[Any]:
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
         """The same steps as the Ray shard, in process: check, consume, validate, adopt."""
+        if shared_prefix > 0:
+            return self._adopt_group(shard, keys, spec, shared_prefix)
         out: list[Any] = []
         with self._lock:
             for key in keys:
@@ -272,6 +282,27 @@ class LocalBackend:
                 nbytes = spec.nbytes(key.rows)
                 out.append(self._shards[shard].adopt([block], key.rows, nbytes, 0))
         return out
+
+    def _adopt_group(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int
+    ) -> list[Any]:
+        with self._lock:
+            taken = []
+            for key in keys:
+                [result] = take_checked_many(
+                    self.engine_store(key.actor, key.namespace), [key], spec
+                )
+                if isinstance(result, BaseException):
+                    return [result]
+                taken.append(canonical_routes(result[0].value(), key, spec))
+            layout = plan_batch(taken, prefix_rows=shared_prefix)
+            blocks = [_LocalBlock(array) for array in layout.arrays]
+            payloads = [
+                StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+                for a in layout.arrays
+            ]
+            stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
+        return [tuple(stored[i] for i in parts) for parts in layout.samples]
 
     def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""

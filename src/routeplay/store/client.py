@@ -263,19 +263,36 @@ class RouteStore:
         return self.adopt_keys([key], spec, weight_version=weight_version)[0]
 
     def adopt_keys(
-        self, keys: Sequence[EngineKey], spec: RouteSpec, *, weight_version: int = 0
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
     ) -> list[Handle]:
         """``adopt_key`` for a batch in one call (one engine-store call per engine store,
         validations in parallel on the engine's node). A refused key is freed and its
-        error raised; keys of the batch adopted before it expire unleased (TTL)."""
+        error raised; keys of the batch adopted before it expire unleased (TTL).
+
+        ``shared_prefix=P`` (the keys of one GRPO group): validated together, and the
+        first ``P`` rows that are verified equal across keys are stored once, as in
+        ``put_many``; this call then waits for the validation (the layout depends on it).
+
+        Example:
+            handles = store.adopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
+        """
         if not keys:
             return []
         self._releases.settle(wait=False)
-        results = self._backend.adopt_keys(self._pick_shard(keys[0].key), keys, spec)
+        shard = self._pick_shard(keys[0].key)
+        results = self._backend.adopt_keys(shard, keys, spec, shared_prefix)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return [self._handle(stored, spec, weight_version) for stored in results]
+        return [
+            _handle_of(result if isinstance(result, tuple) else (result,), spec, weight_version)
+            for result in results
+        ]
 
     def free_engine_keys(self, handle: Handle) -> int:
         """Release the engine-store keys a dropped sample still references (never read);
@@ -461,6 +478,14 @@ class RouteStore:
             source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
         )
         return Handle.of(segment)
+
+
+def _handle_of(stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int) -> Handle:
+    segments = [
+        Segment(source=ref, start=0, stop=ref.rows, spec=spec, weight_version=weight_version)
+        for ref in stored
+    ]
+    return Handle(spec, segments)
 
 
 def _lease_ids(result: Any) -> list[str]:

@@ -16,12 +16,20 @@ import numpy as np
 import numpy.typing as npt
 
 from routeplay.core.handle import EngineKey
+from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
 from routeplay.errors import RouteplayError
 from routeplay.store.engine_store import EngineStore, PayloadMeta
 
-__all__ = ["canonical_rows", "check_key_meta", "check_key_rows", "meta_nbytes", "take_checked_many"]
+__all__ = [
+    "canonical_routes",
+    "canonical_rows",
+    "check_key_meta",
+    "check_key_rows",
+    "meta_nbytes",
+    "take_checked_many",
+]
 
 
 def check_key_rows(payload_rows: int, key: EngineKey, *, where: str) -> None:
@@ -59,9 +67,14 @@ def canonical_rows(
 ) -> npt.NDArray[np.unsignedinteger]:
     """Rows ``[0, key.rows)`` of a key's payload, validated and canonical (one copy:
     the trailing row is dropped by slicing, before the narrowing cast copies)."""
+    return canonical_routes(payload, key, spec).array
+
+
+def canonical_routes(payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec) -> Routes:
+    """``canonical_rows`` as ``Routes`` (what a batch layout takes)."""
     where = f"engine key {key.key}"
     check_key_rows(int(payload.shape[0]), key, where=where)
-    return canonicalize(payload[: key.rows], spec, expected=key.rows, where=where).array
+    return canonicalize(payload[: key.rows], spec, expected=key.rows, where=where)
 
 
 def meta_nbytes(meta: PayloadMeta) -> int:
