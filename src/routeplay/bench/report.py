@@ -106,7 +106,7 @@ def workload_table(results: dict[str, Any]) -> Table:
         "rank peak MB e|p",
     )
     for column in columns:
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "workload")
     for w in results["workloads"]:
         written = w["bytes_written"]
         writes = "|".join(f"{written[p] / w['payload_bytes']:.2f}" for p in written)
