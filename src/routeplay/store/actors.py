@@ -1,5 +1,8 @@
-"""Ray actor shells over the plain store classes. No logic lives here: each method takes
-the lock (a reaper thread expires TTLs in the background) and forwards."""
+"""Ray actor shells over the plain store classes. Each method takes the lock (a reaper
+thread expires TTLs in the background) and forwards; the only steps of their own are
+the Ray-side hops of the two adopt paths, done outside the lock: calling a producer for
+its staged blocks, and handing an engine key's payload to the ``KeyValidator`` on the
+engine store's node (so the shard owns the validated, compact block it returns)."""
 
 from __future__ import annotations
 

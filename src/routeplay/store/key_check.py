@@ -27,7 +27,6 @@ __all__ = [
     "canonical_rows",
     "check_key_meta",
     "check_key_rows",
-    "meta_nbytes",
     "take_checked_many",
 ]
 
@@ -75,8 +74,3 @@ def canonical_routes(payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec)
     where = f"engine key {key.key}"
     check_key_rows(int(payload.shape[0]), key, where=where)
     return canonicalize(payload[: key.rows], spec, expected=key.rows, where=where)
-
-
-def meta_nbytes(meta: PayloadMeta) -> int:
-    """Bytes the engine store really holds (LMDeploy: uint16, every decoder layer)."""
-    return int(np.prod(meta.shape, dtype=np.int64)) * np.dtype(meta.dtype).itemsize

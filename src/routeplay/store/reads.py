@@ -67,12 +67,6 @@ class BlockPins:
                 else:
                     self._held.pop(pid, None)
 
-    def lookup(self, payload_id: str) -> list[Any] | None:
-        """The pinned block references of a payload, or None."""
-        with self._lock:
-            held = self._held.get(payload_id)
-        return None if held is None else held[0]
-
     def lookup_many(self, payload_ids: Sequence[str]) -> list[list[Any] | None]:
         """``lookup`` of many payloads under one lock."""
         with self._lock:
