@@ -54,6 +54,10 @@ def _written_per_role(roles: dict[str, str]) -> dict[str, int]:
     return {roles[node]: stats.created_bytes for node, stats in node_store_stats().items()}
 
 
+RELAY_FLOOR = 4096
+"""Bytes below which a node's object-store writes cannot be a relayed payload."""
+
+
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {role: after[role] - before[role] for role in ROLES}
 
@@ -67,8 +71,11 @@ def test_trainer_reads_from_the_engine_node_and_nothing_is_relayed(cluster: dict
     ray.get(actors.trainer.read_lazy.remote(handle))
     put, moved = _delta(start, after_put), _delta(after_put, _written_per_role(roles))
     assert RAW_BYTES <= put["engine"] < RAW_BYTES * 1.01
-    assert moved["rollout"] == 0  # the rollout worker only handled a handle
-    assert put["head"] == moved["head"] == 0  # the store shards never see payload bytes
+    # The rollout worker only handled a handle and the shards never see payload bytes: a
+    # relay would write >= COMPACT_BYTES there; a few bytes of Ray bookkeeping may appear
+    # on a loaded machine (8 bytes seen once), which is not routing.
+    assert moved["rollout"] < RELAY_FLOOR
+    assert put["head"] < RELAY_FLOOR and moved["head"] < RELAY_FLOOR
     # validated once where the engine wrote it; the trainer pulls the compact rows once
     assert COMPACT_BYTES <= moved["engine"] < COMPACT_BYTES * 1.01
     assert COMPACT_BYTES <= moved["trainer"] < COMPACT_BYTES * 1.01

@@ -108,12 +108,17 @@ NEEDS: dict[str, frozenset[str]] = {
                 "engine_service",
                 "producer",
                 "ray_calls",
+                "reads",
+                "releases",
             )
         ],
         RAY,
     ),
     "routeplay.rollout.trace_actor": RAY,
-    "routeplay.bench.transfer_paths": RAY,
+    **dict.fromkeys(
+        [f"routeplay.bench.{name}" for name in ("measure", "report", "roles", "transfer_paths")],
+        RAY,
+    ),
     **dict.fromkeys(
         [f"routeplay.pipeline.{name}" for name in ("meter", "rollout_worker", "rollouts")], RAY
     ),
