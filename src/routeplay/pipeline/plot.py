@@ -66,6 +66,7 @@ def _plot_kl(axis: Any, report: DemoReport) -> None:
         values = [float("nan") if step[index] is None else step[index] for step in per_step]
         axis.plot(steps, values, marker=marker, ms=5, label=label)
     axis.set_yscale("log")
+    axis.set_xticks(steps)
     axis.set_xlabel("RL step")
     axis.set_ylabel("k3 KL per token")
     axis.set_title(
