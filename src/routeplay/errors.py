@@ -16,7 +16,8 @@ Three families, kept apart so a caller can tell whose fault it was::
     │   │   └── KeyExpired           ... an engine key (a KeyError too, for LMDeploy clients)
     │   ├── EngineUnavailable        the inference engine failed or did not answer
     │   ├── StoreTimeout             a remote call did not answer in time
-    │   └── StoreFailure             a store actor failed in an unexpected way
+    │   ├── StoreFailure             a store actor failed in an unexpected way
+    │   └── ReleaseFailed            a release sent earlier failed (raised at the next call)
     └── RoutesDataError (ValueError) the bytes an engine sent are not valid routing
         ├── MalformedPayload         undecodable: bad base64, bad npy, ragged lists
         │   └── UnsafePayload        pickle or object arrays: refused, never executed
@@ -45,6 +46,7 @@ __all__ = [
     "LifetimeError",
     "MalformedPayload",
     "MisuseError",
+    "ReleaseFailed",
     "RouteplayError",
     "RouteplayNotImportable",
     "RoutesDataError",
@@ -152,6 +154,11 @@ class EngineUnavailable(LifetimeError):
 
 class StoreFailure(LifetimeError):
     """A store actor raised something that is not one of ours (a bug or a crash)."""
+
+
+class ReleaseFailed(LifetimeError):
+    """A lease release sent without waiting failed at its shard; raised at the client's
+    next call (or ``flush``), so it is never lost. The lease may still be held."""
 
 
 class RoutesDataError(RouteplayError, ValueError):

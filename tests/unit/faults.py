@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from routeplay.core import EngineKey, RouteSpec
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend, ShardCall
+from routeplay.store.backend import LocalBackend, Settled, ShardCall
 from routeplay.store.lease import Lease
+from routeplay.store.shard import Grant
 
 __all__ = ["FaultyBackend", "faulty_store"]
 
@@ -76,8 +78,39 @@ class FaultyBackend:
             holder = args[1] if name in ("acquire", "clone") else None
             if holder in self.dead_holders and isinstance(result, str):
                 self.dead.add(result)
+            if name == "lease_many" and isinstance(result, Grant):  # a batch of (ids, holder)
+                for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
+                    if holder in self.dead_holders:
+                        self.dead.add(lease_id)
             out.append(result)
         return out
+
+    def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
+        """Releases sent without waiting: a dead lease's outcome is a ``RoutesLost``."""
+        out: list[Any] = []
+        for call in calls:
+            _, name, args = call
+            lost = [lid for lid in args[0] if lid in self.dead] if name == "release_many" else []
+            if lost:
+                self.failed_releases += len(lost)
+                healthy = [lid for lid in args[0] if lid not in self.dead]
+                self.inner.submit([(call[0], name, (healthy,))])
+                error = RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
+                out.append(Settled(error=error))
+                continue
+            out.extend(self.inner.submit([call]))
+        return out
+
+    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
+        return self.inner.settle(pending, wait=wait)
+
+    def borrow(self, refs: Sequence[Any]) -> list[Any]:
+        return self.inner.borrow(refs)
+
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        return self.inner.adopt_keys(shard, keys, spec, shared_prefix)
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return self.inner.put_blocks(blocks)

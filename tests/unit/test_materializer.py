@@ -56,10 +56,14 @@ class SpyStore:
         self.calls: list[list[tuple[Handle, int, int]]] = []
 
     def read_many(
-        self, requests: Sequence[tuple[Handle, int, int]], *, holder: str = ""
+        self,
+        requests: Sequence[tuple[Handle, int, int]],
+        *,
+        holder: str = "",
+        out: Sequence[npt.NDArray[Any]] | None = None,
     ) -> list[npt.NDArray[Any]]:
         self.calls.append(list(requests))
-        return self.store.read_many(requests, holder=holder)
+        return self.store.read_many(requests, holder=holder, out=out)
 
     def stored_ranges(self) -> list[tuple[str, int, int]]:
         """``(payload, start, stop)`` of every stored row range requested, in order."""
@@ -540,3 +544,30 @@ def test_peak_resident_bytes_do_not_grow_with_the_step(prefetch: int) -> None:
         assert m.stats().bytes_read == micro_batches * per_mb * 32 * SPEC.row_nbytes
         peaks.append(m.stats().peak_resident_bytes)
     assert peaks == [(prefetch + 1) * shard] * 2
+
+
+def test_output_buffers_are_recycled_only_when_the_consumer_let_go() -> None:
+    store = new_store()
+    expected = []
+    samples = []
+    for i in range(12):
+        handle, array = put_sample(store, SPEC, 7, seed=i)
+        samples.append((f"s{i}", handle, 8))
+        expected.append(array)
+    plan = pack_samples(samples, pack_max_length=16)  # six micro-batches of two samples
+    bases = set()
+    with Materializer(store, plan, RankCoords(), prefetch=1) as m:
+        for item in m:  # a trainer that drops each micro-batch before the next
+            bases.add(id(item.routes.base))
+            del item
+    assert len(bases) <= 3  # (prefetch + 2) buffers at most, reused, not six fresh ones
+    with Materializer(store, plan, RankCoords(), prefetch=1) as m:
+        kept = list(m)  # a consumer that keeps every micro-batch: nothing is overwritten
+    assert len({id(item.routes.base) for item in kept}) == len(kept)
+    for item in kept:
+        rows = [expected[int(sid[1:])] for sid in _sample_ids(plan, item.index)]
+        np.testing.assert_array_equal(item.routes[item.mask], np.concatenate(rows))
+
+
+def _sample_ids(plan: PackingPlan, mb: int) -> list[str]:
+    return [sample.sample_id for sample in plan.samples_of(mb)]

@@ -93,7 +93,7 @@ def test_ids_of_different_shards_never_collide() -> None:
 def test_the_store_ref_carries_rows_block_rows_and_run() -> None:
     shard, _, _ = _shard(2)
     ref = shard.adopt([BlockRef("a"), BlockRef("b")], rows=7, nbytes=42, block_rows=4)
-    assert (ref.run, ref.rows, ref.block_rows, ref.canonical) == (RUN, 7, 4, True)
+    assert (ref.run, ref.rows, ref.block_rows) == (RUN, 7, 4)
     assert ref.blocks(0, 7) == range(2)
     staged = _adopt(shard, 3, rows=10, block_rows=4)
     assert (staged.run, staged.rows, staged.block_rows) == (RUN, 10, 4)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import engine_bodies as eb
 import numpy as np
-import pytest
 from strategies import random_routing
 
 from routeplay import read_response
@@ -23,7 +22,6 @@ SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8, layer_map=(1, 2), total_l
 PROMPT, GENERATED = 6, 5
 
 
-@pytest.mark.xfail(strict=False, reason="store side: issue 10 helper")
 def test_a_key_with_the_stop_row_kept_reads_back_the_counted_rows() -> None:
     store = RouteStore.local(StoreConfig(run="trailing"))
     backend = store.backend

@@ -13,6 +13,7 @@ import sys
 import typer
 from rich.console import Console
 
+from routeplay.cli.bench_command import bench_command
 from routeplay.cli.demo_command import demo_command
 from routeplay.cli.inspect_command import inspect_command
 
@@ -26,6 +27,7 @@ app = typer.Typer(
 )
 app.command("inspect")(inspect_command)
 app.command("demo")(demo_command)
+app.command("bench")(bench_command)
 
 
 @app.callback()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
@@ -54,9 +54,8 @@ class StoreRef:
     rows: int
     """Token rows in the stored payload."""
     block_rows: int = 0
-    """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block."""
-    canonical: bool = True
-    """False for an adopted engine-store payload, validated row by row when read."""
+    """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block.
+    Stored payloads are always canonical: adopted engine keys are validated at adoption."""
 
     def blocks(self, start: int, stop: int) -> range:
         """Indices of the blocks holding rows ``[start, stop)``."""
@@ -178,10 +177,14 @@ class Handle:
     """Geometry shared by every segment."""
     segments: tuple[Segment, ...]
     """Normalized segments: non-empty, merged where contiguous."""
+    _rows: int = field(compare=False, repr=False)
+    """Sum of the segments' rows (cached: ``pieces`` and slicing ask for it on every call)."""
 
     def __init__(self, spec: RouteSpec, segments: Sequence[Segment] = ()) -> None:
+        normalized = _normalize(spec, segments)
         object.__setattr__(self, "spec", spec)
-        object.__setattr__(self, "segments", _normalize(spec, segments))
+        object.__setattr__(self, "segments", normalized)
+        object.__setattr__(self, "_rows", sum(seg.stop - seg.start for seg in normalized))
 
     @classmethod
     def of(cls, segment: Segment) -> Handle:
@@ -190,8 +193,8 @@ class Handle:
 
     @property
     def rows(self) -> int:
-        """Token rows covered."""
-        return sum(seg.rows for seg in self.segments)
+        """Token rows covered (counted once, at construction)."""
+        return self._rows
 
     @property
     def nbytes(self) -> int:
@@ -245,10 +248,13 @@ class Handle:
             )
         row = 0
         for seg in self.segments:
-            lo, hi = max(start, row), min(stop, row + seg.rows)
+            rows = seg.stop - seg.start
+            lo, hi = max(start, row), min(stop, row + rows)
             if lo < hi:
-                yield Piece(segment=seg.sub(lo - row, hi - row), offset=lo - start)
-            row += seg.rows
+                whole = lo == row and hi == row + rows  # common case: no trimmed copy
+                part = seg if whole else seg.sub(lo - row, hi - row)
+                yield Piece(segment=part, offset=lo - start)
+            row += rows
             if row >= stop:
                 return
 
@@ -259,12 +265,12 @@ class Handle:
         return np.repeat(np.asarray(versions, dtype=np.int64), counts)
 
     def sources(self) -> tuple[Source, ...]:
-        """Distinct sources in order of first use (inline sources compare by identity)."""
-        out: list[Source] = []
-        for seg in self.segments:
-            if seg.source not in out:
-                out.append(seg.source)
-        return tuple(out)
+        """Distinct sources in order of first use (inline sources compare by identity).
+
+        A dict keeps first-use order in one pass: a list-membership test here made every
+        acquire and read of a many-segment handle (long sessions, many resumes) quadratic.
+        """
+        return tuple(dict.fromkeys(seg.source for seg in self.segments))
 
     def __reduce__(self) -> tuple[object, ...]:
         return (Handle, (self.spec, self.segments))
@@ -273,7 +279,7 @@ class Handle:
 def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, ...]:
     out: list[Segment] = []
     for seg in segments:
-        if seg.spec != spec:
+        if seg.spec is not spec and seg.spec != spec:  # identity first: specs are shared
             raise SpecMismatch(
                 "segment spec differs from the handle spec",
                 expected=spec.describe(),

@@ -1,5 +1,8 @@
-"""Ray actor shells over the plain store classes. No logic lives here: each method takes
-the lock (a reaper thread expires TTLs in the background) and forwards."""
+"""Ray actor shells over the plain store classes. Each method takes the lock (a reaper
+thread expires TTLs in the background) and forwards; the only steps of their own are
+the Ray-side hops of the two adopt paths, done outside the lock: calling a producer for
+its staged blocks, and handing an engine key's payload to the ``KeyValidator`` on the
+engine store's node (so the shard owns the validated, compact block it returns)."""
 
 from __future__ import annotations
 
@@ -7,18 +10,26 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from routeplay.core.handle import StoreRef
+from routeplay.core.handle import EngineKey, StoreRef
+from routeplay.core.spec import RouteSpec
 from routeplay.errors import StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
+from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
-from routeplay.store.shard import StoreShard
+from routeplay.store.outbox import PayloadOutbox
+from routeplay.store.shard import Grant, StoredPayload, StoreShard
+from routeplay.store.writes import plan_batch
 
 __all__ = [
     "EngineStoreActor",
     "EngineStoreShell",
+    "KeyValidator",
     "StoreShardActor",
     "StoreShardShell",
     "call_producer",
@@ -80,7 +91,108 @@ class StoreShardShell(_Reaped):
     def __init__(self, run: str, index: int, ttl_s: float | None, timeout_s: float = 60.0) -> None:
         self._shard = StoreShard(run, index, ttl_s=ttl_s)
         self._timeout_s = timeout_s
+        self._engines: dict[tuple[str, str], Any] = {}  # engine-store handles, looked up once
+        self._validators: dict[str, Any] = {}  # one validator actor per engine node
         self._start_reaper(self._shard.expire, ttl_s)
+
+    def adopt_many(
+        self, refs: list[Any], payloads: list[StoredPayload], saved_bytes: int = 0
+    ) -> list[StoreRef]:
+        return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
+
+    def adopt_from_many(
+        self, producer: Any, token: str, payloads: list[StoredPayload], saved_bytes: int = 0
+    ) -> list[StoreRef]:
+        """One call to the producer for every staged block of a batch (many small puts)."""
+        refs = take_and_wait(producer, token, sum(p.blocks for p in payloads), self._timeout_s)
+        return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
+
+    def adopt_keys(
+        self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        """Consume engine keys and have their rows validated and narrowed once, on the
+        engine store's node; this shard owns the canonical blocks the validator returns.
+        One call to each engine store for all its keys; validations run in parallel.
+
+        Returns a StoreRef per key, or the error that refused it (a refused key is freed
+        by its engine store). The shard does not wait for the validator: a reader's
+        fetch of the block does (and gets the validation error, if any). The engine's
+        raw payload stays alive as the validator's argument until it is done, then goes.
+        """
+        out: list[Any] = [None] * len(keys)
+        by_engine: dict[tuple[str, str], list[int]] = {}
+        for index, key in enumerate(keys):
+            by_engine.setdefault((key.actor, key.namespace), []).append(index)
+        for (name, namespace), indices in by_engine.items():
+            engine = self._engine(name, namespace)
+            picked = [keys[i] for i in indices]
+            taken, node = ray_calls.get(
+                engine.take_checked_many.remote(picked, spec),
+                timeout_s=self._timeout_s,
+                what=f"{namespace}/{name}: take {len(picked)} keys",
+            )
+            validator = self._validator(node)
+            if shared_prefix > 0 and not any(isinstance(t, BaseException) for t in taken):
+                group = self._adopt_group(validator, picked, taken, spec, shared_prefix)
+                for index, stored in zip(indices, group, strict=True):
+                    out[index] = stored
+                continue
+            for index, key, wrapped in zip(indices, picked, taken, strict=True):
+                if isinstance(wrapped, BaseException):
+                    out[index] = wrapped
+                    continue
+                block = validator.canonical.remote(wrapped[0], key, spec)
+                out[index] = self._adopt_block(block, key.rows, spec.nbytes(key.rows))
+        return out
+
+    def _adopt_group(
+        self,
+        validator: Any,
+        keys: list[EngineKey],
+        taken: list[Any],
+        spec: RouteSpec,
+        shared_prefix: int,
+    ) -> list[tuple[StoreRef, ...]]:
+        """Keys of one group (a GRPO group's samples): validated together near the
+        engine, their verified-equal prompt rows stored once (``routeplay.store.writes``).
+        Waited for (the layout depends on the rows); returns each key's StoreRefs."""
+        raw = [wrapped[0] for wrapped in taken]
+        token, samples, payloads, saved = ray_calls.get(
+            validator.canonical_group.remote(keys, spec, shared_prefix, *raw),
+            timeout_s=self._timeout_s,
+            what=f"validate a group of {len(keys)} engine keys",
+        )
+        del raw, taken
+        count = sum(p.blocks for p in payloads)
+        refs = validator.take.options(num_returns=count).remote(token)
+        blocks = [refs] if count == 1 else list(refs)
+        # Written on the engine's node before we answer (as for a producer's blocks).
+        ray.wait(blocks, num_returns=count, timeout=self._timeout_s, fetch_local=False)
+        stored = self._locked(lambda: self._shard.adopt_many(blocks, payloads, saved))
+        return [tuple(stored[i] for i in parts) for parts in samples]
+
+    def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
+        return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
+
+    def _engine(self, name: str, namespace: str) -> Any:
+        if (name, namespace) not in self._engines:
+            self._engines[(name, namespace)] = ray.get_actor(name, namespace=namespace)
+        return self._engines[(name, namespace)]
+
+    def _validator(self, node_id: str) -> Any:
+        if node_id not in self._validators:
+            place = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            self._validators[node_id] = KeyValidator.options(scheduling_strategy=place).remote()
+        return self._validators[node_id]
+
+    def lease_many(self, requests: list[tuple[list[str], str]], run: str) -> Grant:
+        return self._locked(lambda: self._shard.lease_many(requests, run))
+
+    def release_many(self, lease_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.release_many(lease_ids))
+
+    def revoke_many(self, lease_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.revoke_many(lease_ids))
 
     def adopt(self, refs: list[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt(refs, rows, nbytes, block_rows))
@@ -128,7 +240,13 @@ class EngineStoreShell(_Reaped):
             put_object=ray.put, get_object=ray.get, key_of=_ref_key, ttl_s=ttl_s
         )
         self._timeout_s = timeout_s
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._start_reaper(self._store.expire, ttl_s)
+
+    def take_checked_many(self, keys: list[EngineKey], spec: RouteSpec) -> tuple[list[Any], str]:
+        """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
+        returned in its place. Also returns this actor's node, where the bytes live."""
+        return self._locked(lambda: take_checked_many(self._store, keys, spec)), self._node_id
 
     def put(self, data: Any) -> str:
         return self._locked(lambda: self._store.put(data))
@@ -170,9 +288,43 @@ class EngineStoreShell(_Reaped):
         return self._locked(self._store.keys)
 
 
+class KeyValidatorShell:
+    """Validates adopted engine payloads on the node that holds them (one per node)."""
+
+    def __init__(self) -> None:
+        self._outbox = PayloadOutbox()
+
+    def canonical_group(
+        self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int, *payloads: Any
+    ) -> tuple[str, tuple[tuple[int, ...], ...], list[StoredPayload], int]:
+        """Validate a group's payloads and lay them out (shared prompt rows once); the
+        arrays wait here until the shard takes them, so the shard owns the blocks."""
+        batch = [canonical_routes(p, k, spec) for p, k in zip(payloads, keys, strict=True)]
+        del payloads
+        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        token = self._outbox.stage_many(tuple(layout.arrays))
+        stored = [
+            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+            for a in layout.arrays
+        ]
+        return token, layout.samples, stored, layout.saved_bytes
+
+    def take(self, token: str) -> Any:
+        """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
+        return self._outbox.take(token)
+
+    def canonical(
+        self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
+    ) -> npt.NDArray[np.unsignedinteger]:
+        """The key's rows, validated and canonical; Ray resolved ``payload`` from this
+        node's object store (zero copy), so the only write is the compact result."""
+        return canonical_rows(payload, key, spec)
+
+
 # The Ray actor classes (typed Any: ray.remote's result has no useful static type).
 # Threaded (max_concurrency): a call that waits on a producer or fetches a payload does
 # not hold up the others; the shell's lock keeps the plain class single-threaded.
 _remote: Any = ray.remote  # its overloads do not list actor options such as max_concurrency
 StoreShardActor: Any = _remote(num_cpus=0, max_concurrency=8)(StoreShardShell)
 EngineStoreActor: Any = _remote(num_cpus=0, max_concurrency=8)(EngineStoreShell)
+KeyValidator: Any = _remote(num_cpus=0, max_concurrency=4)(KeyValidatorShell)

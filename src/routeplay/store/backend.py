@@ -9,21 +9,36 @@ in batches: ``call`` takes every shard call of one step and answers them togethe
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import ray
 
-from routeplay.errors import RouteplayError, RunMismatch
+from routeplay.core.handle import EngineKey
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
-from routeplay.store.shard import StoreShard
+from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
+from routeplay.store.shard import StoredPayload, StoreShard
+from routeplay.store.writes import plan_batch
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "ShardCall"]
+__all__ = ["Backend", "LocalBackend", "RayBackend", "Settled", "ShardCall"]
 
 # (shard index, method name, positional arguments)
 ShardCall = tuple[int, str, tuple[Any, ...]]
+
+
+class Settled:
+    """The outcome of a call submitted without waiting: its value or its error."""
+
+    __slots__ = ("error", "value")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value = value
+        self.error = error
 
 
 class Backend(Protocol):
@@ -40,11 +55,29 @@ class Backend(Protocol):
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]: ...
 
+    def borrow(self, refs: Sequence[Any]) -> list[Any]:
+        """What a reader keeps of block references granted with a lease."""
+        ...
+
     def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]: ...
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None: ...
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any: ...
+
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        """Per key: a StoreRef, a tuple of StoreRefs (a shared prompt, then its own rows),
+        or the error that refused it."""
+        ...
+
+    def submit(self, calls: Sequence[ShardCall]) -> list[Any]: ...
+
+    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
+        """Outcomes of the submitted calls that are done (all of them when ``wait``),
+        and those still running."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -55,6 +88,7 @@ class RayBackend:
     def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
         self._shards = list(shards)
         self._timeout_s = timeout_s
+        self._engines: dict[tuple[str, str], Any] = {}  # ray.get_actor costs a GCS call
 
     @classmethod
     def start(
@@ -95,6 +129,11 @@ class RayBackend:
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return list(ray_calls.get(list(refs), timeout_s=self._timeout_s, what=what))
 
+    def borrow(self, refs: Sequence[Any]) -> list[Any]:
+        """The references themselves: Ray counts this process as a borrower until the
+        client drops them (when the lease that pinned them is released)."""
+        return list(refs)
+
     def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
         """Like ``call``, but each result is a value or the RouteplayError it raised."""
         pending = [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
@@ -107,11 +146,42 @@ class RayBackend:
         return ray_calls.lost_index(list(refs), error)
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
-        store = ray.get_actor(actor, namespace=namespace)
+        if (actor, namespace) not in self._engines:
+            self._engines[(actor, namespace)] = ray.get_actor(actor, namespace=namespace)
+        store = self._engines[(actor, namespace)]
         what = f"{namespace}/{actor}.{method}"
         return ray_calls.get(
             getattr(store, method).remote(*args), timeout_s=self._timeout_s, what=what
         )
+
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        """One call: the shard consumes the keys and validates them on the engine's node."""
+        pending = self._shards[shard].adopt_keys.remote(list(keys), spec, shared_prefix)
+        # The shard itself waits up to timeout_s for the engine store; give it room.
+        what = f"adopt {len(keys)} engine keys"
+        return list(ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what))
+
+    def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
+        return [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
+
+    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
+        if not pending:
+            return [], []
+        timeout = self._timeout_s if wait else 0
+        done, running = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+        outcomes = [
+            _settled(lambda ref=ref: ray_calls.get(ref, timeout_s=self._timeout_s, what="release"))
+            for ref in done
+        ]
+        if wait and running:  # past the deadline: report them as failed, not forgotten
+            outcomes += [
+                _settled(lambda ref=ref: ray_calls.get(ref, timeout_s=0.001, what="release"))
+                for ref in running
+            ]
+            running = []
+        return outcomes, list(running)
 
     def shutdown(self) -> None:
         for shard in self._shards:
@@ -151,10 +221,16 @@ class LocalBackend:
             return [getattr(self._shards[i], name)(*args) for i, name, args in calls]
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
-        return [block.copy() for block in blocks]  # the "object store" owns its bytes
+        return [_LocalBlock(block.copy()) for block in blocks]  # the store owns its bytes
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
-        return list(refs)
+        return [_local_value(ref, what) for ref in refs]
+
+    def borrow(self, refs: Sequence[Any]) -> list[Any]:
+        """Weak references: here the shard is the only holder of a block, so anything
+        that ends a payload at the shard (even a foreign "free" of its leases) is seen by
+        every reader, as an object freed in a real object store would be."""
+        return [weakref.ref(ref) if isinstance(ref, _LocalBlock) else ref for ref in refs]
 
     def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
         with self._lock:
@@ -184,8 +260,67 @@ class LocalBackend:
             return [ref.value() for ref in result]
         return result
 
+    def adopt_keys(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+    ) -> list[Any]:
+        """The same steps as the Ray shard, in process: check, consume, validate, adopt."""
+        if shared_prefix > 0:
+            return self._adopt_group(shard, keys, spec, shared_prefix)
+        out: list[Any] = []
+        with self._lock:
+            for key in keys:
+                store = self.engine_store(key.actor, key.namespace)
+                [taken] = take_checked_many(store, [key], spec)
+                if isinstance(taken, BaseException):
+                    out.append(taken)
+                    continue
+                try:
+                    block = _LocalBlock(canonical_rows(taken[0].value(), key, spec))
+                except RouteplayError as exc:  # on Ray the reader's fetch raises it
+                    out.append(exc)
+                    continue
+                nbytes = spec.nbytes(key.rows)
+                out.append(self._shards[shard].adopt([block], key.rows, nbytes, 0))
+        return out
+
+    def _adopt_group(
+        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int
+    ) -> list[Any]:
+        with self._lock:
+            taken = []
+            for key in keys:
+                [result] = take_checked_many(
+                    self.engine_store(key.actor, key.namespace), [key], spec
+                )
+                if isinstance(result, BaseException):
+                    return [result]
+                taken.append(canonical_routes(result[0].value(), key, spec))
+            layout = plan_batch(taken, prefix_rows=shared_prefix)
+            blocks = [_LocalBlock(array) for array in layout.arrays]
+            payloads = [
+                StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+                for a in layout.arrays
+            ]
+            stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
+        return [tuple(stored[i] for i in parts) for parts in layout.samples]
+
+    def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
+        """Runs the calls now: in process there is nothing to overlap with."""
+        with self._lock:
+            return [_settled(getattr(self._shards[i], name), *args) for i, name, args in calls]
+
+    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
+        return list(pending), []
+
     def shutdown(self) -> None:
         self._shards.clear()
+
+
+def _settled(call: Callable[..., Any], *args: Any) -> Settled:
+    try:
+        return Settled(value=call(*args))
+    except RouteplayError as exc:
+        return Settled(error=exc)
 
 
 def _outcome(call: Callable[..., Any], *args: Any) -> Any:
@@ -193,6 +328,23 @@ def _outcome(call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
     except RouteplayError as exc:
         return exc
+
+
+class _LocalBlock:
+    """A stored block in process: what a block reference is for the local backend."""
+
+    __slots__ = ("__weakref__", "array")
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
+def _local_value(ref: Any, what: str) -> Any:
+    if isinstance(ref, weakref.ref):
+        ref = ref()
+        if ref is None:
+            raise RoutesLost("routing payload is lost (its block was dropped)", where=what)
+    return ref.array if isinstance(ref, _LocalBlock) else ref
 
 
 class _LocalObject:

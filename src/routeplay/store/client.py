@@ -1,11 +1,18 @@
 """``RouteStore``: the client every process uses to put, lease and read routing.
 
 It is a small picklable object (config + actor handles) that travels to rollout
-workers and trainer ranks. Metadata calls go to the shard that minted a payload
-(shards are chosen by hash); payload bytes never pass through a shard: a reader gets
-block references from one batched ``locate`` call per shard, then pulls the blocks
-straight from the node that holds them, copies its rows out and drops the views (a
-zero-copy view would pin the object after its last lease is gone).
+workers and trainer ranks; what it holds for this process only (pinned block
+references, releases in flight) stays behind when it is pickled. Metadata calls go to
+the shard that minted a payload (shards are chosen by hash); payload bytes never pass
+through a shard.
+
+- Write path (``put``, ``put_many``, ``put_staged``, ``adopt_keys``): one object-store
+  write per payload, one adopt call per shard per batch (``routeplay.store.writes``
+  lays a batch out, sharing verified-equal prompt prefixes).
+- Leases (``acquire``, ``acquire_many``, ``release_many``): one call per shard for a
+  whole step; a grant carries the block references, releases are not waited for
+  (``routeplay.store.releases``).
+- Read path (``read``, ``read_many``): ``routeplay.store.reads``.
 """
 
 from __future__ import annotations
@@ -14,29 +21,21 @@ import uuid
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeAlias
 
-import numpy as np
 import numpy.typing as npt
 
-from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
+from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
-from routeplay.errors import (
-    HandleError,
-    MisuseError,
-    RoutesDataError,
-    RoutesLost,
-    RunMismatch,
-)
+from routeplay.errors import HandleError, MisuseError, RunMismatch
 from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
-from routeplay.store.engine_store import PayloadMeta
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
-from routeplay.store.outbox import split_blocks
-from routeplay.store.read_plan import BlockCopy, DirectCopy, ReadPlan, plan_reads
-from routeplay.store.shard import shard_of
+from routeplay.store.reads import BlockPins, Reader
+from routeplay.store.releases import PendingReleases
+from routeplay.store.shard import Grant, StoredPayload, shard_of
+from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
 
@@ -55,9 +54,14 @@ class StoreConfig:
     """Store actors; metadata calls spread over them by hash."""
     ttl_s: float | None = 600.0
     """Seconds a payload may stay stored without any lease before it is dropped."""
-    block_rows: int = 4096
-    """Rows per stored block, so a reader of a slice fetches only the blocks it needs
+    block_rows: int = 0
+    """Rows per stored block; 0 (the default) stores one block per payload, split only
+    above ``max_block_bytes``. Every block is one more ``ray.put``, and when all the
+    readers of a payload sit on one node (the SP ranks of a sample) that node pulls
+    every block anyway; set it when readers of different parts sit on different nodes
     (raised for narrow models so a block stays above ``MIN_BLOCK_BYTES``)."""
+    max_block_bytes: int = 256 * 1024 * 1024
+    """Largest block written when ``block_rows`` is 0 (bounds one object's size)."""
     timeout_s: float = 60.0
     """Deadline of every blocking call."""
     namespace: str = "routeplay"
@@ -74,6 +78,12 @@ class StoreConfig:
             ("shards", self.shards >= 1, ">= 1", self.shards),
             ("ttl_s", self.ttl_s is None or self.ttl_s > 0, "None or > 0", self.ttl_s),
             ("block_rows", self.block_rows >= 0, ">= 0", self.block_rows),
+            (
+                "max_block_bytes",
+                self.max_block_bytes >= MIN_BLOCK_BYTES,
+                f">= {MIN_BLOCK_BYTES}",
+                self.max_block_bytes,
+            ),
             ("timeout_s", self.timeout_s > 0, "> 0", self.timeout_s),
         )
         for name, ok, expected, found in checks:
@@ -93,12 +103,33 @@ class StoreStats(TableStats):
     """Shard actors the numbers come from."""
 
 
+Request: TypeAlias = tuple[Handle, int, int]
+"""Rows ``[start, stop)`` of a handle, as ``read_many`` takes them."""
+
+
 class RouteStore:
-    """Client of one run's route store (picklable with the Ray backend)."""
+    """Client of one run's route store (picklable with the Ray backend).
+
+    Example:
+        store = StoreConfig(run="run-7").build()
+        [handle] = store.put_many([routes])
+        [lease] = store.acquire_many([(handle, "train/step-0")])
+        rows = lease.read(0, 4096)      # no shard call: the grant carried the blocks
+        store.release_many([lease])     # sent, not waited for; errors surface later
+    """
 
     def __init__(self, config: StoreConfig, backend: Backend) -> None:
         self.config = config
         self._backend = backend
+        self._pins = BlockPins()
+        self._releases = PendingReleases(backend)
+        self._reader = Reader(self._call, backend, config.run, self._pins)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pinned references and releases in flight belong to this process: a copy
+        # elsewhere starts without them (it locates what it reads), so a pickled client
+        # can never keep an object alive past the leases of the process that pinned it.
+        return (RouteStore, (self.config, self._backend))
 
     @classmethod
     def start(cls, config: StoreConfig) -> RouteStore:
@@ -139,19 +170,55 @@ class RouteStore:
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Write from *this* process, which then owns the bytes: for long-lived callers
         (the driver, a store-side service). Rollout workers use ``RoutesProducer``."""
-        if routes.rows == 0:
-            return Handle(routes.spec)  # nothing to store: an empty handle keeps nothing alive
-        blocks = split_blocks(routes.array, self.block_rows_for(routes.spec))
+        return self.put_many([routes], weight_version=weight_version)[0]
+
+    def put_many(
+        self, batch: Sequence[Routes], *, weight_version: int = 0, shared_prefix: int = 0
+    ) -> list[Handle]:
+        """Write many samples with one adopt call (many small samples: one round trip).
+
+        ``shared_prefix=P``: samples whose first ``P`` rows are verified equal (a GRPO
+        group's prompt) store them once and point at the shared payload; each still
+        gets its own handle and its own leases (see ``routeplay.store.writes``).
+        """
+        spec = batch_spec(batch)
+        if spec is None:
+            return []
+        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        if not layout.arrays:
+            return [Handle(spec) for _ in batch]
+        blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
-        block_rows = self.block_rows_for(routes.spec) if len(blocks) > 1 else 0
-        shard = self._pick_shard(uuid.uuid4().hex)
-        [stored] = self._call(
-            [(shard, "adopt", (refs, routes.rows, routes.nbytes, block_rows))], "adopt"
-        )
-        return self._handle(stored, routes.spec, weight_version)
+        call = (self._pick_shard(uuid.uuid4().hex), "adopt_many")
+        [stored] = self._call([(*call, (refs, payloads, layout.saved_bytes))], "adopt")
+        return _handles(layout, stored, spec, weight_version)
+
+    def layout_blocks(
+        self, layout: BatchLayout, spec: RouteSpec
+    ) -> tuple[tuple[Any, ...], list[StoredPayload]]:
+        """The blocks of a laid-out batch, flattened, and what the shard records for each
+        payload (producers stage these blocks, then ``put_staged_many``)."""
+        block_rows = self.block_rows_for(spec)
+        blocks: list[Any] = []
+        payloads = []
+        for array in layout.arrays:
+            parts = split_blocks(array, block_rows)
+            blocks.extend(parts)
+            payloads.append(
+                StoredPayload(
+                    blocks=len(parts),
+                    rows=int(array.shape[0]),
+                    nbytes=spec.nbytes(int(array.shape[0])),
+                    block_rows=block_rows if len(parts) > 1 else 0,
+                )
+            )
+        return tuple(blocks), payloads
 
     def block_rows_for(self, spec: RouteSpec) -> int:
-        """Rows per block for this model: the configured count, or more for narrow rows."""
+        """Rows per block for this model: the configured count (more for narrow rows),
+        or, by default, as many rows as fit in ``max_block_bytes``."""
+        if self.config.block_rows <= 0:
+            return max(1, self.config.max_block_bytes // spec.row_nbytes)
         return max(self.config.block_rows, -(-MIN_BLOCK_BYTES // spec.row_nbytes))
 
     def put_staged(
@@ -161,31 +228,71 @@ class RouteStore:
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
         args = (producer, token, blocks, routes.rows, routes.nbytes, block_rows)
         # The shard itself waits up to timeout_s for the producer; give its answer room.
-        [stored] = self._backend.call(
+        [stored] = self._call(
             [(self._pick_shard(token), "adopt_from", args)],
-            f"{self.run}: adopt {token}",
+            f"adopt {token}",
             timeout_s=2 * self.config.timeout_s,
         )
         return self._handle(stored, routes.spec, weight_version)
 
+    def put_staged_many(
+        self,
+        producer: Any,
+        token: str,
+        layout: BatchLayout,
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+    ) -> list[Handle]:
+        """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
+        _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
+        args = (producer, token, payloads, layout.saved_bytes)
+        [stored] = self._call(
+            [(self._pick_shard(token), "adopt_from_many", args)],
+            f"adopt {token}",
+            timeout_s=2 * self.config.timeout_s,
+        )
+        return _handles(layout, stored, spec, weight_version)
+
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
-        """Take an engine-store key over without reading it: the shard borrows the engine
-        store's reference (the bytes stay where the engine wrote them) and the key is
-        consumed. Shape, dtype and row count are checked from the engine store's metadata
-        now (a refused key is freed, not leaked); ids are validated when rows are read."""
-        meta = self._backend.engine_call(key.actor, key.namespace, "meta", key.key)
-        if meta is not None:
-            try:
-                _check_key_meta(meta, key, spec)
-            except RoutesDataError:
-                self._backend.engine_call(key.actor, key.namespace, "free", key.key)
-                raise
-        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
-        nbytes = _meta_nbytes(meta) if meta is not None else spec.nbytes(key.rows)
-        args = (wrapped, key.rows, nbytes, 0)
-        [stored] = self._call([(self._pick_shard(key.key), "adopt", args)], "adopt")
-        raw = StoreRef(payload_id=stored.payload_id, run=stored.run, rows=key.rows, canonical=False)
-        return self._handle(raw, spec, weight_version)
+        """Take an engine-store key over in one call: the shard consumes the key (a key
+        whose metadata does not fit ``spec`` is freed, not leaked, and refused) and has
+        its rows validated and narrowed once, on the engine store's node, into a block
+        the shard owns. Readers only copy; the trainer node pulls compact bytes. A
+        payload with up to ``key.trailing_rows`` extra rows keeps ``[0, rows)`` (a slice)."""
+        return self.adopt_keys([key], spec, weight_version=weight_version)[0]
+
+    def adopt_keys(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+    ) -> list[Handle]:
+        """``adopt_key`` for a batch in one call (one engine-store call per engine store,
+        validations in parallel on the engine's node). A refused key is freed and its
+        error raised; keys of the batch adopted before it expire unleased (TTL).
+
+        ``shared_prefix=P`` (the keys of one GRPO group): validated together, and the
+        first ``P`` rows that are verified equal across keys are stored once, as in
+        ``put_many``; this call then waits for the validation (the layout depends on it).
+
+        Example:
+            handles = store.adopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
+        """
+        if not keys:
+            return []
+        self._releases.settle(wait=False)
+        shard = self._pick_shard(keys[0].key)
+        results = self._backend.adopt_keys(shard, keys, spec, shared_prefix)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [
+            _handle_of(result if isinstance(result, tuple) else (result,), spec, weight_version)
+            for result in results
+        ]
 
     def free_engine_keys(self, handle: Handle) -> int:
         """Release the engine-store keys a dropped sample still references (never read);
@@ -200,20 +307,66 @@ class RouteStore:
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:
         """A lease of ``holder`` over every stored payload of ``handle``."""
+        return self.acquire_many([(handle, holder)])[0]
+
+    def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
+        """Leases for many ``(handle, holder)`` pairs (a training step): one call per
+        shard, all or nothing; each grant carries the block references of its payloads,
+        so reading leased rows in this process needs no further shard call."""
+        wanted: dict[int, list[tuple[int, list[str]]]] = {}
+        for index, (handle, _) in enumerate(items):
+            per_shard: dict[int, list[str]] = {}
+            for source in handle.sources():
+                if isinstance(source, StoreRef):
+                    self._check_run(source)
+                    per_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
+            for shard, pids in per_shard.items():
+                wanted.setdefault(shard, []).append((index, pids))
+        shards = sorted(wanted)
+        calls = [
+            (i, "lease_many", ([(pids, items[at][1]) for at, pids in wanted[i]], self.run))
+            for i in shards
+        ]
+        holders = ", ".join(sorted({holder for _, holder in items})[:3])
+        grants: list[Grant] = self._grant_all(calls, f"acquire for {holders}")
+        parts: list[dict[int, str]] = [{} for _ in items]
+        blocks: list[dict[str, list[Any]]] = [{} for _ in items]
+        for shard, grant in zip(shards, grants, strict=True):
+            for (at, pids), lease_id in zip(wanted[shard], grant.lease_ids, strict=True):
+                parts[at][shard] = lease_id
+                blocks[at].update((pid, self._backend.borrow(grant.blocks[pid])) for pid in pids)
+        return [
+            Lease(self, handle, holder, parts[at], pinned=self._pins.pin(blocks[at]))
+            for at, (handle, holder) in enumerate(items)
+        ]
+
+    def release_many(self, leases: Sequence[Lease]) -> None:
+        """End many leases with one call per shard, not waited for (idempotent per
+        lease): the reader's path (a training step, a materializer's finished samples).
+        A failure is raised by this client's next call or ``flush`` (``ReleaseFailed``).
+        ``Lease.release`` waits instead, for holders that must know the outcome."""
         by_shard: dict[int, list[str]] = {}
-        for source in handle.sources():
-            if isinstance(source, StoreRef):
-                self._check_run(source)
-                by_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
-        calls = [(i, "acquire", (pids, holder, self.run)) for i, pids in by_shard.items()]
-        return Lease(self, handle, holder, self._grant_all(calls, f"acquire for {holder}"))
+        live = [lease for lease in leases if not lease.released]
+        for lease in live:
+            for shard, lease_id in lease.parts.items():
+                by_shard.setdefault(shard, []).append(lease_id)
+        self._releases.submit([(i, "release_many", (ids,)) for i, ids in by_shard.items()])
+        for lease in live:
+            lease.mark_released()
+
+    def flush(self) -> None:
+        """Wait for every release in flight; raise ``ReleaseFailed`` if one failed."""
+        self._releases.settle(wait=True)
 
     def _release_parts(self, parts: dict[int, str]) -> None:
+        # One lease, waited for: a holder's lifecycle (buffer, session, sample state)
+        # must know whether its lease ended, to keep it or retry it if the shard failed.
         self._call([(i, "release", (lid,)) for i, lid in parts.items()], "release")
 
     def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
         calls = [(i, "clone", (lid, holder)) for i, lid in parts.items()]
-        return self._grant_all(calls, f"clone for {holder}")
+        clones: list[str] = self._grant_all(calls, f"clone for {holder}")
+        return dict(zip(parts, clones, strict=True))
 
     def _transfer_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
         """Clone on every shard (all or nothing), then end the old parts."""
@@ -221,20 +374,27 @@ class RouteStore:
         self._release_parts(parts)
         return moved
 
-    def _grant_all(self, calls: Sequence[ShardCall], what: str) -> dict[int, str]:
-        """Per-shard lease ids, or none at all: a shard that fails rolls the others back,
+    def _repin(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+        return self._pins.repin(payload_ids)
+
+    def _unpin(self, payload_ids: Sequence[str]) -> None:
+        self._pins.unpin(payload_ids)
+
+    def _grant_all(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+        """Per-call grants, or none at all: a shard that fails rolls the others back,
         so a half-granted lease can never be left behind with nobody to release it."""
+        self._releases.settle(wait=True)
         results = self._backend.call_each(calls, f"{self.run}: {what}")
-        granted = {
-            shard: result
-            for (shard, _, _), result in zip(calls, results, strict=True)
-            if not isinstance(result, BaseException)
-        }
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
-            self._call([(i, "revoke", (lid,)) for i, lid in granted.items()], "roll back")
+            undo = [
+                (shard, "revoke_many", (_lease_ids(result),))
+                for (shard, _, _), result in zip(calls, results, strict=True)
+                if not isinstance(result, BaseException)
+            ]
+            self._call(undo, "roll back")
             raise failures[0]
-        return granted
+        return results
 
     # -- reading ----------------------------------------------------------------------
     def resolve(
@@ -254,103 +414,26 @@ class RouteStore:
         return self.read_many([(handle, start, stop)], holder=holder)[0]
 
     def read_many(
-        self, requests: Sequence[tuple[Handle, int, int]], *, holder: str = ""
+        self,
+        requests: Sequence[Request],
+        *,
+        holder: str = "",
+        out: Sequence[npt.NDArray[Any]] | None = None,
     ) -> list[npt.NDArray[Any]]:
-        """Rows of many handles: one ``locate`` call per shard, one fetch of each block.
-
-        ``holder`` only names the reader in errors (e.g. which batch lost its routing).
-        """
+        """Rows of many handles, each block fetched once; leased payloads need no shard
+        call, others one ``locate`` per shard. ``out`` gives buffers to copy into (one
+        per request, of its exact shape and dtype: reused memory is faster than fresh
+        pages). ``holder`` only names the reader in errors."""
         for handle, _, _ in requests:
             for source in handle.sources():
                 if isinstance(source, StoreRef):
                     self._check_run(source)
-        plan = plan_reads(requests)
-        outs = [
-            np.empty((rows, *h.spec.row_shape), h.spec.dtype)
-            for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
-        ]
-        consumed: dict[str, npt.NDArray[Any]] = {}  # each engine key is read once per call
-        for direct in plan.direct:
-            self._copy_direct(direct, outs[direct.request], consumed)
-        blocks: dict[tuple[str, int], Any] = {}
-        try:
-            if plan.copies:
-                blocks = self._fetch_blocks(plan, holder)
-            for copy in plan.copies:
-                self._copy_block(copy, blocks[(copy.payload_id, copy.block)], outs[copy.request])
-        finally:
-            blocks.clear()  # drop the zero-copy views, also on errors: nothing stays pinned
-        return outs
-
-    def _fetch_blocks(self, plan: ReadPlan, holder: str) -> dict[tuple[str, int], Any]:
-        shards = sorted(plan.wanted)
-        wanted = {i: plan.locate_requests(i) for i in shards}
-        located = self._call([(i, "locate", (wanted[i], self.run)) for i in shards], "locate")
-        keys: list[tuple[str, int]] = []
-        refs: list[Any] = []
-        for i, per_shard in zip(shards, located, strict=True):
-            for (pid, blocks), block_refs in zip(wanted[i], per_shard, strict=True):
-                keys.extend((pid, b) for b in blocks)
-                refs.extend(block_refs)
-        try:
-            values = self._backend.fetch(refs, "blocks")
-        except RoutesLost as exc:
-            lost = self._backend.lost_index(refs, exc)
-            payload = keys[lost][0] if lost is not None else "?"
-            reader = holder or "an unnamed reader"
-            raise RoutesLost(
-                exc.summary,
-                where=f"payload {payload} (run {self.run}), read by {reader}",
-                found=exc.found,
-                hint=exc.hint,
-            ) from exc
-        return dict(zip(keys, values, strict=True))
-
-    @staticmethod
-    def _copy_block(copy: BlockCopy, block: npt.NDArray[Any], out: npt.NDArray[Any]) -> None:
-        seg = copy.segment
-        source = seg.source
-        assert isinstance(source, StoreRef)
-        if source.canonical:
-            out[copy.offset : copy.offset + (copy.hi - copy.lo)] = block[copy.lo : copy.hi]
-            return
-        # An adopted engine payload: check its length, copy the rows out of the view
-        # (an error's traceback must not pin the object), then validate them.
-        where = f"payload {source.payload_id}"
-        check_row_count(block.shape[0], source.rows, where=where)
-        rows = np.array(block[copy.lo : copy.hi])
-        del block
-        out[copy.offset : copy.offset + rows.shape[0]] = canonicalize(
-            rows, seg.spec, start_row=copy.first_row, where=where
-        ).array
-
-    def _copy_direct(
-        self, copy: DirectCopy, out: npt.NDArray[Any], consumed: dict[str, npt.NDArray[Any]]
-    ) -> None:
-        seg = copy.segment
-        source = seg.source
-        if isinstance(source, InlineSource):
-            rows = source.array[seg.start : seg.stop]
-        else:
-            assert isinstance(source, EngineKey)
-            if source.key not in consumed:
-                consumed[source.key] = self._consume_engine_key(source, seg.spec)
-            rows = consumed[source.key][seg.start : seg.stop]
-        out[copy.offset : copy.offset + seg.rows] = rows
-
-    def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
-        """Read a key's whole payload once (the key is single-use), validated, canonical."""
-        where = f"engine key {key.key}"
-        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
-        [view] = self._backend.fetch(wrapped, where)
-        full = np.array(view)  # copy out, then drop the view so nothing stays pinned
-        del view, wrapped
-        check_row_count(full.shape[0], key.rows, where=where)
-        return canonicalize(full, spec, where=where).array
+        self._releases.settle(wait=False)
+        return self._reader.read_many(requests, holder=holder, out=out)
 
     # -- accounting -------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """Sum of every shard's snapshot."""
+        """Sum of every shard's snapshot (after the releases in flight have landed)."""
         shards = range(self._backend.shard_count)
         parts: list[TableStats] = self._call([(i, "stats", ()) for i in shards], "stats")
         return _merge_stats(parts)
@@ -362,12 +445,21 @@ class RouteStore:
         return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
 
     def shutdown(self) -> None:
-        """Stop the shards (their references go, so every payload can be reclaimed)."""
-        self._backend.shutdown()
+        """Stop the shards (their references go, so every payload can be reclaimed);
+        a release that failed on the way is still raised."""
+        try:
+            self.flush()
+        finally:
+            self._backend.shutdown()
 
     # -- internals --------------------------------------------------------------------
-    def _call(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
-        return self._backend.call(calls, f"{self.run}: {what}")
+    def _call(
+        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
+    ) -> list[Any]:
+        # Shard actors are threaded: wait for this client's releases first, so a call
+        # never overtakes a release sent before it.
+        self._releases.settle(wait=True)
+        return self._backend.call(calls, f"{self.run}: {what}", timeout_s=timeout_s)
 
     def _pick_shard(self, key: str) -> int:
         return zlib.crc32(key.encode()) % self._backend.shard_count
@@ -388,16 +480,38 @@ class RouteStore:
         return Handle.of(segment)
 
 
-def _meta_nbytes(meta: PayloadMeta) -> int:
-    """Bytes the engine store really holds (LMDeploy: uint16, every decoder layer)."""
-    return int(np.prod(meta.shape, dtype=np.int64)) * np.dtype(meta.dtype).itemsize
+def _handle_of(stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int) -> Handle:
+    segments = [
+        Segment(source=ref, start=0, stop=ref.rows, spec=spec, weight_version=weight_version)
+        for ref in stored
+    ]
+    return Handle(spec, segments)
 
 
-def _check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:
-    where = f"engine key {key.key}"
-    check_dtype(np.dtype(meta.dtype), spec, where=where)
-    check_shape(meta.shape, spec, where=where)
-    check_row_count(meta.shape[0], key.rows, where=where)
+def _lease_ids(result: Any) -> list[str]:
+    return list(result.lease_ids) if isinstance(result, Grant) else [result]
+
+
+def _handles(
+    layout: BatchLayout, stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int
+) -> list[Handle]:
+    """Each sample's handle: the stored payloads its rows are made of, in order."""
+    return [
+        Handle(
+            spec,
+            [
+                Segment(
+                    source=stored[i],
+                    start=0,
+                    stop=stored[i].rows,
+                    spec=spec,
+                    weight_version=weight_version,
+                )
+                for i in parts
+            ],
+        )
+        for parts in layout.samples
+    ]
 
 
 def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:

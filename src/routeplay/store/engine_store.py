@@ -139,6 +139,18 @@ class EngineStore(Generic[Ref]):
         through unresolved; the caller reads the bytes from the object store itself."""
         return [self._consume(key)]
 
+    def take_checked(self, key: str, check: Callable[[PayloadMeta], None]) -> list[Ref]:
+        """``get_ref`` after ``check`` accepted the key's metadata; a key it refuses is
+        freed here (never leaked) and the refusal raised. One call for an adopting store."""
+        meta = self.meta(key)
+        if meta is not None:
+            try:
+                check(meta)
+            except Exception:
+                self.free(key)
+                raise
+        return self.get_ref(key)
+
     def free(self, key: str) -> bool:
         """Drop a key nobody will consume (idempotent); True if it was live."""
         self.expire()

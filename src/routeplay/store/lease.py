@@ -5,10 +5,22 @@ payloads (a trace session, a sibling sample, a training batch) are untouched, wh
 what makes "owned vs borrowed" guesswork unnecessary. A lease is a context manager, so
 an exception inside ``with`` still releases it. Copies of a lease (pickled into another
 process) name the same lease ids, and releasing any copy twice is still a no-op.
+
+A lease granted in this process pins its payloads' block references in its client (so
+its rows read without a shard call); releasing it unpins them at once. ``release`` waits
+for the shard (a holder's lifecycle must know the outcome); ``release_all`` sends many
+releases without waiting (the reader's path: its errors surface at the next call).
+Pins are only a shortcut, never needed for correctness, so they go early whenever their
+lifetime could be in doubt: when the lease is pickled (its copy elsewhere may be the one
+released) and when the lease object is garbage collected. A pickled copy carries no
+references: it locates what it reads. So no reference handed out with a lease keeps an
+object alive past its release.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -26,16 +38,38 @@ __all__ = ["Lease"]
 class Lease:
     """A holder's lease over a handle's stored payloads (one lease id per store shard)."""
 
-    __slots__ = ("_parts", "_released", "_store", "handle", "holder")
+    __slots__ = (
+        "__weakref__",
+        "_parts",
+        "_pinned",
+        "_released",
+        "_store",
+        "_unpin_once",
+        "handle",
+        "holder",
+    )
 
     def __init__(
-        self, store: RouteStore, handle: Handle, holder: str, parts: dict[int, str]
+        self,
+        store: RouteStore,
+        handle: Handle,
+        holder: str,
+        parts: dict[int, str],
+        *,
+        pinned: tuple[str, ...] = (),
     ) -> None:
         self._store = store
         self.handle = handle
         self.holder = holder
         self._parts = parts
+        self._pinned = pinned
         self._released = False
+        # Runs once: on release, pickling, or when this object is collected unreleased.
+        self._unpin_once = weakref.finalize(self, store._unpin, pinned)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        self._unpin()  # the copy may be the one that gets released: pin nothing here
+        return (_restored, (self._store, self.handle, self.holder, self._parts, self._released))
 
     @property
     def released(self) -> bool:
@@ -47,6 +81,18 @@ class Lease:
         """The per-shard lease ids (for accounting and logs)."""
         return tuple(self._parts.values())
 
+    @property
+    def parts(self) -> dict[int, str]:
+        """Lease id per store shard (a copy: what a batched release sends)."""
+        return dict(self._parts)
+
+    def mark_released(self) -> None:
+        """Record that this lease's release was sent (``RouteStore.release_many`` does
+        it for many leases at once); drops the block references it pinned here."""
+        if not self._released:
+            self._released = True
+            self._unpin()
+
     def read(self, start: int = 0, stop: int | None = None) -> npt.NDArray[Any]:
         """Rows ``[start, stop)`` of the leased handle, copied out (errors name this holder)."""
         self._check_live("read through")
@@ -57,21 +103,33 @@ class Lease:
         if self._released:
             return
         self._store._release_parts(self._parts)  # may raise: then a retry releases for real
-        self._released = True
+        self.mark_released()
+
+    @staticmethod
+    def release_all(leases: Iterable[Lease]) -> None:
+        """Release many leases with one call per shard of each store (idempotent); a
+        failure at a shard is raised by that store's next call, never lost."""
+        by_store: dict[int, tuple[RouteStore, list[Lease]]] = {}
+        for lease in leases:
+            by_store.setdefault(id(lease._store), (lease._store, []))[1].append(lease)
+        for store, group in by_store.values():
+            store.release_many(group)
 
     def clone(self, holder: str) -> Lease:
         """A new lease over the same payloads for ``holder``; this one stays valid."""
         self._check_live("clone")
-        return Lease(
-            self._store, self.handle, holder, self._store._clone_parts(self._parts, holder)
-        )
+        parts = self._store._clone_parts(self._parts, holder)
+        pinned = self._store._repin(self._pinned)
+        return Lease(self._store, self.handle, holder, parts, pinned=pinned)
 
     def transfer(self, holder: str) -> Lease:
         """Hand this lease to ``holder`` (no data moves; payloads never reach zero leases)."""
         self._check_live("transfer")
         moved = self._store._transfer_parts(self._parts, holder)
+        pinned, self._pinned = self._pinned, ()  # the pins move with the lease
+        self._unpin_once.detach()
         self._released = True
-        return Lease(self._store, self.handle, holder, moved)
+        return Lease(self._store, self.handle, holder, moved, pinned=pinned)
 
     def __enter__(self) -> Lease:
         return self
@@ -88,6 +146,10 @@ class Lease:
         state = "released" if self._released else "live"
         return f"Lease(holder={self.holder!r}, rows={self.handle.rows}, {state})"
 
+    def _unpin(self) -> None:
+        self._pinned = ()
+        self._unpin_once()
+
     def _check_live(self, action: str) -> None:
         if self._released:
             raise AlreadyReleased(
@@ -95,3 +157,11 @@ class Lease:
                 where=f"holder {self.holder}",
                 hint="Clone or transfer before releasing.",
             )
+
+
+def _restored(
+    store: RouteStore, handle: Handle, holder: str, parts: dict[int, str], released: bool
+) -> Lease:
+    lease = Lease(store, handle, holder, parts)
+    lease._released = released
+    return lease

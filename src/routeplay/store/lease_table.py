@@ -85,6 +85,8 @@ class TableStats:
     """Bytes dropped on last release."""
     expired_bytes: int
     """Bytes dropped on TTL expiry."""
+    shared_prefix_bytes_saved: int = 0
+    """Bytes never written because samples shared a verified-equal prompt prefix."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,6 +129,7 @@ class LeaseTable(Generic[Ref]):
         self._ids = itertools.count()
         self._unleased: list[tuple[float, str]] = []
         self._dropped = {PayloadState.RELEASED: [0, 0], PayloadState.EXPIRED: [0, 0]}
+        self._saved_bytes = 0
         # Recently dropped ids, bounded: only used to say "expired" vs "released" in errors.
         self._gone: OrderedDict[str, PayloadState] = OrderedDict()
 
@@ -139,6 +142,10 @@ class LeaseTable(Generic[Ref]):
         self._payloads[payload_id] = _Payload(rows=rows, nbytes=nbytes, created=created, ref=ref)
         if self.ttl_s is not None:
             heapq.heappush(self._unleased, (created, payload_id))
+
+    def note_shared(self, saved_bytes: int) -> None:
+        """Count bytes a shared prompt prefix spared the object store (for ``stats``)."""
+        self._saved_bytes += saved_bytes
 
     def state(self, payload_id: str) -> PayloadState:
         """Current state of a payload this table has seen."""
@@ -262,6 +269,7 @@ class LeaseTable(Generic[Ref]):
             expired_payloads=expired[0],
             released_bytes=released[1],
             expired_bytes=expired[1],
+            shared_prefix_bytes_saved=self._saved_bytes,
         )
 
     def leaks(self) -> list[LeakRecord]:

@@ -19,15 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from routeplay.errors import AlreadyConsumed
+from routeplay.store.writes import split_blocks
 
 __all__ = ["PayloadOutbox", "split_blocks"]
-
-
-def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
-    """Row blocks of ``array`` (views, no copy); one block when ``block_rows`` is 0."""
-    if block_rows <= 0 or array.shape[0] <= block_rows:
-        return (array,)
-    return tuple(array[i : i + block_rows] for i in range(0, array.shape[0], block_rows))
 
 
 class PayloadOutbox:
@@ -39,6 +33,13 @@ class PayloadOutbox:
         self._staged: dict[str, tuple[npt.NDArray[Any], ...]] = {}
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
+
+    def stage_many(self, blocks: tuple[npt.NDArray[Any], ...]) -> str:
+        """Keep ready-made blocks (of a whole batch) until taken in one call."""
+        token = f"{self._prefix}-{next(self._ids)}"
+        with self._lock:
+            self._staged[token] = blocks
+        return token
 
     def stage(self, array: npt.NDArray[np.unsignedinteger], *, block_rows: int) -> tuple[str, int]:
         """Keep ``array`` until taken; returns the token and the number of blocks."""

@@ -14,6 +14,7 @@ plain ``ray.remote(cls)``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import ray
@@ -22,6 +23,7 @@ from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore
 from routeplay.store.outbox import PayloadOutbox
+from routeplay.store.writes import batch_spec, plan_batch
 
 __all__ = ["PRODUCER_CONCURRENCY", "TAKE_GROUP", "RoutesProducer", "producer_actor"]
 
@@ -53,6 +55,34 @@ class RoutesProducer:
             return store.put_staged(me, token, blocks, routes, weight_version=weight_version)
         finally:
             self._outbox().discard(token)  # a no-op once taken; frees it if the put failed
+
+    def put_routes_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+    ) -> list[Handle]:
+        """Store many samples with one shard call (and one call back to this actor);
+        ``shared_prefix`` as in ``RouteStore.put_many`` (a GRPO group's prompt once).
+
+        Example:
+            handles = self.put_routes_many(store, group, shared_prefix=prompt_rows)
+        """
+        spec = batch_spec(batch)
+        if spec is None:
+            return []
+        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        if not layout.arrays:
+            return [Handle(spec) for _ in batch]
+        blocks, _ = store.layout_blocks(layout, spec)
+        token = self._outbox().stage_many(blocks)
+        me = ray.get_runtime_context().current_actor
+        try:
+            return store.put_staged_many(me, token, layout, spec, weight_version=weight_version)
+        finally:
+            self._outbox().discard(token)
 
     def stage_routes(self, array: Any, *, block_rows: int) -> tuple[str, int]:
         """Keep ``array`` until a store takes it; returns (token, block count)."""

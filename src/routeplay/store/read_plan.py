@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.store.shard import shard_of
@@ -17,9 +18,12 @@ from routeplay.store.shard import shard_of
 __all__ = ["BlockCopy", "DirectCopy", "ReadPlan", "plan_reads"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BlockCopy:
-    """Copy rows ``[lo, hi)`` of a stored block into output ``request`` at ``offset``."""
+class BlockCopy(NamedTuple):
+    """Copy rows ``[lo, hi)`` of a stored block into output ``request`` at ``offset``.
+
+    A named tuple, not a frozen dataclass: a read of a 1,000-segment handle builds one per
+    segment, and a tuple builds several times faster (no per-field ``__setattr__``).
+    """
 
     request: int
     """Index of the output (the request) the rows go to."""
@@ -60,6 +64,8 @@ class ReadPlan:
 
     rows: list[int] = field(default_factory=list)
     wanted: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    seen: set[tuple[str, int]] = field(default_factory=set)
+    """``(payload, block)`` already listed: O(1) membership for many-segment handles."""
     copies: list[BlockCopy] = field(default_factory=list)
     direct: list[DirectCopy] = field(default_factory=list)
 
@@ -88,8 +94,17 @@ def plan_reads(requests: Sequence[tuple[Handle, int, int]]) -> ReadPlan:
 def _plan_stored(plan: ReadPlan, request: int, offset: int, seg: Segment, ref: StoreRef) -> None:
     wanted = plan.wanted.setdefault(shard_of(ref.payload_id), {})
     blocks = wanted.setdefault(ref.payload_id, [])
+    if ref.block_rows <= 0:  # one block (the default): no block arithmetic
+        if (ref.payload_id, 0) not in plan.seen:
+            plan.seen.add((ref.payload_id, 0))
+            blocks.append(0)
+        plan.copies.append(
+            BlockCopy(request, offset, ref.payload_id, 0, seg.start, seg.stop, seg.start, seg)
+        )
+        return
     for block in ref.blocks(seg.start, seg.stop):
-        if block not in blocks:
+        if (ref.payload_id, block) not in plan.seen:
+            plan.seen.add((ref.payload_id, block))
             blocks.append(block)
         base = block * ref.block_rows
         lo = max(seg.start, base)

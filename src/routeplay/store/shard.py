@@ -12,16 +12,46 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from routeplay.core.handle import StoreRef
 from routeplay.errors import HandleError, MisuseError
 from routeplay.store.lease_table import LeakRecord, LeaseTable, TableStats
 
-__all__ = ["CallProducer", "StoreShard", "shard_of"]
+__all__ = ["CallProducer", "Grant", "StoreShard", "StoredPayload", "shard_of"]
 
 # (producer handle, token, block count) -> one reference per block, owned by the caller.
 CallProducer = Callable[[Any, str, int], list[Any]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredPayload:
+    """What a shard needs to record one payload (one entry of a batched adopt)."""
+
+    blocks: int
+    """Block references this payload takes from the batch, in order."""
+    rows: int
+    """Token rows of the payload."""
+    nbytes: int
+    """Canonical bytes of the payload."""
+    block_rows: int
+    """Rows per block (0: one block)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grant:
+    """Leases granted by one shard in one call, with what a reader needs to fetch.
+
+    ``blocks`` carries the block references of every leased payload, so the holder reads
+    without asking the shard again (in a reader process they are borrowed references:
+    the client drops them when the lease is released, never later).
+    """
+
+    lease_ids: tuple[str, ...]
+    """One lease id per request, in request order."""
+    blocks: dict[str, list[Any]]
+    """Block references of every payload leased, by payload id."""
 
 
 def shard_of(payload_id: str) -> int:
@@ -67,6 +97,53 @@ class StoreShard:
             )
         refs = self._call_producer(producer, token, blocks)
         return self.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
+
+    def adopt_many(
+        self, refs: Sequence[Any], payloads: Sequence[StoredPayload], saved_bytes: int = 0
+    ) -> list[StoreRef]:
+        """Record a batch of payloads in one call (``refs`` are their blocks, in order);
+        ``saved_bytes`` counts the bytes not written because a prefix was shared."""
+        out, at = [], 0
+        for payload in payloads:
+            blocks = refs[at : at + payload.blocks]
+            at += payload.blocks
+            out.append(self.adopt(blocks, payload.rows, payload.nbytes, payload.block_rows))
+        if at != len(refs):
+            raise HandleError(
+                "batched adopt got a different number of blocks than its payloads name",
+                expected=at,
+                found=len(refs),
+            )
+        self._table.note_shared(saved_bytes)
+        return out
+
+    def lease_many(
+        self, requests: Sequence[tuple[Sequence[str], str]], run: str, *, with_blocks: bool = True
+    ) -> Grant:
+        """Leases for many ``(payload_ids, holder)`` requests, all or none, plus the block
+        references of every payload leased (a training step acquires in one call)."""
+        self._table.expire()
+        granted: list[str] = []
+        try:
+            for payload_ids, holder in requests:
+                granted.append(self._table.acquire(payload_ids, holder, run=run))
+        except BaseException:
+            for lease_id in granted:
+                self._table.revoke(lease_id)
+            raise
+        blocks: dict[str, list[Any]] = {}
+        if with_blocks:
+            wanted = dict.fromkeys(pid for ids, _ in requests for pid in ids)
+            blocks = {pid: list(refs) for pid, refs in self._table.refs(wanted, run=run).items()}
+        return Grant(lease_ids=tuple(granted), blocks=blocks)
+
+    def release_many(self, lease_ids: Sequence[str]) -> list[str]:
+        """End many leases (each idempotent); returns payloads dropped by them."""
+        return [pid for lease_id in lease_ids for pid in self._table.release(lease_id)]
+
+    def revoke_many(self, lease_ids: Sequence[str]) -> list[str]:
+        """Roll back many leases of a multi-shard grant that failed elsewhere."""
+        return [pid for lease_id in lease_ids for pid in self._table.revoke(lease_id)]
 
     def acquire(self, payload_ids: Sequence[str], holder: str, run: str) -> str:
         """A lease of ``holder`` over payloads of this shard."""

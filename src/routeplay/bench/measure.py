@@ -1,0 +1,370 @@
+"""Running the data-path benchmark on a local 3-node ``ray.cluster_utils.Cluster``.
+
+Nodes: a head (the store shards and the driver), the engine's node (the engine and
+LMDeploy's ``shared_store``), the rollout node and the trainer node (the SP ranks). Every
+figure of a workload comes from the same cluster in the same run: the three paths, the
+physical limit (warm memcpy bandwidth on the trainer node, and the raylet-to-raylet pull
+rate of one large object from the engine node), and Ray's own byte counters.
+
+Example:
+    results = run_bench(BenchConfig.quick())
+    results["workloads"][0]["eager_ms"] / results["workloads"][0]["routeplay_ms"]
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+
+from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
+from routeplay.bench.workloads import BenchConfig, Workload
+from routeplay.core import Handle, canonicalize, preset
+from routeplay.store import RouteStore, StoreConfig, start_engine_store
+from routeplay.store.accounting import node_store_stats
+
+__all__ = ["PATHS", "run_bench"]
+
+ROLES = ("head", "engine", "rollout", "trainer")
+PATHS = ("eager", "producer", "adopt")
+MiB = 1024 * 1024
+
+
+@contextmanager
+def cluster(store_bytes: int) -> Iterator[dict[str, str]]:
+    """Head + engine + rollout + trainer nodes on this machine; yields node id -> role."""
+    nodes: Any = Cluster(  # untyped in Ray
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"head": 1},
+            "object_store_memory": store_bytes,
+        },
+    )
+    try:
+        for role in ROLES[1:]:
+            nodes.add_node(num_cpus=1, resources={role: 1}, object_store_memory=store_bytes)
+        ray.init(address=nodes.address, log_to_driver=False)
+        list_nodes: Any = ray.nodes  # untyped in Ray
+        yield {n["NodeID"]: next(r for r in ROLES if r in n["Resources"]) for n in list_nodes()}
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def on(role: str) -> dict[str, Any]:
+    return {"resources": {role: 0.01}}
+
+
+class Bench:
+    """One workload's actors and timed runs."""
+
+    def __init__(self, store: RouteStore, workload: Workload, roles: dict[str, str]) -> None:
+        self.w = workload
+        self.roles = roles
+        spec = workload.spec
+        self.engine = BenchEngine.options(**on("engine")).remote(spec)
+        self.rollout = BenchRollout.options(**on("rollout")).remote(store, spec)
+        self.ranks = [
+            BenchRank.options(**on("trainer")).remote(store, spec, r, workload.sp)
+            for r in range(workload.sp)
+        ]
+
+    def run(self, path: str, seed: int, *, check: bool = False) -> dict[str, Any]:
+        """One step through ``path``: engine done -> every rank holds its rows."""
+        plan = self.w.sample_plan(seed)
+        rows = [p[0] for p in plan]
+        if path == "producer":
+            ray.get(self.rollout.decode.remote(plan))
+        else:
+            keys = ray.get(self.engine.keys.remote(plan))
+        before = self._created()
+        start = time.perf_counter()
+        if path == "eager":
+            wrapped = ray.get(self.rollout.eager.remote(keys))
+            out = ray.get([rank.read_eager.remote(wrapped, check) for rank in self.ranks])
+        else:
+            if path == "producer":
+                handles = ray.get(self.rollout.produce.remote(self.w.prompt_tokens))
+            else:
+                handles = ray.get(self.rollout.adopt.remote(keys, rows, self.w.prompt_tokens))
+            holder = f"train/{path}/{seed}"
+            out = ray.get(
+                [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks]
+            )
+        elapsed = time.perf_counter() - start
+        created = {role: n - before[role] for role, n in self._created().items()}
+        ray.get(self.rollout.drop.remote())
+        ray.get([rank.flush.remote() for rank in self.ranks])
+        return {
+            "ms": elapsed * 1e3,
+            "bytes_written": sum(n for role, n in created.items() if role != "trainer"),
+            "bytes_pulled": created["trainer"],
+            "created_by_node": created,
+            "peak_rank_bytes": max(peak for peak, _ in out),
+            "digests": [digest for _, digest in out],
+        }
+
+    def _created(self) -> dict[str, int]:
+        return {self.roles[n]: s.created_bytes for n, s in node_store_stats().items()}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    times = [r["ms"] for r in runs]
+    last = runs[-1]
+    return {
+        "median_ms": round(statistics.median(times), 1),
+        "min_ms": round(min(times), 1),
+        "max_ms": round(max(times), 1),
+        "runs": len(times),
+        "bytes_written": int(statistics.median(r["bytes_written"] for r in runs)),
+        "bytes_pulled": int(statistics.median(r["bytes_pulled"] for r in runs)),
+        "created_by_node": last["created_by_node"],
+        "peak_rank_bytes": max(r["peak_rank_bytes"] for r in runs),
+    }
+
+
+def measure_workload(
+    store: RouteStore, w: Workload, roles: dict[str, str], runs: int, limits: dict[str, Any]
+) -> dict[str, Any]:
+    """Every path of one workload, the limit, and a check that all paths agree."""
+    bench = Bench(store, w, roles)
+    digests = {path: bench.run(path, seed=1, check=True)["digests"] for path in PATHS}
+    if len({tuple(d) for d in digests.values()}) != 1:
+        raise RuntimeError(f"{w.name}: the paths delivered different rows: {digests}")
+    per_path = {}
+    for path in PATHS:
+        timed = [bench.run(path, seed=2 + i) for i in range(runs)]
+        per_path[path] = summarize(timed)
+    limit_ms = physical_limit_ms(w, limits)
+    entry: dict[str, Any] = {
+        "name": w.name,
+        "model": w.model,
+        "tokens": w.tokens,
+        "samples": w.samples,
+        "sp": w.sp,
+        "shared_prompt": w.prompt_tokens,
+        "payload_bytes": w.payload_bytes,
+        "unique_bytes": w.unique_bytes,
+        "eager_ms": per_path["eager"]["median_ms"],
+        "routeplay_ms": per_path["producer"]["median_ms"],
+        "adopt_ms": per_path["adopt"]["median_ms"],
+        "limit_ms": round(limit_ms, 1),
+        "bytes_written": {p: per_path[p]["bytes_written"] for p in PATHS},
+        "bytes_pulled": {p: per_path[p]["bytes_pulled"] for p in PATHS},
+        "peak_rank_bytes": {p: per_path[p]["peak_rank_bytes"] for p in PATHS},
+        "rows_identical_across_paths": True,
+    }
+    entry.update(per_path)
+    kill_all([bench.engine, bench.rollout, *bench.ranks])
+    return entry
+
+
+def physical_limit_ms(w: Workload, limits: dict[str, Any]) -> float:
+    """The issue's definition: the step's canonical bytes at warm memcpy bandwidth, plus
+    the bytes that must cross nodes (a shared prompt once) at the measured pull rate."""
+    memcpy, pull = float(limits["memcpy_Bps"]), float(limits["pull_Bps"])
+    return 1e3 * (w.payload_bytes / memcpy + w.unique_bytes / pull)
+
+
+def kill_all(actors: list[Any]) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
+# -- the physical limit ---------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class _Probe:
+    def memcpy_Bps(self, nbytes: int, runs: int) -> float:
+        src = np.ones(nbytes, np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)  # warm: pages faulted in
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - start)
+        return nbytes / statistics.median(times)
+
+    def make(self, nbytes: int) -> list[Any]:
+        ref = ray.put(np.ones(nbytes, np.uint8))
+        self._held = ref
+        return [ref]
+
+    def pull_s(self, wrapped: list[Any]) -> float:
+        start = time.perf_counter()
+        value = ray.get(wrapped[0])
+        elapsed = time.perf_counter() - start
+        del value
+        return elapsed
+
+
+def measure_limits(nbytes: int, runs: int) -> dict[str, Any]:
+    """Warm memcpy bandwidth on the trainer node; engine -> trainer pull rate of one large
+    object (after one warm-up pull; the median of ``runs`` fresh objects)."""
+    probe: Any = _Probe
+    engine = probe.options(**on("engine")).remote()
+    trainer = probe.options(**on("trainer")).remote()
+    memcpy = ray.get(trainer.memcpy_Bps.remote(nbytes, runs))
+    pulls = []
+    for _ in range(runs + 1):
+        wrapped = ray.get(engine.make.remote(nbytes))
+        pulls.append(ray.get(trainer.pull_s.remote(wrapped)))
+        del wrapped
+    kill_all([engine, trainer])
+    timed = pulls[1:]
+    return {
+        "memcpy_Bps": memcpy,
+        "pull_Bps": nbytes / statistics.median(timed),
+        "pull_Bps_best": nbytes / min(timed),
+        "pull_ms": [round(t * 1e3, 1) for t in timed],
+        "probe_bytes": float(nbytes),
+    }
+
+
+# -- scaling --------------------------------------------------------------------------------
+def scaling(
+    store: RouteStore, config: BenchConfig, roles: dict[str, str], limits: dict[str, Any]
+) -> dict[str, Any]:
+    """Tokens per sample and samples per step (all paths), segments per handle."""
+    tokens = [
+        _point(
+            store,
+            Workload(model="qwen3-235b-a22b", tokens=t, samples=2, sp=1),
+            roles,
+            config,
+            limits,
+        )
+        for t in config.scale_tokens
+    ]
+    samples = [
+        _point(
+            store,
+            Workload(model="qwen3-30b-a3b", tokens=8192, samples=n, sp=1),
+            roles,
+            config,
+            limits,
+        )
+        for n in config.scale_samples
+    ]
+    segments = [segment_overhead(store, n, config.scale_runs) for n in config.scale_segments]
+    return {
+        "tokens_per_sample": tokens,
+        "samples_per_step": samples,
+        "segments_per_handle": segments,
+    }
+
+
+def _point(
+    store: RouteStore,
+    w: Workload,
+    roles: dict[str, str],
+    config: BenchConfig,
+    limits: dict[str, Any],
+) -> dict[str, Any]:
+    bench = Bench(store, w, roles)
+    out: dict[str, Any] = {"name": w.name, "tokens": w.tokens, "samples": w.samples}
+    for path in PATHS:
+        bench.run(path, seed=1)  # warm-up
+        out[f"{path}_ms"] = summarize(
+            [bench.run(path, seed=2 + i) for i in range(config.scale_runs)]
+        )["median_ms"]
+    out["limit_ms"] = round(physical_limit_ms(w, limits), 1)
+    kill_all([bench.engine, bench.rollout, *bench.ranks])
+    return out
+
+
+def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, Any]:
+    """Acquire + read of a handle of ``segments`` segments (32k rows of Qwen3-30B in all,
+    one payload per segment), minus a warm copy of the same bytes. Measured on the Ray
+    store (Ray's per-object cost included) and on the in-process store (the same plain
+    classes: routeplay's own per-segment metadata cost)."""
+    spec = preset("qwen3-30b-a3b")
+    rows = 32768
+    full = canonicalize(sample_routing(spec, rows, seed=7), spec).array
+    bounds = np.linspace(0, rows, segments + 1).astype(int)
+    parts = [canonicalize(full[a:b], spec) for a, b in itertools.pairwise(bounds)]
+    out = np.empty_like(full)
+    np.copyto(out, full)
+    figures: dict[str, Any] = {"segments": segments}
+    local = RouteStore.local(StoreConfig(run="bench-segments"))
+    for name, where in (("ray", store), ("local", local)):
+        handle = Handle.concat(spec, where.put_many(parts))
+        assert len(handle.segments) == segments  # one payload each: nothing merges
+        keep = where.acquire(handle, "bench/keep")  # the payloads outlive each timed lease
+        totals, copies = [], []
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            lease = where.acquire(handle, "bench/segments")
+            where.read_many([(handle, 0, rows)], out=[out])
+            totals.append(time.perf_counter() - start)
+            lease.release()
+            start = time.perf_counter()
+            np.copyto(out, full)
+            copies.append(time.perf_counter() - start)
+        keep.release()
+        where.flush()
+        total, copy = statistics.median(totals[1:]), statistics.median(copies[1:])
+        prefix = "" if name == "ray" else "local_"
+        figures[f"{prefix}acquire_read_ms"] = round(total * 1e3, 2)
+        figures[f"{prefix}overhead_ms"] = round((total - copy) * 1e3, 2)
+        figures["copy_ms"] = round(copy * 1e3, 2)
+    return figures
+
+
+# -- many small samples ---------------------------------------------------------------------
+def small_puts(store: RouteStore, count: int) -> dict[str, Any]:
+    """Puts per second of ``count`` 1k-token Qwen3-30B samples: ``ray.put`` vs ``put_many``."""
+    spec = preset("qwen3-30b-a3b")
+    batch = [canonicalize(sample_routing(spec, 1023, seed=i), spec) for i in range(count)]
+    start = time.perf_counter()
+    refs = [ray.put(routes.array) for routes in batch]
+    plain = time.perf_counter() - start
+    del refs
+    start = time.perf_counter()
+    handles = store.put_many(batch)
+    batched = time.perf_counter() - start
+    leases = store.acquire_many([(h, "bench/small") for h in handles])
+    store.release_many(leases)
+    store.flush()
+    return {
+        "samples": count,
+        "sample_bytes": batch[0].nbytes,
+        "ray_put_per_s": round(count / plain, 1),
+        "put_many_per_s": round(count / batched, 1),
+        "ratio": round(plain / batched, 2),
+    }
+
+
+def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole benchmark; returns the results object (see ``routeplay.bench.report``)."""
+    with cluster(config.store_bytes) as roles:
+        store = StoreConfig(run="bench", resources=(("head", 0.01),), timeout_s=120).build()
+        start_engine_store(resources={"engine": 0.01})
+        probe_bytes = {"full": 256 * MiB, "quick": 64 * MiB}.get(config.mode, 16 * MiB)
+        limits = measure_limits(probe_bytes, max(3, config.runs))
+        memcpy, pull = limits["memcpy_Bps"] / 1e9, limits["pull_Bps"] / 1e9
+        progress(f"limits: memcpy {memcpy:.2f} GB/s, pull {pull:.2f} GB/s")
+        workloads = []
+        for w in config.workloads:
+            progress(f"workload {w.name}")
+            workloads.append(measure_workload(store, w, roles, config.runs, limits))
+        progress("scaling")
+        scale = scaling(store, config, roles, limits)
+        small = small_puts(store, config.small_samples)
+        stats = store.stats()
+        store.shutdown()
+    return {
+        "limits": limits,
+        "workloads": workloads,
+        "scaling": scale,
+        "small_puts": small,
+        "store_end": {"live_payloads": stats.live_payloads, "leases": stats.leases},
+    }

@@ -1,0 +1,229 @@
+"""The data-path benchmark's outputs: the results file, the tables, the scaling plot.
+
+The results file is named for what, where and when (``data-path_quick_<host>_<UTC>.json``)
+and holds the configuration and library versions next to the figures. Its ``workloads``
+list has, per workload, ``name``, ``eager_ms``, ``routeplay_ms`` (producer path),
+``adopt_ms``, ``limit_ms`` (medians), ``bytes_written``, ``bytes_pulled`` and
+``peak_rank_bytes`` (each a mapping path -> figure), and each path's full figures under
+its own key (``eager``, ``producer``, ``adopt``: median/min/max, runs, per-node bytes).
+
+Example:
+    path = write_results(results, config, Path("benchmarks/results"))
+    console.print(workload_table(results))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from rich.table import Table
+
+import routeplay
+from routeplay.bench.workloads import BenchConfig
+
+__all__ = [
+    "goals",
+    "results_stem",
+    "scaling_table",
+    "workload_table",
+    "write_plot",
+    "write_results",
+]
+
+
+def results_stem(config: BenchConfig, when: datetime) -> str:
+    """``data-path_<mode>_<host>_<YYYY-MM-DDTHHMMZ>``: what, where, when."""
+    return f"data-path_{config.mode}_{platform.node()}_{when:%Y-%m-%dT%H%MZ}"
+
+
+def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> dict[str, Any]:
+    """The results with what was run, where and with which versions."""
+    return {
+        "benchmark": "data_path",
+        "when": when.isoformat(timespec="seconds"),
+        "where": {"host": platform.node(), "cpu_count": os.cpu_count(), "nodes": 4},
+        "config": dataclasses.asdict(config),
+        "definitions": {
+            "wall": "engine finished -> every SP rank holds its rows (driver clock)",
+            "bytes_written": "object-store bytes created on the head, engine and rollout nodes",
+            "bytes_pulled": "object-store bytes created on the trainer node (pulled there)",
+            "peak_rank_bytes": "largest routing bytes one rank held at once",
+            "limit": "payload / warm memcpy + cross-node bytes / measured raylet pull rate",
+        },
+        "versions": {
+            "python": sys.version.split()[0],
+            "ray": ray.__version__,
+            "numpy": np.__version__,
+            "routeplay": routeplay.__version__,
+        },
+        **results,
+        "goals": goals(results),
+    }
+
+
+def write_results(
+    results: dict[str, Any], config: BenchConfig, out_dir: Path, *, json_path: Path | None = None
+) -> Path:
+    """Write the results file (and ``json_path`` too, when given); returns the file."""
+    when = datetime.now(timezone.utc)
+    document = json.dumps(envelope(results, config, when), indent=2) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{results_stem(config, when)}.json"
+    path.write_text(document, encoding="utf-8")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(document, encoding="utf-8")
+    return path
+
+
+def _ms(figures: dict[str, Any]) -> str:
+    return f"{figures['median_ms']:.0f} [{figures['min_ms']:.0f}-{figures['max_ms']:.0f}]"
+
+
+def workload_table(results: dict[str, Any]) -> Table:
+    """One row per workload: each path's median [min-max], ratios, bytes, peak per rank."""
+    table = Table(title="engine done -> every rank holds its rows (ms, median [min-max])")
+    columns = (
+        "workload",
+        "eager",
+        "producer",
+        "adopt",
+        "limit",
+        "eager/prod",
+        "eager/adopt",
+        "prod/limit",
+        "adopt/limit",
+        "writes/payload e|p|a",
+        "rank peak MB e|p",
+    )
+    for column in columns:
+        table.add_column(column, no_wrap=column == "workload")
+    for w in results["workloads"]:
+        written = w["bytes_written"]
+        writes = "|".join(f"{written[p] / w['payload_bytes']:.2f}" for p in written)
+        peak = w["peak_rank_bytes"]
+        table.add_row(
+            w["name"],
+            _ms(w["eager"]),
+            _ms(w["producer"]),
+            _ms(w["adopt"]),
+            f"{w['limit_ms']:.0f}",
+            f"{w['eager_ms'] / w['routeplay_ms']:.2f}x",
+            f"{w['eager_ms'] / w['adopt_ms']:.2f}x",
+            f"{w['routeplay_ms'] / w['limit_ms']:.2f}x",
+            f"{w['adopt_ms'] / w['limit_ms']:.2f}x",
+            writes,
+            f"{peak['eager'] / 1e6:.1f}|{peak['producer'] / 1e6:.1f}",
+        )
+    return table
+
+
+def scaling_table(results: dict[str, Any]) -> Table:
+    """Tokens per sample, samples per step (median ms per path), segments per handle."""
+    scale = results["scaling"]
+    table = Table(title="scaling (median ms)")
+    for column in ("axis", "value", "eager", "producer", "adopt", "limit"):
+        table.add_column(column)
+    for axis, key in (("tokens/sample", "tokens"), ("samples/step", "samples")):
+        rows = scale["tokens_per_sample" if key == "tokens" else "samples_per_step"]
+        for point in rows:
+            table.add_row(
+                axis,
+                str(point[key]),
+                *(f"{point[f'{p}_ms']:.0f}" for p in ("eager", "producer", "adopt")),
+                f"{point['limit_ms']:.0f}",
+            )
+    for point in scale["segments_per_handle"]:
+        table.add_row(
+            "segments/handle",
+            str(point["segments"]),
+            "",
+            f"{point['acquire_read_ms']:.1f} (copy {point['copy_ms']:.1f}, overhead: "
+            f"{point['overhead_ms']:.1f} on Ray, {point['local_overhead_ms']:.1f} in process)",
+            "",
+            "",
+        )
+    return table
+
+
+def goals(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals, each with the figure that meets it or not."""
+    out: dict[str, Any] = {}
+    headline = [w for w in results["workloads"] if w["model"] == "qwen3-235b-a22b" and w["sp"] == 4]
+    if headline:
+        w = max(headline, key=lambda x: x["tokens"])
+        out["eager_over_producer"] = round(w["eager_ms"] / w["routeplay_ms"], 2)
+        out["eager_over_adopt"] = round(w["eager_ms"] / w["adopt_ms"], 2)
+        out["producer_over_limit"] = round(w["routeplay_ms"] / w["limit_ms"], 2)
+        out["adopt_over_limit"] = round(w["adopt_ms"] / w["limit_ms"], 2)
+        out["headline_workload"] = w["name"]
+        out["rank_peak_over_eager"] = round(
+            w["peak_rank_bytes"]["producer"] / w["peak_rank_bytes"]["eager"], 3
+        )
+    plain = [w for w in results["workloads"] if not w["shared_prompt"]]
+    out["writes_per_payload"] = {
+        p: round(max(w["bytes_written"][p] / w["payload_bytes"] for w in plain), 3)
+        for p in ("producer", "adopt")
+    }
+    grpo = [w for w in results["workloads"] if w["shared_prompt"]]
+    if grpo:
+        out["grpo_written_over_unique"] = round(
+            max(w["bytes_written"]["producer"] / w["unique_bytes"] for w in grpo), 3
+        )
+    segments = results["scaling"]["segments_per_handle"]
+    thousand = [p for p in segments if p["segments"] == 1000]
+    out["segments_1000_overhead_ms"] = thousand[0]["overhead_ms"] if thousand else None
+    out["segments_1000_local_overhead_ms"] = thousand[0]["local_overhead_ms"] if thousand else None
+    small = results["small_puts"]
+    out["small_puts_ratio_to_ray_put"] = round(small["put_many_per_s"] / small["ray_put_per_s"], 2)
+    return out
+
+
+def write_plot(results: dict[str, Any], path: Path) -> Path:
+    """Scaling plot: ms vs tokens per sample, vs samples per step, overhead vs segments."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scale = results["scaling"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for axis, key, rows, title in (
+        (axes[0], "tokens", scale["tokens_per_sample"], "Qwen3-235B, 2 samples, SP=1"),
+        (axes[1], "samples", scale["samples_per_step"], "Qwen3-30B, 8k tokens, SP=1"),
+    ):
+        if not rows:
+            axis.set_title(f"{title}: not measured in this run")
+            continue
+        xs = [p[key] for p in rows]
+        for series in ("eager", "producer", "adopt", "limit"):
+            axis.plot(xs, [p[f"{series}_ms"] for p in rows], marker="o", label=series)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel(f"{key} per {'sample' if key == 'tokens' else 'step'}")
+        axis.set_ylabel("ms, engine done -> rows on every rank")
+        axis.set_title(title)
+        axis.legend()
+    segs = scale["segments_per_handle"]
+    xs = [p["segments"] for p in segs]
+    axes[2].plot(xs, [p["overhead_ms"] for p in segs], marker="o", label="Ray store")
+    axes[2].plot(xs, [p["local_overhead_ms"] for p in segs], marker="o", label="in process")
+    axes[2].set_xscale("log")
+    axes[2].set_xlabel("segments per handle (32k rows)")
+    axes[2].set_ylabel("acquire + read beyond the copy, ms")
+    axes[2].axhline(10, linestyle="--", color="grey", label="goal: 10 ms")
+    axes[2].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

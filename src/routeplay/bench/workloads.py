@@ -1,0 +1,164 @@
+"""What the data-path benchmark measures: workloads and the run's configuration.
+
+Example:
+    config = BenchConfig.quick()          # a few minutes on a laptop-sized machine
+    [w.name for w in config.workloads]    # ['qwen3-235b-a22b/32k/sp4', ...]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from routeplay.core import RouteSpec, preset
+
+__all__ = ["BenchConfig", "Workload"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """One step's routing: ``samples`` samples of ``tokens`` tokens read by ``sp`` ranks."""
+
+    model: str
+    """Preset name (``routeplay.core.preset``)."""
+    tokens: int
+    """Tokens per sample (prompt + completion); a sample has ``tokens - 1`` routing rows."""
+    samples: int
+    """Samples in the step."""
+    sp: int
+    """Sequence-parallel ranks on the trainer node, each reading ``1/sp`` of every sample."""
+    prompt_tokens: int = 0
+    """> 0: a GRPO group whose samples share this many prompt tokens (routed alike)."""
+    label: str = ""
+    """Name override (e.g. ``grpo``)."""
+
+    @property
+    def spec(self) -> RouteSpec:
+        """The model's routing geometry."""
+        return preset(self.model)
+
+    @property
+    def rows(self) -> int:
+        """Routing rows per sample."""
+        return self.tokens - 1
+
+    @property
+    def name(self) -> str:
+        """``model/tokens/spN`` (``k`` for thousands), or the label."""
+        tokens = f"{self.tokens // 1024}k" if self.tokens % 1024 == 0 else str(self.tokens)
+        base = self.label or f"{self.model}/{tokens}"
+        return f"{base}/x{self.samples}/sp{self.sp}"
+
+    def sample_plan(self, seed: int) -> list[tuple[int, int, int, int]]:
+        """``(rows, seed, prompt_rows, prompt_seed)`` per sample: what the engine returns."""
+        prompt_seed = seed * 1000 + 999
+        return [
+            (self.rows, seed * 1000 + i, self.prompt_tokens, prompt_seed)
+            for i in range(self.samples)
+        ]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Canonical bytes of the step, every sample counted whole."""
+        return self.samples * self.spec.nbytes(self.rows)
+
+    @property
+    def unique_bytes(self) -> int:
+        """Canonical bytes once a shared prompt is stored once."""
+        if not self.prompt_tokens:
+            return self.payload_bytes
+        suffix = self.rows - self.prompt_tokens
+        return self.spec.nbytes(self.prompt_tokens) + self.samples * self.spec.nbytes(suffix)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """One benchmark run."""
+
+    workloads: tuple[Workload, ...]
+    """The side-by-side workloads (eager, producer, adopt, limit for each)."""
+    runs: int = 5
+    """Timed runs per path and workload (after one warm-up); median, min and max kept."""
+    store_bytes: int = 1536 * MiB
+    """Object store of each of the four nodes."""
+    scale_tokens: tuple[int, ...] = (1024, 4096, 16384, 65536)
+    """Tokens per sample for the scaling table (Qwen3-235B, 2 samples, SP=1)."""
+    scale_samples: tuple[int, ...] = (1, 4, 16)
+    """Samples per step for the scaling table (Qwen3-30B, 8k tokens, SP=1)."""
+    scale_segments: tuple[int, ...] = (1, 10, 100, 1000)
+    """Segments per handle: acquire + read overhead beyond the copy."""
+    small_samples: int = 512
+    """Samples of 1k tokens for the small-puts measurement."""
+    scale_runs: int = 3
+    """Timed runs per scaling point."""
+    mode: str = "full"
+    """Which preset this is: ``full``, ``quick`` or ``smoke``."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """Free-form notes copied into the results file."""
+
+    @classmethod
+    def full(cls) -> BenchConfig:
+        """Every workload the issue names."""
+        workloads = tuple(
+            Workload(model=model, tokens=tokens, samples=8, sp=sp)
+            for model in ("qwen3-30b-a3b", "qwen3-235b-a22b")
+            for tokens in (8192, 32768)
+            for sp in (1, 4)
+        )
+        grpo = tuple(
+            Workload(model=m, tokens=4096 + 512, samples=8, sp=1, prompt_tokens=4096, label="grpo")
+            for m in ("qwen3-30b-a3b", "qwen3-235b-a22b")
+        )
+        return cls(workloads=workloads + grpo)
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        """A few minutes: the headline workload, a small one, GRPO, short scaling sets."""
+        return cls(
+            workloads=(
+                Workload(model="qwen3-235b-a22b", tokens=32768, samples=4, sp=4),
+                Workload(model="qwen3-30b-a3b", tokens=8192, samples=4, sp=1),
+                Workload(
+                    model="qwen3-30b-a3b",
+                    tokens=4096 + 512,
+                    samples=8,
+                    sp=1,
+                    prompt_tokens=4096,
+                    label="grpo",
+                ),
+            ),
+            runs=5,
+            store_bytes=1024 * MiB,
+            scale_tokens=(1024, 8192, 32768),
+            scale_samples=(1, 8),
+            scale_segments=(1, 100, 1000),
+            small_samples=256,
+            scale_runs=3,
+            mode="quick",
+        )
+
+    @classmethod
+    def smoke(cls) -> BenchConfig:
+        """Seconds, for the test suite: tiny payloads, every code path once."""
+        return cls(
+            workloads=(
+                Workload(model="qwen3-30b-a3b", tokens=2048, samples=2, sp=2),
+                Workload(
+                    model="qwen3-30b-a3b",
+                    tokens=1024 + 512,
+                    samples=4,
+                    sp=1,
+                    prompt_tokens=1024,
+                    label="grpo",
+                ),
+            ),
+            runs=1,
+            store_bytes=96 * MiB,
+            scale_tokens=(),
+            scale_samples=(),
+            scale_segments=(1, 50),
+            small_samples=16,
+            scale_runs=1,
+            mode="smoke",
+        )

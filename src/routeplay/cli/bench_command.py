@@ -1,0 +1,64 @@
+"""``routeplay bench``: the data path side by side, on a local 3-node Ray cluster.
+
+A thin command over ``routeplay.bench`` (``benchmarks/data_path.py`` is the same run as
+a script): eager vs routeplay's producer path vs the adopted-key path vs the physical
+limit, measured in one run; prints the tables, writes the results file (named for what,
+where and when) into ``--out-dir``, a copy to ``--json`` and the scaling PNG.
+Exit status: 0 on success, 2 when the paths delivered different rows, 1 on usage errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
+
+
+def bench_command(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A few minutes instead of the full run.")
+    ] = False,
+    smoke: Annotated[bool, typer.Option("--smoke", help="Seconds: tiny payloads (tests).")] = False,
+    runs: Annotated[
+        int | None, typer.Option(min=1, help="Timed runs per path (default 5).")
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write the results here.")
+    ] = None,
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder of the results file.")] = Path(
+        "benchmarks/results"
+    ),
+    plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the scaling PNG.")] = True,
+) -> int:
+    """Benchmark the routing data path: eager vs routeplay vs the physical limit."""
+    import dataclasses
+
+    from routeplay.bench.measure import run_bench
+    from routeplay.bench.report import scaling_table, workload_table, write_plot, write_results
+    from routeplay.bench.workloads import BenchConfig
+
+    console = Console()
+    if quick and smoke:
+        Console(stderr=True).print("usage error: --quick and --smoke exclude each other")
+        return EXIT_USAGE
+    config = BenchConfig.smoke() if smoke else BenchConfig.quick() if quick else BenchConfig.full()
+    if runs is not None:
+        config = dataclasses.replace(config, runs=runs)
+    try:
+        results = run_bench(config, progress=lambda line: console.print(line, markup=False))
+    except RuntimeError as exc:  # the paths disagreed on the rows they delivered
+        Console(stderr=True).print(f"broken: {exc}", markup=False)
+        return EXIT_BROKEN
+    wide = Console(width=max(console.width, 180))  # the tables have many columns
+    wide.print(workload_table(results))
+    wide.print(scaling_table(results))
+    path = write_results(results, config, out_dir, json_path=json_path)
+    console.print(f"results: {path}", markup=False)
+    if plot:
+        png = write_plot(results, path.with_suffix(".png"))
+        console.print(f"plot: {png}", markup=False)
+    return EXIT_OK

@@ -1,0 +1,214 @@
+"""The read path: rows of many handles copied once into memory the caller owns.
+
+Where the bytes come from, cheapest first:
+- **block references this process already holds**: a lease granted here carries the
+  references of its payloads' blocks (``BlockPins``), so reading leased rows needs no
+  shard call at all;
+- otherwise one batched ``locate`` call per shard (a reader without a lease of its own,
+  e.g. a copy of a lease pickled into another process, or a checkpoint export).
+
+The blocks of one read are fetched in one ``ray.get``, their rows copied into the
+outputs, and the zero-copy views dropped at once (also on errors): a view would pin
+the object after its last lease is gone. Pinned references go when the lease that
+pinned them is released, never later, so a reader never outlives a lease's semantics.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.handle import EngineKey, Handle, InlineSource
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import canonicalize
+from routeplay.errors import HandleError, MisuseError, RoutesLost
+from routeplay.store.backend import Backend, ShardCall
+from routeplay.store.key_check import check_key_rows
+from routeplay.store.read_plan import ReadPlan, plan_reads
+
+__all__ = ["BlockPins", "Reader"]
+
+
+class BlockPins:
+    """Block references of payloads leased in this process, counted per lease."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # leases are released on one thread, read on another
+        self._held: dict[str, tuple[list[Any], int]] = {}
+
+    def pin(self, blocks: Mapping[str, list[Any]]) -> tuple[str, ...]:
+        """Hold ``blocks`` for one more lease; returns the payload ids pinned."""
+        with self._lock:
+            for pid, refs in blocks.items():
+                _, count = self._held.get(pid, (refs, 0))
+                self._held[pid] = (refs, count + 1)
+        return tuple(blocks)
+
+    def repin(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+        """Count one more lease on payloads already pinned here (clones); returns those."""
+        with self._lock:
+            present = tuple(pid for pid in payload_ids if pid in self._held)
+            for pid in present:
+                refs, count = self._held[pid]
+                self._held[pid] = (refs, count + 1)
+        return present
+
+    def unpin(self, payload_ids: Sequence[str]) -> None:
+        """One lease less; references of payloads no local lease holds are dropped."""
+        with self._lock:
+            for pid in payload_ids:
+                refs, count = self._held.get(pid, ([], 0))
+                if count > 1:
+                    self._held[pid] = (refs, count - 1)
+                else:
+                    self._held.pop(pid, None)
+
+    def lookup_many(self, payload_ids: Sequence[str]) -> list[list[Any] | None]:
+        """``lookup`` of many payloads under one lock."""
+        with self._lock:
+            found = [self._held.get(pid) for pid in payload_ids]
+        return [None if held is None else held[0] for held in found]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class Reader:
+    """Executes read plans for one client (``RouteStore.read_many`` delegates here)."""
+
+    def __init__(
+        self,
+        call: Callable[[Sequence[ShardCall], str], list[Any]],
+        backend: Backend,
+        run: str,
+        pins: BlockPins,
+    ) -> None:
+        self._call = call  # the client's metadata call (it settles releases first)
+        self._backend = backend
+        self._run = run
+        self._pins = pins
+
+    def read_many(
+        self,
+        requests: Sequence[tuple[Handle, int, int]],
+        *,
+        holder: str,
+        out: Sequence[npt.NDArray[Any]] | None = None,
+    ) -> list[npt.NDArray[Any]]:
+        """Rows of each request, copied into ``out`` (reused buffers) or fresh arrays."""
+        plan = plan_reads(requests)
+        outs = _outputs(plan, requests, out)
+        consumed: dict[str, npt.NDArray[Any]] = {}  # each engine key is read once per call
+        for direct in plan.direct:
+            seg = direct.segment
+            if isinstance(seg.source, InlineSource):
+                rows = seg.source.array[seg.start : seg.stop]
+            else:
+                assert isinstance(seg.source, EngineKey)
+                key = seg.source
+                if key.key not in consumed:
+                    consumed[key.key] = self._consume_engine_key(key, seg.spec)
+                rows = consumed[key.key][seg.start : seg.stop]
+            outs[direct.request][direct.offset : direct.offset + seg.rows] = rows
+        if not plan.copies:
+            return outs
+        blocks: dict[tuple[str, int], Any] = {}
+        try:
+            blocks = self._fetch_blocks(plan, holder)
+            for copy in plan.copies:
+                rows_out = outs[copy.request]
+                block = blocks[(copy.payload_id, copy.block)]
+                rows_out[copy.offset : copy.offset + (copy.hi - copy.lo)] = block[copy.lo : copy.hi]
+        finally:
+            blocks.clear()  # drop the zero-copy views, also on errors: nothing stays pinned
+        return outs
+
+    def _block_refs(self, plan: ReadPlan) -> tuple[list[tuple[str, int]], list[Any]]:
+        """Every block reference the plan needs: pinned ones here, the rest located."""
+        keys: list[tuple[str, int]] = []
+        refs: list[Any] = []
+        missing: dict[int, list[tuple[str, list[int]]]] = {}
+        for shard in sorted(plan.wanted):
+            requests = plan.locate_requests(shard)
+            pins = self._pins.lookup_many([pid for pid, _ in requests])
+            for (pid, wanted), pinned in zip(requests, pins, strict=True):
+                if pinned is None:
+                    missing.setdefault(shard, []).append((pid, wanted))
+                    continue
+                _check_blocks(pid, wanted, len(pinned))
+                keys.extend((pid, b) for b in wanted)
+                refs.extend(pinned[b] for b in wanted)
+        if missing:
+            shards = sorted(missing)
+            calls = [(i, "locate", (missing[i], self._run)) for i in shards]
+            located = self._call(calls, "locate")
+            for shard, per_shard in zip(shards, located, strict=True):
+                for (pid, wanted), block_refs in zip(missing[shard], per_shard, strict=True):
+                    keys.extend((pid, b) for b in wanted)
+                    refs.extend(block_refs)
+        return keys, refs
+
+    def _fetch_blocks(self, plan: ReadPlan, holder: str) -> dict[tuple[str, int], Any]:
+        keys, refs = self._block_refs(plan)
+        try:
+            values = self._backend.fetch(refs, "blocks")
+        except RoutesLost as exc:
+            lost = self._backend.lost_index(refs, exc)
+            payload = keys[lost][0] if lost is not None else "?"
+            reader = holder or "an unnamed reader"
+            raise RoutesLost(
+                exc.summary,
+                where=f"payload {payload} (run {self._run}), read by {reader}",
+                found=exc.found,
+                hint=exc.hint,
+            ) from exc
+        finally:
+            refs.clear()
+        return dict(zip(keys, values, strict=True))
+
+    def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
+        """Read a key's whole payload once (the key is single-use), validated, canonical."""
+        where = f"engine key {key.key}"
+        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
+        [view] = self._backend.fetch(wrapped, where)
+        full = np.array(view)  # copy out, then drop the view so nothing stays pinned
+        del view, wrapped
+        check_key_rows(full.shape[0], key, where=where)
+        return canonicalize(full[: key.rows], spec, where=where).array
+
+
+def _outputs(
+    plan: ReadPlan,
+    requests: Sequence[tuple[Handle, int, int]],
+    out: Sequence[npt.NDArray[Any]] | None,
+) -> list[npt.NDArray[Any]]:
+    shapes = [
+        (rows, *h.spec.row_shape) for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
+    ]
+    if out is None:
+        pairs = zip(shapes, requests, strict=True)
+        return [np.empty(shape, handle.spec.dtype) for shape, (handle, _, _) in pairs]
+    given = list(out)
+    for buffer, shape, (handle, _, _) in zip(given, shapes, requests, strict=True):
+        if buffer.shape != shape or buffer.dtype != handle.spec.dtype:
+            raise MisuseError(
+                "an output buffer does not fit its request",
+                expected=f"{shape} {handle.spec.dtype}",
+                found=f"{buffer.shape} {buffer.dtype}",
+            )
+    return given
+
+
+def _check_blocks(pid: str, wanted: Sequence[int], count: int) -> None:
+    if any(not 0 <= block < count for block in wanted):
+        raise HandleError(
+            "block index outside the payload",
+            expected=f"blocks in [0, {count})",
+            found=list(wanted),
+            where=f"payload {pid}",
+        )

@@ -1,0 +1,123 @@
+"""Planning a batched write: which arrays to store, and which rows each sample points at.
+
+Pure numpy (no Ray). A batch of samples is written in one adopt call per store shard.
+With ``shared_prefix=P`` the samples whose first ``P`` rows are *verified* equal (same
+digest, then compared byte for byte, never assumed from the prompt text: two engines,
+or two weight versions, may route the same prompt differently) store those rows once;
+each such sample's handle is ``[shared prefix][its own suffix]``. A sample whose prefix
+differs (or that is shorter than ``P``) keeps its own full array. The plan counts the
+bytes sharing saved, for the store's stats.
+
+Example:
+    layout = plan_batch([a, b, c], prefix_rows=4096)   # a GRPO group of 3
+    layout.arrays   # (prefix, a_suffix, b_suffix, c_suffix) when all prefixes match
+    layout.samples  # ((0, 1), (0, 2), (0, 3)): array indices making up each sample
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import SpecMismatch
+
+__all__ = ["BatchLayout", "batch_spec", "plan_batch", "split_blocks"]
+
+
+def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
+    """Row blocks of ``array`` (views, no copy); one block when ``block_rows`` is 0."""
+    if block_rows <= 0 or array.shape[0] <= block_rows:
+        return (array,)
+    return tuple(array[i : i + block_rows] for i in range(0, array.shape[0], block_rows))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchLayout:
+    """What a batched put stores and how each sample is made of it."""
+
+    arrays: tuple[npt.NDArray[Any], ...]
+    """Arrays to store, one payload each (views of the samples' arrays: no copy)."""
+    samples: tuple[tuple[int, ...], ...]
+    """Per sample, the indices of ``arrays`` whose rows, in order, are the sample's."""
+    saved_bytes: int
+    """Bytes not written because a verified-equal prefix is stored once."""
+
+
+def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
+    """The one spec of a batch (None when empty); a batch mixing specs is refused."""
+    if not batch:
+        return None
+    spec = batch[0].spec
+    for index, routes in enumerate(batch):
+        if routes.spec != spec:
+            raise SpecMismatch(
+                "a batched put mixes model specs",
+                expected=spec.describe(),
+                found=routes.spec.describe(),
+                where=f"sample {index} of the batch",
+            )
+    return spec
+
+
+def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0) -> BatchLayout:
+    """Lay out ``batch`` for storing; samples share their first ``prefix_rows`` rows
+    where those are verified equal to another sample's (see the module docstring)."""
+    groups = _equal_prefix_groups(batch, prefix_rows)
+    arrays: list[npt.NDArray[Any]] = []
+    samples: list[tuple[int, ...]] = []
+    stored: dict[int, int] = {}  # group representative -> array index of its prefix
+    saved = 0
+    for index, routes in enumerate(batch):
+        leader = groups.get(index)
+        if leader is None:  # nobody else has these prefix rows: the sample keeps its own
+            samples.append(_add(arrays, routes.array))
+            continue
+        if leader in stored:
+            saved += batch[leader].array[:prefix_rows].nbytes
+        else:
+            stored[leader] = len(arrays)
+            arrays.append(batch[leader].array[:prefix_rows])
+        samples.append((stored[leader], *_add(arrays, routes.array[prefix_rows:])))
+    return BatchLayout(arrays=tuple(arrays), samples=tuple(samples), saved_bytes=saved)
+
+
+def _equal_prefix_groups(batch: Sequence[Routes], prefix_rows: int) -> dict[int, int]:
+    """Sample index -> first sample with byte-equal prefix rows, for groups of two or
+    more (candidates by digest, then compared: a digest match alone is not proof)."""
+    if prefix_rows <= 0:
+        return {}
+    leaders: dict[bytes, list[int]] = {}
+    members: dict[int, list[int]] = {}
+    for index, routes in enumerate(batch):
+        if routes.array.shape[0] < prefix_rows:
+            continue
+        head = routes.array[:prefix_rows]
+        candidates = leaders.setdefault(_digest(head), [])
+        leader = next(
+            (i for i in candidates if np.array_equal(batch[i].array[:prefix_rows], head)), None
+        )
+        if leader is None:
+            candidates.append(index)
+            members[index] = [index]
+        else:
+            members[leader].append(index)
+    return {i: leader for leader, group in members.items() if len(group) > 1 for i in group}
+
+
+def _add(arrays: list[npt.NDArray[Any]], array: npt.NDArray[Any]) -> tuple[int, ...]:
+    if array.shape[0] == 0:
+        return ()  # nothing to store: an empty payload would keep nothing alive
+    arrays.append(array)
+    return (len(arrays) - 1,)
+
+
+def _digest(rows: npt.NDArray[Any]) -> bytes:
+    # blake2b over the raw bytes (canonical arrays are C-contiguous: no copy here)
+    return hashlib.blake2b(np.ascontiguousarray(rows).data.cast("B")).digest()

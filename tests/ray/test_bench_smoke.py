@@ -1,0 +1,81 @@
+"""``routeplay bench --smoke``: the whole benchmark on a 3-node cluster with tiny
+payloads. It checks what the full run reports: every path delivers the same rows, the
+routeplay paths write each payload once, a GRPO group its prompt once, a rank holds
+only its share, and the results file carries the figures under the documented keys."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from routeplay.cli.main import main
+
+KEYS = (
+    "name",
+    "eager_ms",
+    "routeplay_ms",
+    "adopt_ms",
+    "limit_ms",
+    "bytes_written",
+    "bytes_pulled",
+    "peak_rank_bytes",
+)
+METADATA = 1.02  # Ray's per-object headers, at most 2% on top of the payload
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("bench")
+    status = main(["bench", "--smoke", "--out-dir", str(out), "--json", str(out / "r.json")])
+    assert status == 0
+    [stored] = out.glob("data-path_smoke_*.json")
+    assert re.fullmatch(r"data-path_smoke_.+_\d{4}-\d\d-\d\dT\d{4}Z\.json", stored.name)
+    assert stored.with_suffix(".png").stat().st_size > 0
+    document: dict[str, object] = json.loads((out / "r.json").read_text())
+    assert document == json.loads(stored.read_text())
+    return document
+
+
+def test_every_workload_has_the_documented_figures(results: dict[str, object]) -> None:
+    workloads = results["workloads"]
+    assert isinstance(workloads, list)
+    assert len(workloads) == 2
+    for w in workloads:
+        assert all(key in w for key in KEYS)
+        for path in ("eager", "producer", "adopt"):
+            assert w[path]["runs"] == 1
+            assert w[path]["min_ms"] <= w[path]["median_ms"] <= w[path]["max_ms"]
+            assert set(w["bytes_written"]) == {"eager", "producer", "adopt"}
+        assert w["rows_identical_across_paths"] is True
+        assert w["limit_ms"] > 0
+    assert {"ray", "numpy", "routeplay"} <= set(results["versions"])  # type: ignore[arg-type]
+    assert results["config"]["mode"] == "smoke"  # type: ignore[index]
+
+
+def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:
+    plain, grpo = results["workloads"]  # type: ignore[misc]
+    payload = plain["payload_bytes"]
+    for path in ("producer", "adopt"):
+        assert payload <= plain["bytes_written"][path] <= payload * METADATA
+        assert payload <= plain["bytes_pulled"][path] <= payload * METADATA
+    assert plain["bytes_written"]["eager"] >= 2 * payload  # relayed through the rollout node
+    sp = plain["sp"]
+    assert plain["peak_rank_bytes"]["producer"] <= plain["peak_rank_bytes"]["eager"] / sp
+    assert grpo["shared_prompt"] > 0
+    for path in ("producer", "adopt"):  # the group's prompt is written once on both paths
+        assert (
+            grpo["unique_bytes"] <= grpo["bytes_written"][path] <= grpo["unique_bytes"] * METADATA
+        )
+
+
+def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
+    goals = results["goals"]
+    assert goals["writes_per_payload"]["producer"] <= METADATA  # type: ignore[index]
+    segments = results["scaling"]["segments_per_handle"]  # type: ignore[index]
+    assert [p["segments"] for p in segments] == [1, 50]
+    small = results["small_puts"]
+    assert small["samples"] == 16  # type: ignore[index]
+    assert small["put_many_per_s"] > 0  # type: ignore[index]
+    assert results["store_end"] == {"live_payloads": 0, "leases": 0}

@@ -1,0 +1,154 @@
+"""The store's fast paths on a local Ray instance: a leased read makes no shard call, a
+release is not waited for and its failure is raised by the next call, a GRPO group put
+from a producer writes its prompt once (Ray's own byte counters), an LMDeploy key with
+one trailing row is adopted, and every byte still goes when the last lease does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from store_probe import created_bytes, used_bytes, wait_until
+
+from routeplay.bench.transfer_paths import make_routing
+from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize, preset
+from routeplay.errors import ReleaseFailed
+from routeplay.store import (
+    RoutesProducer,
+    RouteStore,
+    StoreConfig,
+    producer_actor,
+    start_engine_store,
+)
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+SPEC = RouteSpec(num_layers=48, top_k=8, num_experts=128)
+
+
+def routing(rows: int, seed: int) -> Routes:
+    rng = np.random.default_rng(seed)
+    table = np.argsort(rng.random((512, SPEC.num_experts)), axis=1)[:, : SPEC.top_k]
+    picks = rng.integers(0, len(table), size=(rows, SPEC.num_layers))
+    return canonicalize(table[picks].astype(np.uint8), SPEC)
+
+
+class _GroupWorker(RoutesProducer):
+    def __init__(self, store: RouteStore) -> None:
+        self.store = store
+
+    def group(self, prompt_rows: int, completions: list[int], seed: int) -> list[Handle]:
+        prompt = routing(prompt_rows, seed).array
+        batch = [
+            canonicalize(np.concatenate([prompt, routing(n, seed + 1 + i).array]), SPEC)
+            for i, n in enumerate(completions)
+        ]
+        return self.put_routes_many(self.store, batch, shared_prefix=prompt_rows)
+
+
+GroupWorker = producer_actor(_GroupWorker, num_cpus=0)
+
+
+@pytest.fixture(scope="module")
+def store() -> RouteStore:
+    return StoreConfig(run="run-fast", timeout_s=20).build()
+
+
+def _created() -> int:
+    return sum(node.created_bytes for node in created_bytes().values())
+
+
+def test_a_group_put_writes_the_prompt_once_and_reads_need_no_shard_call(
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = GroupWorker.remote(store)
+    ray.get(worker.__ray_ready__.remote())
+    baseline = used_bytes()
+    before = _created()
+    completions = [400, 300, 350, 500]  # each above Ray's 100 KiB inline limit
+    handles = ray.get(worker.group.remote(2000, completions, seed=1))
+    written = _created() - before
+    once = SPEC.nbytes(2000) + SPEC.nbytes(sum(completions))
+    assert once <= written < once * 1.01 + 16 * 1024, (written, once)
+    assert store.stats().shared_prefix_bytes_saved == 3 * SPEC.nbytes(2000)
+    leases = store.acquire_many([(h, f"train/step-0/{i}") for i, h in enumerate(handles)])
+    calls: list[str] = []
+    real = store._call
+    monkeypatch.setattr(
+        store, "_call", lambda c, *a, **k: (calls.extend(m for _, m, _ in c), real(c, *a, **k))[1]
+    )
+    rows = store.read_many([(h, 1990, h.rows) for h in handles])
+    assert calls == []  # every block came with the grant
+    prompt = routing(2000, 1).array
+    for i, (handle, out) in enumerate(zip(handles, rows, strict=True)):
+        tail = routing(completions[i], 2 + i).array
+        np.testing.assert_array_equal(out, np.concatenate([prompt[1990:], tail]))
+        assert handle.rows == 2000 + completions[i]
+    store.release_many(leases)  # not waited for
+    assert store.stats().live_payloads == 0  # ... but a later call sees it landed
+    assert wait_until(lambda: used_bytes() <= baseline), (used_bytes(), baseline)
+
+
+def test_a_release_that_fails_at_its_shard_is_raised_by_the_next_call() -> None:
+    doomed = StoreConfig(run="run-doomed", timeout_s=5).build()
+    [handle] = doomed.put_many([routing(100, seed=3)])
+    lease = doomed.acquire(handle, "train/x")
+    backend: Any = doomed.backend
+    for shard in backend._shards:
+        ray.kill(shard)
+    doomed.release_many([lease])  # returns at once: nothing waits for the dead shard
+    assert lease.released
+    with pytest.raises(ReleaseFailed, match="release failed"):
+        doomed.flush()
+    doomed.flush()  # raised once, then settled
+
+
+def test_an_lmdeploy_key_with_a_trailing_row_is_validated_once_near_the_engine(
+    store: RouteStore,
+) -> None:
+    spec = preset("qwen3-30b-a3b")
+    engine_store = start_engine_store(name="shared_store_fast", ttl_s=30)
+    payload = make_routing(spec, 501, all_layers=True, seed=4)  # one row past the key's 500
+    key = ray.get(engine_store.put.remote(payload))  # type: ignore[attr-defined]
+    handle = store.adopt_key(
+        EngineKey(key=key, rows=500, actor="shared_store_fast", trailing_rows=1), spec
+    )
+    assert handle.rows == 500
+    with store.acquire(handle, "buffer/k") as lease:
+        rows = lease.read()
+    moe = payload[:500, list(spec.moe_layer_indices()), :].astype(spec.dtype)
+    np.testing.assert_array_equal(rows, moe)
+    stats = ray.get(engine_store.stats.remote())  # type: ignore[attr-defined]
+    assert (stats.live_keys, stats.consumed) == (0, 1)
+    ray.kill(engine_store)
+
+
+def test_a_grpo_group_of_lmdeploy_keys_is_validated_together_and_shares_its_prompt(
+    store: RouteStore,
+) -> None:
+    spec = preset("qwen3-30b-a3b")
+    engine_store = start_engine_store(name="shared_store_group", ttl_s=30)
+    prompt = make_routing(spec, 700, all_layers=True, seed=5)
+    payloads = []
+    for i, extra in enumerate((300, 400, 500)):
+        own = make_routing(spec, 700 + extra, all_layers=True, seed=6 + i)
+        own[:700] = prompt  # routed alike: an engine with prefix caching
+        payloads.append(own)
+    keys = [
+        EngineKey(
+            key=ray.get(engine_store.put.remote(p)),  # type: ignore[attr-defined]
+            rows=len(p),
+            actor="shared_store_group",
+        )
+        for p in payloads
+    ]
+    before = _created()
+    handles = store.adopt_keys(keys, spec, shared_prefix=700)
+    written = _created() - before
+    once = spec.nbytes(700) + spec.nbytes(300 + 400 + 500)
+    assert once <= written < once * 1.02, (written, once)  # the prompt written once
+    with store.acquire(handles[2], "buffer/g") as lease:
+        np.testing.assert_array_equal(lease.read(), payloads[2].astype(spec.dtype))
+    ray.kill(engine_store)
