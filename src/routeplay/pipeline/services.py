@@ -143,7 +143,7 @@ class DemoServices:
             leak_holders=tuple(sorted({leak.holder for leak in leaks})),
             payloads=stats.live_payloads + stats.released_payloads + stats.expired_payloads,
             payload_bytes=stats.live_bytes + stats.released_bytes + stats.expired_bytes,
-            prompt_bytes_saved=getattr(stats, "shared_prefix_bytes_saved", 0),
+            prompt_bytes_saved=stats.shared_prefix_bytes_saved,
             engine_keys_left=keys,
             written=self.meter.written(),
             object_store_bytes_after=after,
