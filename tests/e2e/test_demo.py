@@ -176,6 +176,8 @@ def test_the_json_report_carries_the_r3_and_bytes_objects(tmp_path: Path) -> Non
         data["payload_bytes"] / data["payloads"], abs=0.1
     )
     assert sizes["writes_per_payload"] == data["writes_per_payload"]
+    assert sizes["written_per_stored_byte"] <= MAX_WRITES_PER_PAYLOAD  # no byte written twice
+    assert sizes["sample_bytes_mean"] > 0
     assert data["trainer_dtype"] == "float32"
 
 

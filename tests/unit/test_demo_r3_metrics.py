@@ -73,3 +73,26 @@ def test_tally_counts_layers_per_token_and_per_step_kl() -> None:
     assert first[0] == first[1] == pytest.approx(math.expm1(0.1) - 0.1)
     assert all(math.isnan(v) for v in tally.end_step())  # a step that compared nothing
     assert len(tally.step_kl) == 2
+
+
+def test_fresh_members_of_a_group_run_as_one_batch() -> None:
+    from routeplay.pipeline.rollout_worker import Sampling
+    from routeplay.pipeline.rollouts import Job, _batches
+    from routeplay.rollout import RolloutState
+
+    def job(sample: str, group: str, session: str | None = None) -> Job:
+        state = RolloutState(
+            sample_id=sample, group_id=group, prompt_ids=(1, 2), session_id=session
+        )
+        turn = (3,) if session else None
+        return Job(state=state, sampling=Sampling(max_new_tokens=2), user_turn=turn)
+
+    jobs = [
+        job("a0", "a"),
+        job("b0", "b", "b0"),
+        job("a1", "a"),
+        job("c0", "c"),
+        job("b1", "b", "b1"),
+    ]
+    batches = [[j.state.sample_id for j in batch] for batch in _batches(jobs)]
+    assert batches == [["a0", "a1"], ["b0"], ["c0"], ["b1"]]

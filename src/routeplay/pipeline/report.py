@@ -103,18 +103,29 @@ class ByteMetrics:
     """How big the payloads were and how often they were written.
 
     Example:
-        >>> ByteMetrics(payload_bytes_mean=0.0, writes_per_payload=0.0, prompt_bytes_saved=0)
-        ByteMetrics(payload_bytes_mean=0.0, writes_per_payload=0.0, prompt_bytes_saved=0)
+        >>> ByteMetrics(
+        ...     payload_bytes_mean=0.0, writes_per_payload=0.0, prompt_bytes_saved=0,
+        ...     sample_bytes_mean=0.0, written_per_stored_byte=0.0,
+        ... ).writes_per_payload
+        0.0
     """
 
     payload_bytes_mean: float
-    """Mean bytes of a payload the route store took (as stored)."""
+    """Mean bytes of a payload the route store took (as stored). A shared prompt, a fresh
+    sample's own rows after it, and the rows a resume or a second turn adds are each a
+    payload, so this is far below a sample's routing (``sample_bytes_mean``)."""
     writes_per_payload: float
-    """Object-store objects created per payload (the one-write path: 1.0 when every
-    payload is over Ray's 100 KiB inline limit)."""
+    """Object-store objects created per payload (payloads under Ray's 100 KiB inline
+    limit travel inside a reply: 0 writes; larger ones: 1)."""
     prompt_bytes_saved: int
     """Bytes not written because a GRPO group's verified-equal prompt rows were stored
     once (0 when the store does not share prefixes)."""
+    sample_bytes_mean: float
+    """Mean routing bytes of a trained sample, ``[T, L, K]`` in the model's compact dtype
+    (what replay reads)."""
+    written_per_stored_byte: float
+    """Object-store bytes written per payload byte stored (at most 1.0: no byte is
+    written twice; the eager path writes each at least twice)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,6 +262,12 @@ def build_report(
             payload_bytes_mean=round(teardown.payload_bytes / max(1, teardown.payloads), 1),
             writes_per_payload=writes,
             prompt_bytes_saved=teardown.prompt_bytes_saved,
+            sample_bytes_mean=round(
+                sum(s.routing_bytes for s in steps) / max(1, sum(s.samples for s in steps)), 1
+            ),
+            written_per_stored_byte=round(
+                written.created_bytes / max(1, teardown.payload_bytes), 3
+            ),
         ),
         wire=config.wire,
         run=svc.run,
@@ -327,6 +344,12 @@ def render(console: Console, report: DemoReport) -> None:
         _size(int(r.bytes.payload_bytes_mean)),
         "prompt bytes saved",
         _size(r.bytes.prompt_bytes_saved),
+    )
+    memory.add_row(
+        "mean sample routing",
+        _size(int(r.bytes.sample_bytes_mean)),
+        "written / stored bytes",
+        f"{r.bytes.written_per_stored_byte:.2f}",
     )
     memory.add_row(
         "object store written",

@@ -71,6 +71,8 @@ class StepStats:
     """Mean toy reward of the batch."""
     peak_routing_bytes: int
     """Most routing bytes the materializer held at once."""
+    routing_bytes: int = 0
+    """Routing bytes of the batch's samples, ``[T, L, K]`` each in the spec's dtype."""
     kl_k3: tuple[float, float, float] = (float("nan"),) * 3
     """Mean k3 KL(engine || trainer) of the step's compared tokens: no replay, R2, R3."""
 
@@ -154,6 +156,7 @@ class Trainer:
         self._optimizer.step()
         return StepStats(
             kl_k3=tally.end_step(),
+            routing_bytes=sum(self.spec.nbytes(_routing(s).rows) for s in batch.states),
             samples=len(states),
             tokens=sum(len(s.response_ids) for s in batch.states),
             micro_batches=micro_batches,
