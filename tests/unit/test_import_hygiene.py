@@ -1,19 +1,27 @@
-"""Trainer-side modules import only what they use, in a fresh interpreter.
+"""Every public module imports only what it uses, in a fresh interpreter.
 
-A Megatron or FSDP trainer process may run without Ray (an optional extra), and the
-packing plan is pure bookkeeping: each case imports modules with some packages *blocked*
-(a meta-path finder that refuses them, as if not installed) and checks what got loaded.
-Also pins the public names of ``routeplay.train`` and ``routeplay.integrations.megatron``.
+A Megatron or FSDP trainer process may run without Ray (an optional extra), a rollout
+process without torch, and the plain classes (packing, the materializer, the rollout
+state, buffer, trie and lifecycle steps, the lease tables) need neither. Each case
+imports modules with some packages *blocked* (a meta-path finder that refuses them, as
+if not installed) and checks what got loaded.
+
+``NEEDS`` names the modules that may import Ray or torch (where actors live, where
+tensors are made); every other module of the package must import with both blocked,
+and every module that needs one must import with the other blocked. A new module is
+covered automatically (it needs nothing until it is listed here).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
+import pkgutil
 import subprocess
 import sys
 
 import pytest
+
+import routeplay
 
 _BLOCKER = """
 import importlib.abc, json, sys
@@ -40,7 +48,7 @@ def run_blocked(body: str, blocked: tuple[str, ...]) -> list[str]:
 
 def test_the_blocker_really_blocks() -> None:
     # Guard against a vacuous test: with Ray blocked, importing the store must fail.
-    code = _BLOCKER.format(blocked={"ray"}, body="import routeplay.store")
+    code = _BLOCKER.format(blocked={"ray"}, body="import routeplay.store.client")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "blocked by the test" in out.stderr
@@ -86,50 +94,122 @@ def test_replay_names_the_function_and_the_module_is_replay_core() -> None:
     assert replay_core.ReplaySource is train.ReplaySource
 
 
-TRAIN_NAMES = [
-    "FAMILIES",
-    "Materializer",
-    "MaterializerStats",
-    "MicroBatchRoutes",
-    "Pack",
-    "PackedSample",
-    "PackingPlan",
-    "RankCoords",
-    "RecorderStats",
-    "ReplaySource",
-    "ReplayStats",
-    "RouteRecorder",
-    "find_routers",
-    "local_ranges",
-    "local_tokens",
-    "model_spec",
-    "pack_samples",
-    "padding_rows",
-    "record",
-    "replay",
-    "seq_alignment",
-]
-MEGATRON_NAMES = [
-    "MegatronLayout",
-    "MegatronReplay",
-    "MegatronReplayStats",
-    "MegatronRouter",
-    "QkvFormat",
-    "Recording",
-    "find_megatron_routers",
-]
+RAY, TORCH = frozenset({"ray"}), frozenset({"torch"})
+NEEDS: dict[str, frozenset[str]] = {
+    # actors and their clients
+    **dict.fromkeys(
+        [
+            f"routeplay.store.{name}"
+            for name in (
+                "accounting",
+                "actors",
+                "backend",
+                "client",
+                "engine_service",
+                "producer",
+                "ray_calls",
+            )
+        ],
+        RAY,
+    ),
+    "routeplay.rollout.trace_actor": RAY,
+    "routeplay.bench.transfer_paths": RAY,
+    **dict.fromkeys(
+        [f"routeplay.pipeline.{name}" for name in ("meter", "rollout_worker", "rollouts")], RAY
+    ),
+    # where tensors are made
+    **dict.fromkeys(
+        [
+            "routeplay.engine",
+            "routeplay.engine.generator",
+            "routeplay.engine.model",
+            "routeplay.engine.requests",
+            "routeplay.engine.server",
+            "routeplay.integrations.megatron.routers",
+            "routeplay.integrations.megatron.session",
+            "routeplay.train.hf",
+            "routeplay.train.replay_core",
+            "routeplay.train.routers",
+        ],
+        TORCH,
+    ),
+    # the demo's driver: the trainer (torch) on Ray
+    **dict.fromkeys(
+        [f"routeplay.pipeline.{name}" for name in ("config", "demo", "services", "trainer")],
+        RAY | TORCH,
+    ),
+}
+HEAVY = RAY | TORCH
+SUBMODULES = sorted(m.name for m in pkgutil.walk_packages(routeplay.__path__, "routeplay."))
+MODULES = ["routeplay", *SUBMODULES]
+
+_PROBE = """
+import importlib
+failed = {{}}
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed[name] = f"{{type(exc).__name__}}: {{exc}}"
+print(json.dumps(failed))
+"""
 
 
-def test_exported_members() -> None:
-    pytest.importorskip("torch")
-    import routeplay.integrations.megatron as megatron
-    import routeplay.train as train
+def _blocked_for(module: str) -> frozenset[str]:
+    return HEAVY - NEEDS.get(module, frozenset())
 
-    for package, names in ((train, TRAIN_NAMES), (megatron, MEGATRON_NAMES)):
-        assert sorted(package.__all__) == names
-        for name in names:
-            member = getattr(package, name)  # every pinned name resolves
-            if inspect.isclass(member) or inspect.isfunction(member):
-                assert member.__module__.startswith(package.__name__), name
-    with pytest.raises(AttributeError):
-        _ = train.no_such_name
+
+@pytest.fixture(scope="module")
+def import_failures() -> dict[str, str]:
+    """Each module imported with what it must not need blocked: module -> error.
+
+    One fresh interpreter per blocked set (three in all), each importing its modules in
+    turn: a module that imports cleanly after another one did needs nothing blocked
+    either (the blocker refuses every import of a blocked package, cached or not).
+    """
+    failures: dict[str, str] = {}
+    for blocked in {_blocked_for(m) for m in MODULES} - {frozenset()}:
+        modules = [m for m in MODULES if _blocked_for(m) == blocked]
+        code = _BLOCKER.format(blocked=set(blocked), body=_PROBE.format(modules=modules))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        failures.update(json.loads(out.stdout.strip().splitlines()[-2]))
+    return failures
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_module_imports_without_what_it_does_not_use(
+    module: str, import_failures: dict[str, str]
+) -> None:
+    blocked = sorted(_blocked_for(module))
+    assert module not in import_failures, f"{module} with {blocked} blocked: " + (
+        import_failures.get(module, "")
+    )
+
+
+def test_the_module_list_is_real() -> None:
+    # Guard against a walk that finds nothing, and a table naming modules that are gone.
+    assert {"routeplay.rollout.lifecycle", "routeplay.train.packing"} <= set(MODULES)
+    assert set(NEEDS) <= set(MODULES)
+
+
+def test_the_plain_rollout_and_store_names_resolve_without_ray_or_torch() -> None:
+    body = (
+        "from routeplay.rollout import (RolloutState, ReplayBuffer, TrainingBatch,\n"
+        "    TokenTrie, TraceStore, SessionLedger, load_buffer, save_buffer,\n"
+        "    continuation, Continuation, store_turn, ADAPTERS, stitch)\n"
+        "from routeplay.store import Lease, LeaseTable, EngineStore\n"
+        "import routeplay.core, routeplay.core.wires, routeplay.train\n"
+        "try:\n"
+        "    from routeplay.rollout import TraceStoreClient\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    assert 'blocked by the test' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('TraceStoreClient needs Ray: it must not resolve')\n"
+    )
+    assert run_blocked(body, ("ray", "torch")) == []
+
+
+def test_a_rollout_worker_module_loads_ray_but_not_torch() -> None:
+    loaded = run_blocked("import routeplay.pipeline.rollout_worker", ("torch",))
+    assert loaded == ["ray"]

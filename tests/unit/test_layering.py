@@ -68,3 +68,40 @@ def test_the_layering_check_sees_modules() -> None:
     # Guard against a rglob that silently finds nothing (which would make the test vacuous).
     assert any(_layer(p) == "core" for p in MODULES)
     assert any(_layer(p) == "cli" for p in MODULES)
+
+
+# Where Ray and torch may be imported at all (any layer): actors and their clients, and
+# the modules that make tensors. Everything else takes their objects as arguments, so a
+# process pays for neither until it uses them (test_import_hygiene checks the result).
+RAY_HOMES = {
+    "store/accounting.py",
+    "store/actors.py",
+    "store/backend.py",
+    "store/engine_service.py",
+    "store/producer.py",
+    "store/ray_calls.py",
+    "rollout/trace_actor.py",
+}
+TORCH_HOMES = {
+    "train/hf.py",
+    "train/replay_core.py",
+    "train/routers.py",
+    "integrations/megatron/routers.py",
+    "integrations/megatron/session.py",
+}
+FREE_LAYERS = {"engine", "pipeline", "bench"}  # the top: a demo, a reference engine, benchmarks
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_ray_and_torch_are_imported_only_where_they_are_used(path: Path) -> None:
+    rel = str(path.relative_to(PACKAGE))
+    if _layer(path) in FREE_LAYERS:
+        return
+    roots = {name.partition(".")[0] for name in _imports(path)}
+    assert "ray" not in roots or rel in RAY_HOMES, f"{rel} imports ray"
+    assert "torch" not in roots or rel in TORCH_HOMES, f"{rel} imports torch"
+
+
+def test_the_homes_exist() -> None:
+    for rel in RAY_HOMES | TORCH_HOMES:
+        assert (PACKAGE / rel).is_file(), rel

@@ -13,12 +13,8 @@ from faults import FaultyBackend, faulty_store
 
 from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import HandleError, RoutesLost
-from routeplay.rollout.trace_store import (
-    TraceStore,
-    TraceStoreShell,
-    TraceStoreStats,
-    session_holder,
-)
+from routeplay.rollout.trace_actor import TraceStoreShell
+from routeplay.rollout.trace_store import TraceStore, TraceStoreStats, session_holder
 from routeplay.store import RouteStore, StoreConfig
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)

@@ -34,7 +34,10 @@ def bench_command(
     ),
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the scaling PNG.")] = True,
 ) -> int:
-    """Benchmark the routing data path: eager vs routeplay vs the physical limit."""
+    """Benchmark the routing data path: eager vs routeplay vs the physical limit.
+
+    Example: ``routeplay bench --quick --json build/bench/quick.json``
+    """
     import dataclasses
 
     from routeplay.bench.measure import run_bench

@@ -9,3 +9,5 @@ and ``report.py`` (what is measured and shown). ``config.py`` holds the recipes.
 Nothing is imported here: Ray workers import ``rollout_worker`` through this package,
 and must not pull in torch with the trainer.
 """
+
+__all__: list[str] = []

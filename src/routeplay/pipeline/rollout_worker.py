@@ -2,22 +2,22 @@
 
 A worker is a ``producer_actor`` (so its routing puts are one-write, owned by a store
 shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
-``RolloutState`` into the next:
+``RolloutState`` into the next with the library's lifecycle steps
+(``routeplay.rollout.lifecycle``), and owns only the HTTP side:
 
 - a fresh sample is generated (``stop_after`` interrupts it: status ``ABORTED``);
 - an interrupted sample is resumed with prompt + partial completion, its routing as the
-  ``history``, so only the rows the history lacks are stored, under the new weight
-  version (the request's start row = ``history.rows`` where the engine has one, SGLang
-  and vLLM: the engine sends only those rows; LMDeploy sends all of them);
-- a turn of a trace session borrows the session's prefix rows through ``export`` (the
-  sample's own lease) and appends the rest;
+  history, so only the rows the history lacks are stored, under the new weight version
+  (the request's start row = the history's rows where the engine has one, SGLang and
+  vLLM: the engine sends only those rows; LMDeploy sends all of them);
+- a turn of a trace session borrows the session's prefix rows (the sample's own lease)
+  and appends the rest;
 - fresh members of one GRPO group (``rollout_group``, wires that carry the rows) are
   stored in one batched put whose verified-equal prompt rows are written once.
 
-Lease order, always: the new handle is leased (``rollout/<sample>``) *before* the input's
-lease (the interrupted sample's, or the export's) is released, so shared payloads never
-reach zero leases on the way. If anything fails, the input state still holds its lease
-and the caller (who keeps a copy of it) releases it.
+Lease order (``Continuation.finish``): the new lease first, then the input's. If
+anything fails, the input state still holds its lease and the caller (who keeps a copy
+of it) releases it.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import ray
 
 from routeplay.core import read_response
-from routeplay.core.handle import Handle
 from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import wire as wire_format
 from routeplay.errors import EngineUnavailable, MalformedPayload
 from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
-from routeplay.store import Lease, RoutesProducer, RouteStore, producer_actor
+from routeplay.rollout.lifecycle import continuation, store_turn
+from routeplay.rollout.trace_actor import TraceStoreClient
+from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
 __all__ = ["RolloutWorker", "Sampling", "WorkerShell"]
 
@@ -61,14 +61,14 @@ class WorkerShell(RoutesProducer):
     def __init__(
         self,
         store: RouteStore,
-        trace: Any,
+        traces: TraceStoreClient,
         url: str,
         wire: str,
         spec: RouteSpec,
         timeout_s: float = 60.0,
     ) -> None:
         self._store = store
-        self._trace = trace
+        self._traces = traces
         self._wire = wire_format(wire)
         self._spec = spec
         self._adapter = ADAPTERS[self._wire.engine.value]
@@ -77,46 +77,31 @@ class WorkerShell(RoutesProducer):
 
     def rollout(self, state: RolloutState, sampling: Sampling, version: int) -> RolloutState:
         """Generate (or resume) ``state`` once; returns it COMPLETED or ABORTED, leased."""
-        history, borrowed = self._history(state)
-        prompt = state.prompt_ids + state.response_ids
-        start = self._wire.routing_start(history.rows if history is not None else 0)
-        path, body = self._wire.request(
-            prompt,
-            max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
-            temperature=sampling.temperature,
-            seed=sampling.seed,
-            stop_after=sampling.stop_after,
-            start_row=start,
-        )
         where = f"sample {state.sample_id}"
-        try:
+        with continuation(state, self._traces) as cont:
+            start = self._wire.routing_start(cont.rows)
+            path, body = self._wire.request(
+                state.prompt_ids + state.response_ids,
+                max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
+                temperature=sampling.temperature,
+                seed=sampling.seed,
+                stop_after=sampling.stop_after,
+                start_row=start,
+            )
             answer = self._post(path, body, where)
             completion = self._wire.read_completion(answer, where=where)
-            handle = self._adapter.ingest(
+            handle = cont.ingest(
+                self._adapter,
                 answer,
                 spec=self._spec,
                 writer=self._writer,
                 weight_version=version,
-                history=history,
+                start_row=start,
                 where=where,
-                start_row=start,  # never echoed by the engine: the request's own
             )
-            lease = self._store.acquire(handle, f"rollout/{state.sample_id}")
-        finally:
-            if borrowed is not None:
-                borrowed.release()  # the export's lease: ours (if any) is taken by now
-        if state.routing is not None:
-            origin = state.origin  # a resume: the rows keep whoever produced them first
-        else:
-            origin = Origin.BORROWED if borrowed is not None else Origin.PRODUCED
-        status = _status(completion.finish_reason)
-        # The interrupted input's lease (the new one covers its rows): a failed release
-        # rides along in ``unreleased`` instead of losing the new lease by raising.
-        released, _ = state.try_release()
-        return (
-            released.extend(completion.token_ids, completion.logprobs, version)
-            .with_routing(handle, lease, origin)
-            .with_status(status, completion.finish_reason)
+            routed = cont.finish(self._store, handle)
+        return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
+            _status(completion.finish_reason), completion.finish_reason
         )
 
     def rollout_group(
@@ -176,16 +161,11 @@ class WorkerShell(RoutesProducer):
         assert state.session_id is not None, "a conversation needs a session"
         opening = dataclasses.replace(state, session_id=None)  # nothing to borrow yet
         first = self.rollout(opening, dataclasses.replace(sampling, stop_after=None), version)
-        tokens = first.prompt_ids + first.response_ids
-        assert first.routing is not None
-        try:
-            ray.get(self._trace.insert.remote(state.session_id, list(tokens), first.routing))
-        finally:
-            first.release()  # the session holds its own lease now
+        first = store_turn(self._traces, dataclasses.replace(first, session_id=state.session_id))
         second = RolloutState(
             sample_id=state.sample_id,
             group_id=state.group_id,
-            prompt_ids=tokens + user_turn,
+            prompt_ids=first.prompt_ids + first.response_ids + user_turn,
             session_id=state.session_id,
         )
         return self.rollout(second, sampling, version)
@@ -193,21 +173,6 @@ class WorkerShell(RoutesProducer):
     def close(self) -> None:
         """Close the HTTP client."""
         self._client.close()
-
-    def _history(self, state: RolloutState) -> tuple[Handle | None, Lease | None]:
-        """Rows the request continues, and a borrowed lease to release once ours exists."""
-        if state.routing is not None:
-            return state.routing, None  # an interrupted sample: its own lease covers them
-        if state.session_id is None:
-            return None, None
-        exported = ray.get(
-            self._trace.export.remote(
-                state.session_id, list(state.prompt_ids), f"rollout/{state.sample_id}/prefix"
-            )
-        )
-        if exported is None:
-            return None, None
-        return exported.handle, exported.lease
 
     def _post(self, path: str, body: dict[str, Any], where: str) -> Any:
         try:

@@ -28,7 +28,8 @@ from routeplay.pipeline.config import DemoConfig
 from routeplay.pipeline.meter import Meter, StoreTotals
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
-from routeplay.rollout import ReplayBuffer, SessionLedger, TraceStoreActor
+from routeplay.rollout import ReplayBuffer, SessionLedger
+from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
@@ -97,8 +98,10 @@ class DemoServices:
             self.server = self._stack.enter_context(
                 EngineServer(self.engine, config.wire, engine_store=self.engine_store)
             )
-            self.trace: Any = TraceStoreActor.remote(self.store)
-            self._stack.callback(ray.kill, self.trace)
+            # The trace store answers within the route store's deadline (it calls it).
+            trace_config = TraceStoreConfig(timeout_s=self.store.config.timeout_s)
+            self.trace: TraceStoreClient = trace_config.build(self.store)
+            self._stack.callback(self.trace.shutdown)
             self.pool: RolloutPool = config.rollout.build(
                 store=self.store,
                 trace=self.trace,
@@ -121,15 +124,14 @@ class DemoServices:
     def release_session(self, session: str) -> int:
         """Release one trace session (the ``SessionLedger`` calls this when the session's
         last waiting sample is done)."""
-        released: int = ray.get(self.trace.release_session.remote(session))
-        return released
+        return self.trace.release_session(session)
 
     def teardown(self, step: int) -> Teardown:
         """Release every holder the run created (buffer, samples waiting for their group
         or a resume, trace sessions), then account what is left: it must be nothing."""
         self.buffer.close()
         self.groups.drop_incomplete()
-        ray.get(self.trace.release_all.remote())
+        self.trace.release_all()
         self.meter.point(step, "teardown")
         after = self.meter.settle()
         leaks = self.store.leaks()

@@ -1,37 +1,99 @@
 """routeplay.rollout: samples between the engine and the trainer, on handles and leases.
 
 ``RolloutState`` (one sample), engine adapters (``ADAPTERS``, ``stitch`` for partial
-rollouts), the per-session token-trie ``TraceStore``, the ``ReplayBuffer`` with
+rollouts), the sample lifecycle steps (``continuation``, ``Continuation``,
+``store_turn``), the per-session token-trie ``TraceStore`` (served by the
+``TraceStoreActor`` and called through ``TraceStoreClient``), the ``ReplayBuffer`` with
 staleness retries, the ``TrainingBatch`` hand-off and the ``SessionLedger`` (a session
 lives while one of its samples waits). Every holder releases only its own lease;
 nothing here ever guesses who owns routing.
+
+Names are resolved on first use (PEP 562): everything but the trace-store actor, its
+config and its client is plain Python and imports without Ray.
 """
 
-from routeplay.rollout.adapters import ADAPTERS, EngineAdapter, HttpAdapter, RoutesWriter, stitch
-from routeplay.rollout.batch import TrainingBatch
-from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
-from routeplay.rollout.checkpoint import load_buffer, save_buffer
-from routeplay.rollout.sessions import SessionLedger
-from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
-from routeplay.rollout.token_trie import TokenTrie
-from routeplay.rollout.trace_store import (
-    Exported,
-    PrefixMatch,
-    TraceStore,
-    TraceStoreActor,
-    TraceStoreStats,
-    session_holder,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from routeplay.rollout.adapters import (
+        ADAPTERS,
+        EngineAdapter,
+        HttpAdapter,
+        ProducerWriter,
+        RoutesWriter,
+        stitch,
+    )
+    from routeplay.rollout.batch import TrainingBatch
+    from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
+    from routeplay.rollout.checkpoint import load_buffer, save_buffer
+    from routeplay.rollout.lifecycle import (
+        Continuation,
+        borrow_prefix,
+        continuation,
+        sample_holder,
+        store_turn,
+    )
+    from routeplay.rollout.sessions import SessionLedger
+    from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
+    from routeplay.rollout.token_trie import TokenTrie
+    from routeplay.rollout.trace_actor import TraceStoreActor, TraceStoreClient, TraceStoreConfig
+    from routeplay.rollout.trace_store import (
+        Exported,
+        PrefixMatch,
+        TraceStore,
+        TraceStoreStats,
+        session_holder,
+    )
+
+_HOME = {
+    "ADAPTERS": "adapters",
+    "BufferConfig": "buffer",
+    "Continuation": "lifecycle",
+    "EngineAdapter": "adapters",
+    "Exported": "trace_store",
+    "Group": "buffer",
+    "HttpAdapter": "adapters",
+    "Origin": "state",
+    "PrefixMatch": "trace_store",
+    "ProducerWriter": "adapters",
+    "ReplayBuffer": "buffer",
+    "RolloutState": "state",
+    "RoutesWriter": "adapters",
+    "RoutingKind": "state",
+    "SamplingPolicy": "buffer",
+    "SessionLedger": "sessions",
+    "Status": "state",
+    "TokenTrie": "token_trie",
+    "TraceStore": "trace_store",
+    "TraceStoreActor": "trace_actor",
+    "TraceStoreClient": "trace_actor",
+    "TraceStoreConfig": "trace_actor",
+    "TraceStoreStats": "trace_store",
+    "TrainingBatch": "batch",
+    "borrow_prefix": "lifecycle",
+    "continuation": "lifecycle",
+    "load_buffer": "checkpoint",
+    "sample_holder": "lifecycle",
+    "save_buffer": "checkpoint",
+    "session_holder": "trace_store",
+    "stitch": "adapters",
+    "store_turn": "lifecycle",
+}
 
 __all__ = [
     "ADAPTERS",
     "BufferConfig",
+    "Continuation",
     "EngineAdapter",
     "Exported",
     "Group",
     "HttpAdapter",
     "Origin",
     "PrefixMatch",
+    "ProducerWriter",
     "ReplayBuffer",
     "RolloutState",
     "RoutesWriter",
@@ -42,10 +104,29 @@ __all__ = [
     "TokenTrie",
     "TraceStore",
     "TraceStoreActor",
+    "TraceStoreClient",
+    "TraceStoreConfig",
     "TraceStoreStats",
     "TrainingBatch",
+    "borrow_prefix",
+    "continuation",
     "load_buffer",
+    "sample_holder",
     "save_buffer",
     "session_holder",
     "stitch",
+    "store_turn",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -20,7 +20,7 @@ Row counts are checked at every resume against the response's token counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from routeplay.core.handle import EngineKey, Handle
 from routeplay.core.routes import Routes
@@ -29,8 +29,10 @@ from routeplay.core.validate import expected_rows
 from routeplay.core.wires import ENGINES, Engine, EngineRouting, read_response
 from routeplay.core.wires import vllm as vllm_wire
 from routeplay.errors import HandleError, RowCountMismatch
-from routeplay.store.client import RouteStore
-from routeplay.store.producer import RoutesProducer
+
+if TYPE_CHECKING:  # both load Ray; adapters only call them
+    from routeplay.store.client import RouteStore
+    from routeplay.store.producer import RoutesProducer
 
 __all__ = [
     "ADAPTERS",

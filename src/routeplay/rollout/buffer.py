@@ -28,13 +28,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
 from routeplay.rollout.sessions import SessionLedger
 from routeplay.rollout.state import RolloutState, release_states
-from routeplay.store.client import RouteStore
 from routeplay.store.lease import Lease
+
+if TYPE_CHECKING:  # the client loads Ray; the buffer only calls it
+    from routeplay.store.client import RouteStore
 
 __all__ = ["BufferConfig", "BufferStats", "Group", "ReplayBuffer", "SamplingPolicy"]
 

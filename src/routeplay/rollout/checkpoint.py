@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,7 +30,9 @@ from routeplay.errors import MalformedPayload
 from routeplay.rollout.buffer import BufferConfig, ReplayBuffer
 from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
-from routeplay.store.client import RouteStore
+
+if TYPE_CHECKING:  # the client loads Ray; a restore only calls it
+    from routeplay.store.client import RouteStore
 
 __all__ = ["FORMAT", "VERSION", "load_buffer", "save_buffer"]
 

@@ -27,6 +27,9 @@ buffer's staleness counts them).
 The trace store never writes payloads: a later turn's handle normally reuses the
 earlier turn's segments and appends only the new rows, so shared prefixes are stored
 once in the route store and the trie holds one node per inserted sequence.
+
+This module is plain Python (no Ray): the Ray actor that serves it to rollout workers,
+and the typed client they call it through, live in ``routeplay.rollout.trace_actor``.
 """
 
 from __future__ import annotations
@@ -35,24 +38,22 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
-
-import ray
+from typing import TYPE_CHECKING, NamedTuple
 
 from routeplay.core.handle import Handle
 from routeplay.errors import HandleError
 from routeplay.rollout.releasing import attempt_each, raise_first
 from routeplay.rollout.token_trie import TokenTrie, as_key
-from routeplay.store.client import RouteStore
 from routeplay.store.lease import Lease
+
+if TYPE_CHECKING:  # the client loads Ray; the trace store only calls it
+    from routeplay.store.client import RouteStore
 
 __all__ = [
     "Exported",
     "PrefixMatch",
     "TraceEntry",
     "TraceStore",
-    "TraceStoreActor",
-    "TraceStoreShell",
     "TraceStoreStats",
     "session_holder",
 ]
@@ -267,38 +268,3 @@ class TraceStore:
         if failures:
             self._unreleased.setdefault(session, []).extend(lease for lease, _ in failures)
         return [exc for _, exc in failures]
-
-
-class TraceStoreShell:
-    """Ray actor shell: each method forwards to a ``TraceStore``."""
-
-    def __init__(self, store: RouteStore) -> None:
-        self._traces = TraceStore(store)
-
-    def insert(self, session: str, token_ids: list[int], handle: Handle) -> None:
-        self._traces.insert(session, token_ids, handle)
-
-    def longest_prefix(self, session: str, token_ids: list[int]) -> PrefixMatch:
-        return self._traces.longest_prefix(session, token_ids)
-
-    def export(self, session: str, token_ids: list[int], holder: str) -> Exported | None:
-        return self._traces.export(session, token_ids, holder)
-
-    def release_session(self, session: str) -> int:
-        return self._traces.release_session(session)
-
-    def release_all(self) -> int:
-        return self._traces.release_all()
-
-    def take_unreleased(self) -> list[Lease]:
-        return self._traces.take_unreleased()
-
-    def sessions(self) -> list[str]:
-        return self._traces.sessions()
-
-    def stats(self) -> TraceStoreStats:
-        return self._traces.stats()
-
-
-# The Ray actor class (typed Any: ray.remote's result has no useful static type).
-TraceStoreActor: Any = ray.remote(num_cpus=0)(TraceStoreShell)

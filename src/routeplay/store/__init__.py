@@ -9,14 +9,40 @@ Where to read: the write path is ``client.RouteStore.put_many`` / ``put_staged_m
 (adopted keys validated once, near the engine); the read path is ``reads`` (leased
 block references, one fetch per read) over ``read_plan``; leases are ``lease`` and
 ``lease_table``, releases in flight ``releases``.
+
+Names are resolved on first use (PEP 562), so the plain modules (``lease``,
+``lease_table``, ``shard``, ``engine_store``) import without Ray; ``RouteStore`` and the
+actor helpers load it.
 """
 
-from routeplay.store.client import RouteStore, StoreConfig, StoreStats
-from routeplay.store.engine_service import start_engine_store
-from routeplay.store.engine_store import EngineStore, EngineStoreStats
-from routeplay.store.lease import Lease
-from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
-from routeplay.store.producer import RoutesProducer, producer_actor
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from routeplay.store.client import RouteStore, StoreConfig, StoreStats
+    from routeplay.store.engine_service import start_engine_store
+    from routeplay.store.engine_store import EngineStore, EngineStoreStats
+    from routeplay.store.lease import Lease
+    from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
+    from routeplay.store.producer import RoutesProducer, producer_actor
+
+_HOME = {
+    "EngineStore": "engine_store",
+    "EngineStoreStats": "engine_store",
+    "LeakRecord": "lease_table",
+    "Lease": "lease",
+    "LeaseTable": "lease_table",
+    "PayloadState": "lease_table",
+    "RouteStore": "client",
+    "RoutesProducer": "producer",
+    "StoreConfig": "client",
+    "StoreStats": "client",
+    "TableStats": "lease_table",
+    "producer_actor": "producer",
+    "start_engine_store": "engine_service",
+}
 
 __all__ = [
     "EngineStore",
@@ -33,3 +59,16 @@ __all__ = [
     "producer_actor",
     "start_engine_store",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

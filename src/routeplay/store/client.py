@@ -180,6 +180,10 @@ class RouteStore:
         ``shared_prefix=P``: samples whose first ``P`` rows are verified equal (a GRPO
         group's prompt) store them once and point at the shared payload; each still
         gets its own handle and its own leases (see ``routeplay.store.writes``).
+
+        Example:
+            handles = store.put_many(group, shared_prefix=prompt_tokens)
+            store.stats().shared_prefix_bytes_saved   # (G - 1) prompt copies not written
         """
         spec = batch_spec(batch)
         if spec is None:
@@ -312,7 +316,13 @@ class RouteStore:
     def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
         """Leases for many ``(handle, holder)`` pairs (a training step): one call per
         shard, all or nothing; each grant carries the block references of its payloads,
-        so reading leased rows in this process needs no further shard call."""
+        so reading leased rows in this process needs no further shard call.
+
+        Example:
+            leases = store.acquire_many([(h, "train/step-3") for h in handles])
+            rows = store.read_many([(h, lo, hi) for h in handles])  # no shard call
+            store.release_many(leases)
+        """
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
             per_shard: dict[int, list[str]] = {}

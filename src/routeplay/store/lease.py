@@ -107,8 +107,12 @@ class Lease:
 
     @staticmethod
     def release_all(leases: Iterable[Lease]) -> None:
-        """Release many leases with one call per shard of each store (idempotent); a
-        failure at a shard is raised by that store's next call, never lost."""
+        """Release many leases with one call per shard of each store (idempotent), not
+        waited for; a failure at a shard is raised by that store's next call, never lost.
+
+        Example:
+            Lease.release_all(finished.values())
+        """
         by_store: dict[int, tuple[RouteStore, list[Lease]]] = {}
         for lease in leases:
             by_store.setdefault(id(lease._store), (lease._store, []))[1].append(lease)

@@ -42,6 +42,7 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError
+from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.train.packing import Pack, PackedSample, PackingPlan, RankCoords, local_ranges
 
 if TYPE_CHECKING:  # the store package imports Ray; a trainer process may run without it
@@ -169,8 +170,11 @@ class Materializer:
     """Iterates one rank's micro-batches of routing; a context manager.
 
     ``leases`` maps sample ids to the leases this rank holds on them; the materializer
-    takes them over and releases each once the last micro-batch holding that sample is
-    consumed. ``order`` lists the micro-batch indices in the order the trainer consumes
+    takes them over at the call and releases each once the last micro-batch holding that
+    sample is consumed. A constructor that refuses (a bad order, a plan this rank cannot
+    lay out, an engine key, a stray lease) releases every lease it was given before it
+    raises: the caller never gets an object to release them through, and ``with`` cannot
+    help. ``order`` lists the micro-batch indices in the order the trainer consumes
     them (default: the plan's micro-batches of ``coords.dp_rank``, in plan order).
     """
 
@@ -185,6 +189,25 @@ class Materializer:
         order: Sequence[int] | None = None,
         name: str = "",
     ) -> None:
+        # The leases are ours from this call on: a refusal below releases them (the
+        # caller has no object left to release them through).
+        self._leases: dict[str, Lease] = dict(leases or {})
+        try:
+            self._setup(store, plan, coords, prefetch=prefetch, order=order, name=name)
+        except BaseException as exc:
+            self._release_refused(exc)
+            raise
+
+    def _setup(
+        self,
+        store: RowReader,
+        plan: PackingPlan,
+        coords: RankCoords,
+        *,
+        prefetch: int,
+        order: Sequence[int] | None,
+        name: str,
+    ) -> None:
         if prefetch < 0:
             raise MisuseError("prefetch must be non-negative", found=prefetch)
         self._store = store
@@ -196,7 +219,6 @@ class Materializer:
         # This rank's positions of every pack, computed (and checked) before any read.
         self._ranges = [local_ranges(pack, coords) for pack in plan.packs]
         self._check_sources()
-        self._leases: dict[str, Lease] = dict(leases or {})
         self._release_after = self._lease_schedule()
         longest = max((p.length for p in plan.packs), default=0)
         self._padding = InlineSource(array=padding_rows(plan.spec, longest))
@@ -223,6 +245,13 @@ class Materializer:
             "peak": 0,
             "released": 0,
         }
+
+    def _release_refused(self, refusal: BaseException) -> None:
+        """The constructor refused: release every lease it was given (all attempted);
+        a failed release is named in a note on the refusal, never raised over it."""
+        failures = attempt_each(list(self._leases.values()), lambda lease: lease.release())
+        self._leases.clear()
+        attach_notes(refusal, [exc for _, exc in failures], "releasing a refused rank's leases")
 
     # -- checks (all before any read) -------------------------------------------------
     def _check_order(self, order: Sequence[int] | None) -> tuple[int, ...]:

@@ -1,0 +1,203 @@
+"""The public names of each package are pinned (as httpx's ``test_exported_members``).
+
+A name added to or dropped from a package's ``__all__`` fails here until this list says
+so; every pinned name resolves (lazy ``__getattr__`` homes included), a class or
+function is defined inside the package it is exported from, and no exported name
+shadows a submodule of the package with something else (``routeplay.train.replay`` was
+once the function while ``train/replay.py`` existed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+EXPORTS: dict[str, list[str]] = {
+    "routeplay": [
+        "Engine",
+        "EngineKey",
+        "EngineRouting",
+        "Handle",
+        "InlineSource",
+        "PRESETS",
+        "RouteSpec",
+        "Routes",
+        "Segment",
+        "StoreRef",
+        "canonicalize",
+        "errors",
+        "preset",
+        "read_response",
+        "read_responses",
+        "read_stream",
+        "spec_from_hf_config",
+    ],
+    "routeplay.core": [
+        "Engine",
+        "EngineKey",
+        "EngineRouting",
+        "Handle",
+        "InlineSource",
+        "PRESETS",
+        "Piece",
+        "RouteSpec",
+        "Routes",
+        "Segment",
+        "Source",
+        "StoreRef",
+        "canonical_dtype",
+        "canonicalize",
+        "expected_rows",
+        "preset",
+        "read_response",
+        "read_responses",
+        "read_stream",
+        "spec_from_hf_config",
+    ],
+    "routeplay.core.wires": [
+        "Answer",
+        "BodyOptions",
+        "Completion",
+        "ENGINES",
+        "Engine",
+        "EngineRouting",
+        "EngineWire",
+        "KeyPut",
+        "WIRES",
+        "WIRE_NAMES",
+        "WireFormat",
+        "engine_wire",
+        "read_response",
+        "read_responses",
+        "read_stream",
+        "wire",
+        "wire_layers",
+    ],
+    "routeplay.store": [
+        "EngineStore",
+        "EngineStoreStats",
+        "LeakRecord",
+        "Lease",
+        "LeaseTable",
+        "PayloadState",
+        "RouteStore",
+        "RoutesProducer",
+        "StoreConfig",
+        "StoreStats",
+        "TableStats",
+        "producer_actor",
+        "start_engine_store",
+    ],
+    "routeplay.rollout": [
+        "ADAPTERS",
+        "BufferConfig",
+        "Continuation",
+        "EngineAdapter",
+        "Exported",
+        "Group",
+        "HttpAdapter",
+        "Origin",
+        "PrefixMatch",
+        "ProducerWriter",
+        "ReplayBuffer",
+        "RolloutState",
+        "RoutesWriter",
+        "RoutingKind",
+        "SamplingPolicy",
+        "SessionLedger",
+        "Status",
+        "TokenTrie",
+        "TraceStore",
+        "TraceStoreActor",
+        "TraceStoreClient",
+        "TraceStoreConfig",
+        "TraceStoreStats",
+        "TrainingBatch",
+        "borrow_prefix",
+        "continuation",
+        "load_buffer",
+        "sample_holder",
+        "save_buffer",
+        "session_holder",
+        "stitch",
+        "store_turn",
+    ],
+    "routeplay.train": [
+        "FAMILIES",
+        "Materializer",
+        "MaterializerStats",
+        "MicroBatchRoutes",
+        "Pack",
+        "PackedSample",
+        "PackingPlan",
+        "RankCoords",
+        "RecorderStats",
+        "ReplaySource",
+        "ReplayStats",
+        "RouteRecorder",
+        "find_routers",
+        "local_ranges",
+        "local_tokens",
+        "model_spec",
+        "pack_samples",
+        "padding_rows",
+        "record",
+        "replay",
+        "seq_alignment",
+    ],
+    "routeplay.integrations.megatron": [
+        "MegatronLayout",
+        "MegatronReplay",
+        "MegatronReplayStats",
+        "MegatronRouter",
+        "QkvFormat",
+        "Recording",
+        "find_megatron_routers",
+    ],
+    "routeplay.engine": [
+        "DTYPES",
+        "EngineConfig",
+        "EngineServer",
+        "EngineStats",
+        "FINISH_REASONS",
+        "Generation",
+        "ReferenceEngine",
+        "ServerStats",
+        "WIRES",
+        "WireHandler",
+        "build_model",
+    ],
+    "routeplay.pipeline": [],  # nothing: Ray workers import its modules one by one
+}
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_exported_members(package: str) -> None:
+    pytest.importorskip("torch")  # train, engine and megatron resolve torch-backed names
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(EXPORTS[package])
+    for name in module.__all__:
+        member = getattr(module, name)  # every pinned name resolves
+        if inspect.isclass(member) or inspect.isfunction(member):
+            assert member.__module__.startswith("routeplay."), name
+            home = package if package != "routeplay" else "routeplay.core"
+            assert member.__module__.startswith(home), (name, member.__module__)
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_no_exported_name_shadows_a_submodule(package: str) -> None:
+    module = importlib.import_module(package)
+    submodules = {info.name for info in pkgutil.iter_modules(module.__path__)}
+    for name in set(module.__all__) & submodules:
+        assert inspect.ismodule(getattr(module, name)), f"{package}.{name} is not the module"
+
+
+@pytest.mark.parametrize("package", ["routeplay.rollout", "routeplay.store", "routeplay.train"])
+def test_a_lazy_package_refuses_unknown_names(package: str) -> None:
+    module = importlib.import_module(package)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = module.no_such_name
+    assert set(module.__all__) <= set(dir(module))
