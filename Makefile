@@ -36,8 +36,9 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
-# The end-to-end RL demo on a local Ray instance (about a minute on 2 CPUs); the report
-# and the timeline plot land in build/demo/. ARGS passes flags, e.g. ARGS="--engine-format vllm".
+# The end-to-end RL demo on a local Ray instance (the R3 recipe, under two minutes on 2 CPUs);
+# the report, its JSON and the PNG land in build/demo/. ARGS passes flags, e.g.
+# ARGS="--trainer-dtype bf16" or ARGS="--recipe smoke".
 demo: $(STAMP)
 	$(BIN)/routeplay demo --json build/demo/report.json --plot build/demo/timeline.png $(ARGS)
 

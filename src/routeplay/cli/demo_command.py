@@ -1,6 +1,8 @@
 """``routeplay demo``: the end-to-end RL loop on Ray with the reference engine.
 
-Picks a recipe (``routeplay.pipeline.config.RECIPES``), applies a few overrides, runs it
+Picks a recipe (``routeplay.pipeline.config.RECIPES``; ``default``: the R3 run, ``smoke``:
+the tiny e2e run), applies a few overrides (``--trainer-dtype bf16`` runs the trainer in
+the engine's precision), runs it
 with progress bars, prints the report, and writes the JSON report and the timeline PNG.
 Exit status: 0 when every invariant holds (no routing mismatch, nothing leaked, at most
 one object-store write per payload), 2 when one failed, 1 on usage errors.
@@ -8,6 +10,7 @@ one object-store write per payload), 2 when one failed, 1 on usage errors.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +29,20 @@ def _wire_name(value: str) -> str:
     return value
 
 
+_TRAINER_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
+
+
+def _trainer_dtype(value: str) -> str:
+    if value not in _TRAINER_DTYPES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(_TRAINER_DTYPES)}")
+    return _TRAINER_DTYPES[value]
+
+
 def demo_command(
     engine_format: Annotated[
         str | None,
@@ -42,6 +59,15 @@ def demo_command(
         typer.Option(help="Ray cluster to join (e.g. auto); default: start a local instance."),
     ] = None,
     recipe_name: Annotated[str, typer.Option("--recipe", help="default or smoke.")] = "default",
+    trainer_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--trainer-dtype",
+            parser=_trainer_dtype,
+            metavar="[fp32|bf16]",
+            help="Trainer precision (recipe default: fp32; the engine is bf16).",
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of prompts and sampling.")] = None,
     num_cpus: Annotated[
         int | None, typer.Option("--num-cpus", min=1, help="CPUs of the local Ray instance.")
@@ -72,6 +98,8 @@ def demo_command(
             "num_cpus": num_cpus,
         }
         config = config.replace(**{k: v for k, v in overrides.items() if v is not None})
+        if trainer_dtype is not None:
+            config = config.replace(trainer=replace(config.trainer, dtype=trainer_dtype))
     except MisuseError as exc:
         Console(stderr=True).print(f"usage error: {exc}", markup=False)
         raise typer.Exit(EXIT_USAGE) from exc

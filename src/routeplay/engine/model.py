@@ -55,6 +55,16 @@ class EngineConfig:
     """Precision the engine runs in (a key of ``DTYPES``)."""
     max_positions: int = 2048
     """Longest prompt + completion the model accepts."""
+    expert_init_scale: float = 1.0
+    """Factor on every routed expert's weights after the random init (1.0: transformers'
+    init). A freshly initialized MoE layer adds about 1% to the residual stream, so a
+    flipped route barely moves the output; scaling the experts up makes each layer's
+    choice of experts matter, as it does in a trained model."""
+    lm_head_init_scale: float = 1.0
+    """Factor on the LM head after the random init (1.0: transformers' init). A fresh head
+    gives near-uniform next-token distributions whose log-probs hardly react to the hidden
+    state; a larger head makes them as peaked and as sensitive as a trained model's, so a
+    routing difference shows up in the log-probs (the gap replay is meant to close)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_experts", "top_k", "vocab_size"):
@@ -73,6 +83,12 @@ class EngineConfig:
             raise MisuseError(
                 "EngineConfig.max_positions is too small", expected=">= 2", found=self.max_positions
             )
+        for name in ("expert_init_scale", "lm_head_init_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise MisuseError(
+                    f"EngineConfig.{name} must be a positive number", expected="> 0", found=value
+                )
         torch_dtype(self.dtype)
 
     def build(self) -> ReferenceEngine:
@@ -96,7 +112,8 @@ def build_model(config: EngineConfig, *, dtype: str | None = None) -> PreTrained
     """A randomly initialized causal LM of ``config``, in eval mode, in ``dtype or config.dtype``.
 
     Initialized in float32 under ``torch.manual_seed(config.seed)`` on a forked RNG (the
-    caller's global RNG state is left untouched), then cast.
+    caller's global RNG state is left untouched), scaled by ``expert_init_scale`` and
+    ``lm_head_init_scale``, then cast.
     """
     target = torch_dtype(dtype or config.dtype)
     hf_config = AutoConfig.for_model(config.model_type, **_hf_fields(config))
@@ -106,9 +123,20 @@ def build_model(config: EngineConfig, *, dtype: str | None = None) -> PreTrained
             hf_config, dtype=torch.float32
         )
     model = cast(PreTrainedModel, built)
+    _scale_init(model, config)
     torch.nn.Module.to(model, target)
     torch.nn.Module.train(model, False)  # eval mode
     return model
+
+
+def _scale_init(model: PreTrainedModel, config: EngineConfig) -> None:
+    """Scale the routed experts and the LM head in place (float32, before the cast)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name and config.expert_init_scale != 1.0:
+                param.mul_(config.expert_init_scale)
+            elif name == "lm_head.weight" and config.lm_head_init_scale != 1.0:
+                param.mul_(config.lm_head_init_scale)
 
 
 def _hf_fields(config: EngineConfig) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The demo's typed configuration: one dataclass per component, each with a ``build()``,
-and named recipes (``default``: the ~1 minute run; ``smoke``: the two-step e2e run).
+and named recipes (``default``: the R3 run, under two minutes on 2 CPUs; ``smoke``: the
+tiny two-step e2e run).
 
 A run is a Python recipe; the CLI picks one and overrides a few fields.
 """
@@ -16,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import WIRE_NAMES
-from routeplay.engine.model import EngineConfig
+from routeplay.engine.model import EngineConfig, torch_dtype
 from routeplay.errors import MisuseError
 from routeplay.pipeline.rollout_worker import RolloutWorker
 from routeplay.pipeline.rollouts import JobPlanner, RolloutPool
@@ -107,9 +108,16 @@ class TrainerConfig:
     """Micro-batches the materializer reads ahead."""
     threads: int = 1
     """torch intra-op threads (tiny models gain nothing from more)."""
+    dtype: str = "float32"
+    """Precision of the trainer's model (a key of ``routeplay.engine.model.DTYPES``); the
+    engine runs in ``EngineConfig.dtype``. ``bfloat16`` leaves only the kernel-shape gap
+    (KV-cache decode vs full forward) between the two."""
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # refuses an unknown name
 
     def build(self, engine: EngineConfig, store: RouteStore) -> Trainer:
-        """A float32 copy of the engine's initial model and its optimizer."""
+        """A copy of the engine's initial model in ``dtype``, and its optimizer."""
         return Trainer(self, engine, store)
 
 
@@ -122,7 +130,8 @@ class DemoConfig:
     wire: str = "lmdeploy-key"
     """Engine wire format, one of ``routeplay.core.wires.WIRE_NAMES``."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The reference engine's model (bf16); the trainer runs the same weights in float32."""
+    """The reference engine's model (bf16); the trainer runs the same weights in
+    ``trainer.dtype``."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers and the per-step sample mix."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -149,10 +158,55 @@ class DemoConfig:
         return dataclasses.replace(self, **changes)
 
 
+R3_ENGINE: Final = EngineConfig(
+    num_layers=24,
+    num_experts=128,
+    top_k=8,
+    hidden_size=64,
+    # A fresh MoE layer adds about 1% to the residual stream and a fresh LM head gives
+    # near-uniform distributions: routes would differ (depth and experts give that) but
+    # barely move a log-prob. Scaled like this, a flipped route moves the output as in a
+    # trained model (measured: ~12% of routes differ, ~90% of tokens have a differing layer).
+    expert_init_scale=1.5,
+    lm_head_init_scale=16.0,
+)
+"""The default recipe's model: Qwen3-MoE, 24 MoE layers, 128 experts, top-8 (Qwen3-30B-A3B
+has 48, 128, 8), hidden 64, routing-sensitive init; bf16 engine with KV-cache decode."""
+
+R3_ROLLOUT: Final = RolloutConfig(
+    group_size=4,
+    groups_per_step=2,
+    partial_groups_per_step=1,
+    conversations_per_step=1,
+    # Agentic: long prompts, short turns. 560+ rows of 24 x 8 uint8 ids are 105+ KiB per
+    # fresh payload: above Ray's 100 KiB inline limit, so they live in the object store.
+    prompt_tokens=(560, 640),
+    user_turn_tokens=16,
+    max_new_tokens=6,
+    stop_after=2,
+)
+"""The default recipe's sample mix: 2 GRPO groups of 4 (one interrupted and resumed) and
+one group of two-turn sessions per step."""
+
 RECIPES: Final[dict[str, DemoConfig]] = {
-    "default": DemoConfig(),
-    # Two steps: no group can be more than one version old, so staleness 0 is what makes
-    # one go stale: the group interrupted in step 0 and resumed in step 1 is retried.
+    # vLLM's wire: the producer path writes each payload once (LMDeploy's shared_store
+    # actor re-puts its argument, and an argument over 100 KiB is itself an object: two).
+    # Staleness 0 with every complete group trained each step: the resumed group (two
+    # weight versions) goes stale and is regenerated, so every trained sample comes from
+    # the weights the trainer holds and every generated token is compared.
+    "default": DemoConfig(
+        steps=3,
+        wire="vllm",
+        engine=R3_ENGINE,
+        rollout=R3_ROLLOUT,
+        # A gentler step than the smoke run's: at 1e-2 (or 1e-3) Adam sharpens the toy
+        # policy within a step or two, its log-probs go to ~0 and so does every mismatch.
+        trainer=TrainerConfig(groups_per_step=3, pack_max_length=720, lr=3e-4),
+        buffer=BufferConfig(max_staleness=0),
+    ),
+    # The tiny model (2 MoE layers, 8 experts, top-2, 100-byte payloads), two steps: no
+    # group can be more than one version old, so staleness 0 is what makes one go stale:
+    # the group interrupted in step 0 and resumed in step 1 is retried.
     "smoke": DemoConfig(steps=2, buffer=BufferConfig(max_staleness=0)),
 }
 

@@ -71,7 +71,9 @@ def run_demo(config: DemoConfig, progress: DemoProgress | None = None) -> DemoRe
 
 
 def _summary(version: int, stats: StepStats, leases: int) -> str:
+    without, _, with_r3 = stats.kl_k3
     return (
         f"v{version}: trained {stats.samples} samples, reward {stats.reward:.3f}, "
-        f"loss {stats.loss:+.4f}, {leases} leases live"
+        f"loss {stats.loss:+.4f}, k3 KL {without:.2e} -> {with_r3:.2e} with replay, "
+        f"{leases} leases live"
     )

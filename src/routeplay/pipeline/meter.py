@@ -68,6 +68,9 @@ class Meter:
         while excess > 0 and time.monotonic() < deadline:
             time.sleep(0.1)
             excess = StoreTotals.now().used_bytes - self.start.used_bytes
+        # The settled usage closes the sampled curve (the sampler may have stopped first).
+        settled = (round(time.monotonic() - self._t0, 3), self.start.used_bytes + excess)
+        self.timeline.usage.append(settled)
         return max(0, excess)
 
     def close(self) -> None:

@@ -1,12 +1,16 @@
 """What the demo measures, as plain counters (numpy only, no Ray, no torch).
 
 - ``ReplayTally``: per micro-batch, the experts the trainer's routers used under replay
-  against the engine's routing (every real row: must never differ), and the R3 effect
-  measured in the same run: the trainer's own routing (float32, no replay) against the
-  engine's (bf16) on rows produced by the weights the trainer holds, and the log-prob gap
-  between trainer and engine with and without replay, over every generated token of
-  samples produced entirely by those weights, and over the *affected* ones (a routing
-  difference at or before the position that predicts them: where replay can matter).
+  against the engine's routing (every real row: must never differ), and the R3 paper's
+  measurements in the same run, on the same tokens: the trainer's own routing (no
+  replay) against the engine's on rows produced by the weights the trainer holds (per
+  (token, layer) route, per token, differing layers per token), and the training-
+  inference mismatch between trainer and engine log-probs (mean |gap| and the k3
+  estimate of KL(engine || trainer)) three ways: no replay, R2 (the trainer replays the
+  routing it recorded in its own old-logprob pass) and R3 (it replays the engine's),
+  over every generated token of samples produced entirely by those weights, per step
+  and summed, and the |gap| over the *affected* tokens (a routing difference at or
+  before the position that predicts them: where replay can matter).
 - ``Timeline``: object-store bytes and live leases at each phase of each step.
 
 Expert sets are compared per (token, layer) row, order-free: the order inside a top-k
@@ -21,7 +25,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Point", "ReplayTally", "Timeline", "affected_positions", "differing_rows"]
+__all__ = ["Point", "ReplayTally", "Timeline", "affected_positions", "differing_rows", "k3"]
+
+
+def k3(trainer: npt.NDArray[np.floating], engine: npt.NDArray[np.floating]) -> npt.NDArray[Any]:
+    """Per token, the k3 estimate of KL(engine || trainer) from engine-sampled tokens:
+    ``r - 1 - log r`` with ``r = p_trainer / p_engine`` (unbiased, never negative)."""
+    log_ratio = np.asarray(trainer, np.float64) - np.asarray(engine, np.float64)
+    return np.asarray(np.expm1(log_ratio) - log_ratio)
 
 
 def differing_rows(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
@@ -74,6 +85,18 @@ class ReplayTally:
     """Sum of |trainer - engine| log-prob over the affected tokens, with replay."""
     affected_gap_own: float = 0.0
     """The same without replay."""
+    logprob_gap_r2: float = 0.0
+    """Sum of |trainer - engine| log-prob with R2 (the trainer's own recorded routing)."""
+    kl_own: float = 0.0
+    """Sum of the per-token k3 KL(engine || trainer) without replay."""
+    kl_replay: float = 0.0
+    """The same with R3 replay (the engine's routing)."""
+    kl_r2: float = 0.0
+    """The same with R2 replay (the trainer's own old-logprob routing)."""
+    step_kl: list[tuple[float, float, float]] = field(default_factory=list)
+    """Per step: mean k3 KL without replay, with R2, with R3 (NaN: no token compared)."""
+    _mark: tuple[int, float, float, float] = (0, 0.0, 0.0, 0.0)
+    """Tokens and KL sums at the end of the last step (for the per-step means)."""
 
     def replayed(
         self, used: npt.NDArray[Any], engine: npt.NDArray[Any], real: npt.NDArray[np.bool_]
@@ -94,25 +117,50 @@ class ReplayTally:
 
     def logprobs(
         self,
+        *,
         replay: npt.NDArray[np.floating],
         own: npt.NDArray[np.floating],
+        r2: npt.NDArray[np.floating],
         engine: npt.NDArray[np.floating],
         affected: npt.NDArray[np.bool_],
     ) -> None:
-        """Trainer log-probs with and without replay vs the engine's, same tokens."""
+        """Trainer log-probs with R3, without replay and with R2 vs the engine's, same tokens."""
         gap_replay, gap_own = np.abs(replay - engine), np.abs(own - engine)
         self.logprob_tokens += int(engine.size)
         self.logprob_gap_replay += float(gap_replay.sum())
         self.logprob_gap_own += float(gap_own.sum())
+        self.logprob_gap_r2 += float(np.abs(r2 - engine).sum())
+        self.kl_own += float(k3(own, engine).sum())
+        self.kl_replay += float(k3(replay, engine).sum())
+        self.kl_r2 += float(k3(r2, engine).sum())
         self.affected_tokens += int(affected.sum())
         self.affected_gap_replay += float(gap_replay[affected].sum())
         self.affected_gap_own += float(gap_own[affected].sum())
+
+    def end_step(self) -> tuple[float, float, float]:
+        """Close a step: its mean k3 KL without replay, with R2 and with R3 (appended to
+        ``step_kl``; NaN when the step compared no token)."""
+        tokens, own, r2, replay = self._mark
+        count = self.logprob_tokens - tokens
+        means = tuple(
+            (now - before) / count if count else float("nan")
+            for now, before in ((self.kl_own, own), (self.kl_r2, r2), (self.kl_replay, replay))
+        )
+        self._mark = (self.logprob_tokens, self.kl_own, self.kl_r2, self.kl_replay)
+        step = (means[0], means[1], means[2])
+        self.step_kl.append(step)
+        return step
 
     def summary(self) -> dict[str, float]:
         """The R3-effect fractions and means."""
         rows, tokens = max(self.own_rows, 1), max(self.logprob_tokens, 1)
         affected = max(self.affected_tokens, 1)
         return {
+            "layers_per_token_no_replay": self.own_route_diffs / rows,
+            "logprob_abs_diff_r2": self.logprob_gap_r2 / tokens,
+            "kl_k3_no_replay": self.kl_own / tokens,
+            "kl_k3_replay": self.kl_replay / tokens,
+            "kl_k3_r2": self.kl_r2 / tokens,
             "route_diff_fraction_no_replay": self.own_route_diffs / (rows * max(self.layers, 1)),
             "token_diff_fraction_no_replay": self.own_token_diffs / rows,
             "logprob_abs_diff_no_replay": self.logprob_gap_own / tokens,

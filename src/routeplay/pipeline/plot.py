@@ -1,8 +1,11 @@
-"""A PNG of the run's object-store bytes and live leases over time (matplotlib, Agg)."""
+"""A PNG of the run: object-store bytes and live leases over time, and next to them the
+per-step training-inference mismatch (k3 KL) without replay, with R2 and with R3
+(matplotlib, Agg)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from routeplay.pipeline.report import DemoReport
 
@@ -10,10 +13,10 @@ __all__ = ["plot_timeline"]
 
 
 def plot_timeline(report: DemoReport, path: Path) -> None:
-    """Two stacked panels sharing the time axis; the end of each step's training as a
-    faint line. Top: object-store bytes in use (sampled every 0.25 s) and the routing
-    bytes the route store keeps alive; bottom: live leases and payloads (both read at
-    the end of each rollout and each training phase)."""
+    """Left, two stacked panels sharing the time axis, the end of each step's training
+    as a faint line: object-store bytes in use (sampled every 0.25 s) and the routing
+    bytes the route store keeps alive; live leases and payloads (read at the end of
+    each rollout and training phase). Right: the per-step k3 KL, log scale."""
     import matplotlib  # the optional `plot` extra; Agg: no display needed
 
     matplotlib.use("Agg")
@@ -22,11 +25,16 @@ def plot_timeline(report: DemoReport, path: Path) -> None:
     points = report.timeline
     t = [p.t_s for p in points]
     usage = report.object_store_usage or tuple((p.t_s, p.object_store_bytes) for p in points)
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5), dpi=110)
+    fig = plt.figure(figsize=(12, 5), dpi=110)
+    grid = fig.add_gridspec(2, 2, width_ratios=(3, 2))
+    top = fig.add_subplot(grid[0, 0])
+    bottom = fig.add_subplot(grid[1, 0], sharex=top)
+    _plot_kl(fig.add_subplot(grid[:, 1]), report)
     top.plot([s for s, _ in usage], [b / 1024 for _, b in usage], label="object store in use")
     routing = [p.routing_bytes / 1024 for p in points]
     top.plot(t, routing, marker=".", ms=4, label="routing kept alive (route store)")
     top.set_ylabel("KiB")
+    top.set_title("object store", fontsize="medium")
     top.legend(loc="upper left", fontsize="small")
     bottom.plot(t, [p.leases for p in points], marker=".", ms=4, label="live leases")
     bottom.plot(t, [p.live_payloads for p in points], marker=".", ms=4, label="live payloads")
@@ -39,9 +47,30 @@ def plot_timeline(report: DemoReport, path: Path) -> None:
                 axis.axvline(p.t_s, color="grey", alpha=0.2, lw=0.8)
     fig.suptitle(
         f"routeplay demo ({report.wire}, {report.steps} steps): leaked leases "
-        f"{report.leaked_leases}, leaked bytes {report.leaked_bytes}"
+        f"{report.leaked_leases}, leaked bytes {report.leaked_bytes}, "
+        f"mismatched routes with replay {report.r3.mismatched_routes_with}"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def _plot_kl(axis: Any, report: DemoReport) -> None:
+    """Per-step mean k3 KL(engine || trainer), the three ways, on the same tokens."""
+    per_step = report.r3.kl_k3_per_step
+    steps = list(range(len(per_step)))
+    for index, (label, marker) in enumerate(
+        (("no replay", "o"), ("R2 (trainer's own routing)", "x"), ("R3 (engine's routing)", "s"))
+    ):
+        values = [float("nan") if step[index] is None else step[index] for step in per_step]
+        axis.plot(steps, values, marker=marker, ms=5, label=label)
+    axis.set_yscale("log")
+    axis.set_xticks(steps)
+    axis.set_xlabel("RL step")
+    axis.set_ylabel("k3 KL per token")
+    axis.set_title(
+        f"training-inference mismatch (trainer {report.trainer_dtype}, engine bf16)",
+        fontsize="medium",
+    )
+    axis.legend(loc="best", fontsize="small")

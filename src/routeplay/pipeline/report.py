@@ -11,6 +11,7 @@ payload at least twice).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -25,10 +26,106 @@ if TYPE_CHECKING:  # the services and trainer pull in Ray and torch
     from routeplay.pipeline.services import DemoServices, Teardown
     from routeplay.pipeline.trainer import StepStats
 
-__all__ = ["MAX_WRITES_PER_PAYLOAD", "DemoReport", "build_report", "render", "write_json"]
+__all__ = [
+    "MAX_WRITES_PER_PAYLOAD",
+    "ByteMetrics",
+    "DemoReport",
+    "R3Metrics",
+    "build_report",
+    "render",
+    "write_json",
+]
 
 MAX_WRITES_PER_PAYLOAD: Final = 1.1
 """One write per payload, plus room for a few objects Ray creates for itself."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class R3Metrics:
+    """The R3 paper's measurements, on the same tokens without replay, with R2 and with R3.
+
+    Routes are compared per (token, layer) as expert sets, on rows produced by the weights
+    the trainer holds; log-probs over the generated tokens of samples produced entirely by
+    them. R2 replays the routing the trainer recorded in its own no-replay pass, so its
+    routes are by construction the no-replay ones.
+
+    Example:
+        >>> R3Metrics.from_tally(ReplayTally()).mismatched_routes_with
+        0
+    """
+
+    route_disagreement: float
+    """Fraction of (token, layer) routes where the trainer, without replay, picks other
+    experts than the engine did."""
+    tokens_any_layer: float
+    """Fraction of tokens with at least one such layer."""
+    layers_per_token: float
+    """Mean number of differing layers per token."""
+    kl_k3_without: float
+    """Mean k3 estimate of KL(engine || trainer) per token, trainer routing natively."""
+    kl_k3_with: float
+    """The same with the engine's routing replayed (R3)."""
+    kl_k3_r2: float
+    """The same with the trainer's own recorded routing replayed (R2)."""
+    abs_dlogprob_without: float
+    """Mean |trainer - engine| log-prob per token, no replay."""
+    abs_dlogprob_with: float
+    """The same with R3."""
+    abs_dlogprob_r2: float
+    """The same with R2."""
+    mismatched_routes_with: int
+    """(token, layer) routes where the experts used in training (R3) differ from the
+    engine's: must be 0."""
+    kl_k3_per_step: tuple[tuple[float | None, float | None, float | None], ...]
+    """Per step: mean k3 KL without replay, with R2, with R3 (None: no token compared)."""
+
+    @classmethod
+    def from_tally(cls, tally: ReplayTally) -> R3Metrics:
+        """Read the run's tally."""
+        effect = tally.summary()
+        return cls(
+            route_disagreement=effect["route_diff_fraction_no_replay"],
+            tokens_any_layer=effect["token_diff_fraction_no_replay"],
+            layers_per_token=effect["layers_per_token_no_replay"],
+            kl_k3_without=effect["kl_k3_no_replay"],
+            kl_k3_with=effect["kl_k3_replay"],
+            kl_k3_r2=effect["kl_k3_r2"],
+            abs_dlogprob_without=effect["logprob_abs_diff_no_replay"],
+            abs_dlogprob_with=effect["logprob_abs_diff_replay"],
+            abs_dlogprob_r2=effect["logprob_abs_diff_r2"],
+            mismatched_routes_with=tally.mismatches,
+            kl_k3_per_step=tuple((_finite(a), _finite(b), _finite(c)) for a, b, c in tally.step_kl),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ByteMetrics:
+    """How big the payloads were and how often they were written.
+
+    Example:
+        >>> ByteMetrics(
+        ...     payload_bytes_mean=0.0, writes_per_payload=0.0, prompt_bytes_saved=0,
+        ...     sample_bytes_mean=0.0, written_per_stored_byte=0.0,
+        ... ).writes_per_payload
+        0.0
+    """
+
+    payload_bytes_mean: float
+    """Mean bytes of a payload the route store took (as stored). A shared prompt, a fresh
+    sample's own rows after it, and the rows a resume or a second turn adds are each a
+    payload, so this is far below a sample's routing (``sample_bytes_mean``)."""
+    writes_per_payload: float
+    """Object-store objects created per payload (payloads under Ray's 100 KiB inline
+    limit travel inside a reply: 0 writes; larger ones: 1)."""
+    prompt_bytes_saved: int
+    """Bytes not written because a GRPO group's verified-equal prompt rows were stored
+    once (0 when the store does not share prefixes)."""
+    sample_bytes_mean: float
+    """Mean routing bytes of a trained sample, ``[T, L, K]`` in the model's compact dtype
+    (what replay reads)."""
+    written_per_stored_byte: float
+    """Object-store bytes written per payload byte stored (at most 1.0: no byte is
+    written twice; the eager path writes each at least twice)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,12 +212,19 @@ class DemoReport:
     """Object-store bytes, routing bytes and live leases at the end of each phase."""
     object_store_usage: tuple[tuple[float, int], ...]
     """(seconds, object-store bytes in use), sampled every 0.25 s."""
+    trainer_dtype: str
+    """Precision the trainer ran in (the engine: bf16)."""
+    r3: R3Metrics
+    """The R3 paper's measurements: no replay, R2, R3."""
+    bytes: ByteMetrics
+    """Payload sizes, writes, prompt sharing."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the timeline as a list of points)."""
         out = asdict(self)
         out["timeline"] = [asdict(p) for p in self.timeline]
         out["object_store_usage"] = [list(sample) for sample in self.object_store_usage]
+        out["r3"]["kl_k3_per_step"] = [list(step) for step in self.r3.kl_k3_per_step]
         return out
 
     @property
@@ -150,7 +254,21 @@ def build_report(
         svc.meter.timeline,
     )
     effect = tally.summary()
+    writes = round(written.created_objects / max(1, teardown.payloads), 3)
     return DemoReport(
+        trainer_dtype=config.trainer.dtype,
+        r3=R3Metrics.from_tally(tally),
+        bytes=ByteMetrics(
+            payload_bytes_mean=round(teardown.payload_bytes / max(1, teardown.payloads), 1),
+            writes_per_payload=writes,
+            prompt_bytes_saved=teardown.prompt_bytes_saved,
+            sample_bytes_mean=round(
+                sum(s.routing_bytes for s in steps) / max(1, sum(s.samples for s in steps)), 1
+            ),
+            written_per_stored_byte=round(
+                written.created_bytes / max(1, teardown.payload_bytes), 3
+            ),
+        ),
         wire=config.wire,
         run=svc.run,
         steps=len(steps),
@@ -168,7 +286,7 @@ def build_report(
         payload_bytes=teardown.payload_bytes,
         object_store_bytes_written=written.created_bytes,
         object_store_objects_written=written.created_objects,
-        writes_per_payload=round(written.created_objects / max(1, teardown.payloads), 3),
+        writes_per_payload=writes,
         peak_object_store_bytes=timeline.peak_bytes(),
         object_store_bytes_after=teardown.object_store_bytes_after,
         peak_routing_bytes=max((s.peak_routing_bytes for s in steps), default=0),
@@ -211,32 +329,7 @@ def render(console: Console, report: DemoReport) -> None:
     )
     run.add_row("trace sessions", f"{r.sessions}", "", "")
 
-    rows = max(r.routing_rows_replayed, 1)
-    replay = Table(title="routing: trainer (float32) vs engine (bf16)", title_justify="left")
-    replay.add_column("", style="dim")
-    replay.add_column("without replay", justify="right")
-    replay.add_column("with replay (R3)", justify="right")
-    replay.add_row(
-        "(token, layer) routes differing",
-        f"{r.route_diff_fraction_no_replay:.2%}",
-        f"{r.routing_mismatches / (rows * max(1, r.layers)):.2%} "
-        f"({_flag(r.routing_mismatches)} in {r.routing_rows_replayed} rows)",
-    )
-    replay.add_row(
-        "tokens with a differing layer",
-        f"{r.token_diff_fraction_no_replay:.2%}",
-        "0.00%" if r.routing_mismatches == 0 else "> 0",
-    )
-    replay.add_row(
-        f"mean |dlogprob| ({r.tokens_compared} tokens)",
-        f"{r.logprob_abs_diff_no_replay:.2e}",
-        f"{r.logprob_abs_diff_replay:.2e}",
-    )
-    replay.add_row(
-        f"  after a routing difference ({r.tokens_affected})",
-        f"{r.logprob_abs_diff_no_replay_affected:.2e}",
-        f"{r.logprob_abs_diff_replay_affected:.2e}",
-    )
+    replay = _r3_table(r)
 
     memory = _table("bytes and lifetimes", 4)
     # Ray returns values under 100 KiB inline to their owner instead of writing them to the
@@ -246,6 +339,18 @@ def render(console: Console, report: DemoReport) -> None:
     )
     payloads = f"{r.payloads} ({_size(r.payload_bytes)})"
     memory.add_row("payloads", payloads, "writes per payload", f"{r.writes_per_payload:.2f}")
+    memory.add_row(
+        "mean payload",
+        _size(int(r.bytes.payload_bytes_mean)),
+        "prompt bytes saved",
+        _size(r.bytes.prompt_bytes_saved),
+    )
+    memory.add_row(
+        "mean sample routing",
+        _size(int(r.bytes.sample_bytes_mean)),
+        "written / stored bytes",
+        f"{r.bytes.written_per_stored_byte:.2f}",
+    )
     memory.add_row(
         "object store written",
         _size(r.object_store_bytes_written),
@@ -265,6 +370,50 @@ def render(console: Console, report: DemoReport) -> None:
         console.print(f"[red]leases still held by:[/] {', '.join(r.leak_holders)}")
     verdict = "[green]all invariants hold[/]" if r.ok else "[red]an invariant failed[/]"
     console.print(verdict)
+
+
+def _r3_table(r: DemoReport) -> Table:
+    """The R3 paper's comparison: the same tokens without replay, with R2, with R3."""
+    m = r.r3
+    table = Table(
+        title=f"training-inference mismatch: trainer ({r.trainer_dtype}) vs engine (bf16), "
+        f"{r.tokens_compared} tokens, {r.rows_compared} rows x {r.layers} layers",
+        title_justify="left",
+    )
+    for name in ("", "routes differing", "tokens, >= 1 layer", "layers / token"):
+        table.add_column(name, style="dim" if not name else None, justify="right")
+    table.add_column("k3 KL", justify="right")
+    table.add_column("mean |dlogprob|", justify="right")
+    replayed = max(1, r.routing_rows_replayed * max(1, r.layers))
+    without = (f"{m.route_disagreement:.2%}", f"{m.tokens_any_layer:.2%}")
+    table.add_row(
+        "no replay", *without, f"{m.layers_per_token:.2f}", _sci(m.kl_k3_without),
+        _sci(m.abs_dlogprob_without),
+    )  # fmt: skip
+    table.add_row(
+        "R2 (own routing)", *without, f"{m.layers_per_token:.2f}", _sci(m.kl_k3_r2),
+        _sci(m.abs_dlogprob_r2),
+    )  # fmt: skip
+    table.add_row(
+        "R3 (engine's)", f"{m.mismatched_routes_with / replayed:.2%}",
+        "-", f"{_flag(m.mismatched_routes_with)} routes", _sci(m.kl_k3_with),
+        _sci(m.abs_dlogprob_with),
+    )  # fmt: skip
+    cut = 1 - m.kl_k3_with / m.kl_k3_without if m.kl_k3_without > 0 else 0.0
+    table.caption = (
+        f"R3 cuts the k3 KL by {cut:.0%}; after a routing difference ({r.tokens_affected} "
+        f"tokens) |dlogprob| {_sci(r.logprob_abs_diff_no_replay_affected)} -> "
+        f"{_sci(r.logprob_abs_diff_replay_affected)}"
+    )
+    return table
+
+
+def _sci(value: float) -> str:
+    return f"{value:.2e}"
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else value
 
 
 def _table(title: str, columns: int) -> Table:

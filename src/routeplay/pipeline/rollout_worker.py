@@ -11,7 +11,9 @@ shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
   (the request's start row = the history's rows where the engine has one, SGLang and
   vLLM: the engine sends only those rows; LMDeploy sends all of them);
 - a turn of a trace session borrows the session's prefix rows (the sample's own lease)
-  and appends the rest.
+  and appends the rest;
+- fresh members of one GRPO group (``rollout_group``, wires that carry the rows) are
+  stored in one batched put whose verified-equal prompt rows are written once.
 
 Lease order (``Continuation.finish``): the new lease first, then the input's. If
 anything fails, the input state still holds its lease and the caller (who keeps a copy
@@ -26,10 +28,11 @@ from typing import Any
 
 import httpx
 
+from routeplay.core import read_response
 from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import wire as wire_format
 from routeplay.errors import EngineUnavailable, MalformedPayload
-from routeplay.rollout import ADAPTERS, RolloutState, Status
+from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.lifecycle import continuation, store_turn
 from routeplay.rollout.trace_actor import TraceStoreClient
@@ -97,10 +100,58 @@ class WorkerShell(RoutesProducer):
                 where=where,
             )
             routed = cont.finish(self._store, handle)
-        status = Status.ABORTED if completion.finish_reason == "abort" else Status.COMPLETED
         return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
-            status, completion.finish_reason
+            _status(completion.finish_reason), completion.finish_reason
         )
+
+    def rollout_group(
+        self, states: list[RolloutState], samplings: list[Sampling], version: int
+    ) -> list[RolloutState]:
+        """Generate fresh members of one GRPO group (same prompt, no routing, no session)
+        and store their routing in one put: the prompt's rows once, when verified equal
+        (``put_routes_many(shared_prefix=...)``); each sample gets its own handle and lease.
+        Key-store wires (the engine stores whole arrays) run the members one by one."""
+        if self._wire.key_store:
+            return [self.rollout(s, m, version) for s, m in zip(states, samplings, strict=True)]
+        prompt = states[0].prompt_ids
+        assert all(s.prompt_ids == prompt and s.routing is None for s in states)
+        answers = []
+        for state, sampling in zip(states, samplings, strict=True):
+            path, body = self._wire.request(
+                prompt,
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                seed=sampling.seed,
+                stop_after=sampling.stop_after,
+                start_row=0,
+            )
+            where = f"sample {state.sample_id}"
+            answer = self._post(path, body, where)
+            routing = read_response(self._wire.engine, answer, self._spec, where=where)
+            if routing.routes is None or routing.routes.start_row != 0:
+                raise MalformedPayload(
+                    "a fresh sample's routing must start at row 0",
+                    expected="routing rows from 0",
+                    found="a key" if routing.routes is None else routing.routes.start_row,
+                    where=where,
+                )
+            answers.append((self._wire.read_completion(answer, where=where), routing.routes))
+        handles = self.put_routes_many(
+            self._store,
+            [routes for _, routes in answers],
+            weight_version=version,
+            shared_prefix=len(prompt),
+        )
+        holders = [f"rollout/{s.sample_id}" for s in states]
+        leases = self._store.acquire_many(list(zip(handles, holders, strict=True)))
+        return [
+            state.extend(completion.token_ids, completion.logprobs, version)
+            .with_routing(handle, lease, Origin.PRODUCED)
+            .with_status(_status(completion.finish_reason), completion.finish_reason)
+            for state, (completion, _), handle, lease in zip(
+                states, answers, handles, leases, strict=True
+            )
+        ]
 
     def converse(
         self, state: RolloutState, user_turn: tuple[int, ...], sampling: Sampling, version: int
@@ -149,6 +200,10 @@ class WorkerShell(RoutesProducer):
                 found=f"{type(exc).__name__}: {exc}",
                 where=where,
             ) from exc
+
+
+def _status(finish_reason: str) -> Status:
+    return Status.ABORTED if finish_reason == "abort" else Status.COMPLETED
 
 
 # The Ray actor class (typed Any: ray.remote's result has no useful static type).

@@ -5,7 +5,8 @@ group is complete.
   to resume, new single-turn groups (some interrupted on purpose) and new multi-turn
   conversations, each with its own sampling seed.
 - ``RolloutPool`` runs jobs on the rollout worker actors and hands back each sample as
-  it finishes. A job that fails releases the lease its input held.
+  it finishes. Fresh members of one group run as one worker call (one batched put, the
+  prompt's rows stored once). A job that fails releases the lease its input held.
 - ``GroupAssembler`` holds samples until every member of their group is COMPLETED; an
   interrupted member keeps its group waiting (and leased) until it is resumed.
 """
@@ -125,23 +126,25 @@ class RolloutPool:
     ) -> tuple[list[RolloutState], list[Job]]:
         """Run every job; returns the samples in the order they finished, and the failed
         jobs (counted, their inputs' leases released)."""
-        pending = {self._submit(job, version): job for job in jobs}
+        pending = {self._submit(batch, version): batch for batch in _batches(jobs)}
         done: list[RolloutState] = []
         failed: list[Job] = []
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
-            job = pending.pop(ready[0])
+            batch = pending.pop(ready[0])
             try:
-                state = ray.get(ready[0])
+                answer = ray.get(ready[0])
             except Exception as exc:  # one bad answer must not stop the run
-                job.state.release()
-                self.stats.failed += 1
-                self.stats.errors.append(f"{job.state.sample_id}: {exc}"[:500])
-                failed.append(job)
+                for job in batch:
+                    job.state.release()
+                    self.stats.errors.append(f"{job.state.sample_id}: {exc}"[:500])
+                self.stats.failed += len(batch)
+                failed.extend(batch)
                 continue
-            setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
-            done.append(state)
-            on_done(state)
+            for job, state in zip(batch, answer if len(batch) > 1 else [answer], strict=True):
+                setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
+                done.append(state)
+                on_done(state)
         return done, failed
 
     def close(self) -> None:
@@ -150,11 +153,32 @@ class RolloutPool:
         for worker in self._workers:
             ray.kill(worker)
 
-    def _submit(self, job: Job, version: int) -> Any:
+    def _submit(self, batch: list[Job], version: int) -> Any:
         worker = self._workers[next(self._next)]
+        if len(batch) > 1:
+            states, samplings = [j.state for j in batch], [j.sampling for j in batch]
+            return worker.rollout_group.remote(states, samplings, version)
+        [job] = batch
         if job.user_turn is not None:
             return worker.converse.remote(job.state, job.user_turn, job.sampling, version)
         return worker.rollout.remote(job.state, job.sampling, version)
+
+
+def _batches(jobs: Sequence[Job]) -> list[list[Job]]:
+    """One batch per group of fresh single-turn members (no routing, no session: they
+    share the prompt), one per any other job."""
+    batches: list[list[Job]] = []
+    by_group: dict[str, list[Job]] = {}
+    for job in jobs:
+        state = job.state
+        if job.user_turn is None and state.routing is None and state.session_id is None:
+            if state.group_id not in by_group:
+                by_group[state.group_id] = []
+                batches.append(by_group[state.group_id])
+            by_group[state.group_id].append(job)
+        else:
+            batches.append([job])
+    return batches
 
 
 class GroupAssembler:

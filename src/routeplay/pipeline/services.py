@@ -50,6 +50,8 @@ class Teardown:
     """Payloads the store took over the run."""
     payload_bytes: int
     """Their bytes (as stored: LMDeploy keys keep the engine's uint16)."""
+    prompt_bytes_saved: int
+    """Bytes never written because GRPO groups' verified-equal prompts were stored once."""
     engine_keys_left: int
     """Engine-store keys never consumed (LMDeploy key mode; 0 otherwise)."""
     written: StoreTotals
@@ -143,6 +145,7 @@ class DemoServices:
             leak_holders=tuple(sorted({leak.holder for leak in leaks})),
             payloads=stats.live_payloads + stats.released_payloads + stats.expired_payloads,
             payload_bytes=stats.live_bytes + stats.released_bytes + stats.expired_bytes,
+            prompt_bytes_saved=stats.shared_prefix_bytes_saved,
             engine_keys_left=keys,
             written=self.meter.written(),
             object_store_bytes_after=after,

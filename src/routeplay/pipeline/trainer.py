@@ -1,15 +1,20 @@
-"""The demo's learner: one trainer rank (SP = CP = 1) on the engine's model in float32.
+"""The demo's learner: one trainer rank (SP = CP = 1) on the engine's model (float32 by
+default, ``TrainerConfig.dtype``).
 
 Per step: the batch's samples are packed (``pack_samples``), the rank's routing comes one
 micro-batch at a time from the ``Materializer`` (it holds clones of the batch's leases
 and releases each sample once read), and each micro-batch runs
 
 1. a no-grad forward *without* replay, recording the trainer's own experts: the R3
-   effect (how often float32 training would route otherwise than the bf16 engine);
-2. the training forward and backward *inside* ``replay(model, routes)``, with a
+   effect (how often float32 training would route otherwise than the bf16 engine). It
+   is also R2's old-logprob pass: R2 records these experts and replays them;
+2. a no-grad forward replaying those recorded experts: R2's log-probs (with one
+   optimizer step per RL step R2's update runs at the weights it recorded with, so it
+   can only match the no-replay mismatch: it never sees the engine's routing);
+3. the training forward and backward *inside* ``replay(model, routes)``, with a
    ``record`` nested in it that captures the experts the MoE blocks really received:
    compared with the engine's routing on every real row (must never differ);
-3. a PPO-clip policy-gradient loss against the engine's log-probs (the ratio R3 keeps
+4. a PPO-clip policy-gradient loss against the engine's log-probs (the ratio R3 keeps
    honest), advantages from the toy reward.
 
 Packed samples are separated by their position ids (each restarts at 0), which
@@ -66,6 +71,10 @@ class StepStats:
     """Mean toy reward of the batch."""
     peak_routing_bytes: int
     """Most routing bytes the materializer held at once."""
+    routing_bytes: int = 0
+    """Routing bytes of the batch's samples, ``[T, L, K]`` each in the spec's dtype."""
+    kl_k3: tuple[float, float, float] = (float("nan"),) * 3
+    """Mean k3 KL(engine || trainer) of the step's compared tokens: no replay, R2, R3."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,13 +101,13 @@ class PackedInputs:
 
 
 class Trainer:
-    """A float32 copy of the engine's initial model, its optimizer, and the step."""
+    """A copy of the engine's initial model (in ``config.dtype``), its optimizer, the step."""
 
     def __init__(self, config: TrainerConfig, engine: EngineConfig, store: RouteStore) -> None:
         torch.set_num_threads(config.threads)  # process-wide: the engine runs in it too
         self.config = config
         self.store = store
-        self.model = build_model(engine, dtype="float32")
+        self.model = build_model(engine, dtype=config.dtype)
         self.model.train()
         self.spec = model_spec(self.model)
         self.coords = RankCoords()
@@ -109,7 +118,13 @@ class Trainer:
         states = {s.sample_id: s for s in batch.states}
         if not states:  # every group went stale: nothing to train this step
             return StepStats(
-                samples=0, tokens=0, micro_batches=0, loss=0.0, reward=0.0, peak_routing_bytes=0
+                kl_k3=tally.end_step(),
+                samples=0,
+                tokens=0,
+                micro_batches=0,
+                loss=0.0,
+                reward=0.0,
+                peak_routing_bytes=0,
             )
         plan = pack_samples(
             ((s.sample_id, _routing(s), s.tokens) for s in batch.states),
@@ -140,6 +155,8 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self._optimizer.step()
         return StepStats(
+            kl_k3=tally.end_step(),
+            routing_bytes=sum(self.spec.nbytes(_routing(s).rows) for s in batch.states),
             samples=len(states),
             tokens=sum(len(s.response_ids) for s in batch.states),
             micro_batches=micro_batches,
@@ -149,7 +166,7 @@ class Trainer:
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """A float32 copy of the weights, for the engine's ``load_weights``."""
+        """A copy of the weights (trainer precision), for the engine's ``load_weights``."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _micro_batch(
@@ -161,6 +178,8 @@ class Trainer:
         own_routes = own.routes()
         differs = differing_rows(own_routes, engine).any(axis=1) & routes.mask
         tally.own(own_routes, engine, routes.mask & inputs.current_rows)
+        with torch.no_grad(), replay(self.model, own_routes, spec=self.spec):
+            r2_logprobs = self._logprobs(inputs)  # R2: the update replays the trainer's own
         with replay(self.model, engine, spec=self.spec), record(self.model) as used:
             logprobs = self._logprobs(inputs)
             loss = _ppo_loss(logprobs, inputs, self.config.clip) * scale
@@ -169,10 +188,11 @@ class Trainer:
         at = inputs.scored & inputs.current
         affected = torch.from_numpy(affected_positions(differs, inputs.sample_of))
         tally.logprobs(
-            logprobs.detach()[at].numpy(),
-            own_logprobs[at].numpy(),
-            inputs.old_logprobs[at].numpy(),
-            affected.reshape(at.shape)[at].numpy(),
+            replay=logprobs.detach()[at].numpy(),
+            own=own_logprobs[at].numpy(),
+            r2=r2_logprobs[at].numpy(),
+            engine=inputs.old_logprobs[at].numpy(),
+            affected=affected.reshape(at.shape)[at].numpy(),
         )
         return float(loss.detach())
 
