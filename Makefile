@@ -43,6 +43,7 @@ demo: $(STAMP)
 	$(BIN)/routeplay demo --json build/demo/report.json --plot build/demo/timeline.png $(ARGS)
 
 bench: $(STAMP)
+	$(BIN)/routeplay bench $(ARGS)
 	$(BIN)/python benchmarks/codec_throughput.py
 	$(BIN)/python benchmarks/put_options.py
 	$(BIN)/python benchmarks/transfer_paths.py
