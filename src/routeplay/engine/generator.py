@@ -16,9 +16,12 @@ pairs where the decode chose otherwise.
 
 from __future__ import annotations
 
+import math
+
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -125,6 +128,7 @@ class ReferenceEngine:
         later); ``eos_id`` (one id or several) ends it with ``"stop"``.
         """
         prompt = self._check_request(prompt_ids, max_new_tokens, temperature, stop_after)
+        _check_seed(seed)
         stops = self._stop_ids(eos_id)
         with self._lock:
             tokens, logprobs, finish, divergent = self._decode(
@@ -270,10 +274,10 @@ class ReferenceEngine:
                 where=where,
                 hint="Raise EngineConfig.max_positions or shorten the request.",
             )
-        if not temperature >= 0.0:  # also refuses NaN
+        if not 0.0 <= temperature < math.inf:  # also refuses NaN
             raise MisuseError(
-                "temperature must be >= 0 (0 is greedy)",
-                expected=">= 0",
+                "temperature must be finite and >= 0 (0 is greedy)",
+                expected="0 <= temperature < inf",
                 found=temperature,
                 where=where,
             )
@@ -304,8 +308,25 @@ class ReferenceEngine:
         return ids
 
 
+SEED_RANGE: Final = range(-(2**63), 2**64)
+"""Seeds ``torch.Generator.manual_seed`` accepts."""
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in SEED_RANGE:
+        raise MisuseError(
+            "seed must be a 64-bit integer",
+            expected="an int in [-2**63, 2**64)",
+            found=seed,
+            where="ReferenceEngine.generate",
+        )
+
+
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     if temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # Shift by the max first: every scaled logit is then <= 0 and the best one exactly 0,
+    # so a tiny temperature gives -inf (probability 0) instead of inf/inf = NaN.
+    scaled = (logits - logits.max()) / temperature
+    probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -231,9 +231,17 @@ def item(values: object, index: int, what: str, where: str) -> Mapping[str, Any]
 
 
 def count(holder: object, name: str, where: str) -> int | None:
-    """A token count, or None when absent; anything but a non-negative int is refused."""
-    if not isinstance(holder, Mapping):
+    """A token count, or None when absent (no holder, or no such field); a holder that is
+    not an object, or a count that is not a non-negative 64-bit int, is refused."""
+    if holder is None:
         return None
+    if not isinstance(holder, Mapping):
+        raise MalformedPayload(
+            f"the object holding {name} must be a JSON object",
+            expected="object",
+            found=type(holder).__name__,
+            where=f"{where} {name}",
+        )
     value = holder.get(name)
     if value is None:
         return None
