@@ -17,7 +17,6 @@ pairs where the decode chose otherwise.
 from __future__ import annotations
 
 import math
-
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -325,8 +324,11 @@ def _check_seed(seed: int) -> None:
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     if temperature == 0.0:
         return int(torch.argmax(logits))
-    # Shift by the max first: every scaled logit is then <= 0 and the best one exactly 0,
-    # so a tiny temperature gives -inf (probability 0) instead of inf/inf = NaN.
-    scaled = (logits - logits.max()) / temperature
+    scaled = logits / temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # A tiny temperature overflows logits / T (inf / inf = NaN probabilities). Shift by
+        # the max in float64 first: every scaled logit is then <= 0, the best exactly 0,
+        # the rest -inf or finite, so the distribution is the T -> 0 limit it should be.
+        scaled = (logits.double() - logits.max().double()) / temperature
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
