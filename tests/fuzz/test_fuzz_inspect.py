@@ -8,8 +8,10 @@ failure: see ``test_fuzz_decoders``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from routeplay.core.wires import Engine
 
 RUNNER = CliRunner()
 _DIR = Path(tempfile.mkdtemp(prefix="routeplay-fuzz-inspect-"))
+atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
 
 
 class InspectBroke(AssertionError):

@@ -15,8 +15,14 @@ pytest.importorskip("fastapi")
 
 from starlette.testclient import TestClient  # noqa: E402
 
-from routeplay.engine import EngineConfig, EngineServer, ReferenceEngine, WireHandler  # noqa: E402
-from routeplay.engine.server import ServerLimits, build_app  # noqa: E402
+from routeplay.engine import (  # noqa: E402
+    EngineConfig,
+    EngineServer,
+    ReferenceEngine,
+    ServerLimits,
+    WireHandler,
+)
+from routeplay.engine.server import build_app  # noqa: E402
 from routeplay.errors import MisuseError  # noqa: E402
 
 TINY = EngineConfig(hidden_size=16, num_layers=2, num_experts=8, top_k=2, vocab_size=64, seed=5)
