@@ -1,17 +1,19 @@
 """The long fuzz setting, counted: every fuzz test of ``tests/fuzz`` under the ``long``
-hypothesis profile, in subprocesses capped by an address-space limit, with the counts the
-issue asks for (inputs, typed refusals, untyped errors, hangs, peak RSS).
+hypothesis profile, each in its own subprocess capped by an address-space limit, with the
+counts the issue asks for (inputs, typed refusals, untyped errors, hangs, peak RSS).
 
-Each group of tests runs in its own subprocess with ``RLIMIT_AS`` set, so an input that
-tries to allocate gigabytes fails that subprocess (a ``MemoryError`` counted as untyped,
-or the process dying: reported) instead of the machine. The engine server group imports
-torch, whose address space at start is far above its resident memory, so its limit is
-its start-up address space plus the same budget; the RSS figure is measured either way.
+Each test runs ``--rounds`` calls of ``fuzzing.LONG_ROUND`` inputs (a tenth of that, times
+the CI share, for the engine server) in a subprocess with ``RLIMIT_AS`` set, so an input
+that tries to allocate gigabytes fails that subprocess (a ``MemoryError`` counted as
+untyped, or the process dying: reported with its stderr) instead of the machine. The
+engine server's tests import torch, whose address space at start is far above its
+resident memory, so their limit is their start-up address space plus the same budget;
+the RSS figure is measured either way.
 
-    .venv/bin/python benchmarks/fuzz_long.py [--scale 1.0] [--budget-gib 2]
+    .venv/bin/python benchmarks/fuzz_long.py [--rounds 10] [--jobs 2] [--budget-gib 2]
 
-Writes ``benchmarks/results/fuzz-long_<host>_<date>.json``. Untyped errors and hangs
-must be 0; the script exits 1 otherwise.
+Writes ``benchmarks/results/fuzz-long_<host>_<date>.json``. Untyped errors, hangs and
+failed subprocesses must be 0; the script exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import resource
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,78 +34,97 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 FUZZ_DIR = ROOT / "tests" / "fuzz"
-GROUPS = {
-    "decoders": "test_fuzz_decoders",
-    "inspect": "test_fuzz_inspect",
-    "server": "test_fuzz_server",
-}
-"""Subprocess groups: one test module each."""
+MODULES = ("test_fuzz_decoders", "test_fuzz_inspect", "test_fuzz_server")
+"""Test modules whose hypothesis tests are run."""
 GIB = 1 << 30
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every test's inputs")
+    parser.add_argument("--rounds", type=int, default=10, help="calls of each test")
+    parser.add_argument("--jobs", type=int, default=2, help="subprocesses at once")
     parser.add_argument("--budget-gib", type=float, default=2.0, help="memory per subprocess")
-    parser.add_argument("--groups", nargs="*", default=list(GROUPS), choices=list(GROUPS))
+    parser.add_argument("--only", nargs="*", default=[], help="test names to run (all: empty)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return _worker(args.worker, args.budget_gib)
+        return _worker(args.worker, args.rounds, args.budget_gib)
+    tests = [t for t in _tests() if not args.only or t.split(":")[1] in args.only]
     started = time.monotonic()
-    results = {name: _run_group(name, args) for name in args.groups}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = dict(zip(tests, pool.map(lambda t: _run(t, args), tests), strict=True))
     report = _report(results, args, time.monotonic() - started)
     path = RESULTS / f"fuzz-long_{platform.node() or 'host'}_{_today()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["totals"], indent=2))
     print(f"wrote {path.relative_to(ROOT)}")
-    bad = report["totals"]["untyped_errors"] or report["totals"]["hangs"] or report["failed"]
-    return 1 if bad else 0
+    totals = report["totals"]
+    return 1 if totals["untyped_errors"] or totals["hangs"] or report["failed"] else 0
 
 
-def _run_group(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {
+def _env() -> dict[str, str]:
+    paths = [str(ROOT / "src"), str(FUZZ_DIR), os.environ.get("PYTHONPATH", "")]
+    return {
         **os.environ,
         "ROUTEPLAY_FUZZ": "long",
         "ROUTEPLAY_FUZZ_COUNT": "1",
-        "ROUTEPLAY_FUZZ_SCALE": str(args.scale),
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT / "src"), str(FUZZ_DIR), os.environ.get("PYTHONPATH", "")]
-        ),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(paths),
     }
-    command = [sys.executable, __file__, "--worker", name, "--budget-gib", str(args.budget_gib)]
-    print(f"[fuzz-long] {name} ...", flush=True)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+
+
+def _tests() -> list[str]:
+    listing = subprocess.run(
+        [sys.executable, "-c", _LIST], env=_env(), capture_output=True, text=True, check=True
+    )
+    return listing.stdout.split()
+
+
+_LIST = f"""
+import importlib
+for name in {MODULES!r}:
+    module = importlib.import_module(name)
+    for attr in sorted(dir(module)):
+        if attr.startswith("test_") and hasattr(getattr(module, attr), "hypothesis"):
+            print(f"{{name}}:{{attr}}")
+"""
+
+
+def _run(test: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--worker", test, "--rounds", str(args.rounds)]
+    command += ["--budget-gib", str(args.budget_gib)]
+    print(f"[fuzz-long] {test} ...", flush=True)
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
+        print(f"[fuzz-long] {test}: FAILED (exit {done.returncode})", flush=True)
         return {"failed": True, "returncode": done.returncode, "stderr": done.stderr[-4000:]}
     result: dict[str, Any] = json.loads(lines[-1])
-    print(f"[fuzz-long] {name}: {result['inputs_total']} inputs", flush=True)
+    print(f"[fuzz-long] {test}: {result['inputs_total']} inputs", flush=True)
     return result
 
 
-def _worker(name: str, budget_gib: float) -> int:
+def _worker(test: str, rounds: int, budget_gib: float) -> int:
+    import faulthandler
     import importlib
     import traceback
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    module = importlib.import_module(GROUPS[name])  # heavy imports happen here
+    faulthandler.enable()  # a crash in C prints where it happened
+    module_name, test_name = test.split(":")
+    module = importlib.import_module(module_name)  # heavy imports happen here
     base = _address_space()
-    limit = int(budget_gib * GIB) + (base if name == "server" else 0)
+    limit = int(budget_gib * GIB) + (base if module_name == "test_fuzz_server" else 0)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import fuzzing
 
     failures: list[str] = []
     started = time.monotonic()
-    for test_name in sorted(dir(module)):
-        test = getattr(module, test_name)
-        if not (test_name.startswith("test_") and hasattr(test, "hypothesis")):
-            continue
+    for _ in range(rounds):
         try:
-            test()
-        except Exception as exc:  # hypothesis itself failing, or a MemoryError under the cap
-            failures.append(f"{test_name}: {type(exc).__name__}: {str(exc)[:300]}")
+            getattr(module, test_name)()
+        except (Exception, MemoryError) as exc:  # hypothesis failing, or memory at the cap
+            failures.append(f"{type(exc).__name__}: {str(exc)[:300]}")
             failures.append(traceback.format_exc()[-1500:])
     tally = fuzzing.TALLY
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -136,7 +158,9 @@ def _address_space() -> int:
     return 0
 
 
-def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace, spent: float) -> dict:
+def _report(
+    results: dict[str, dict[str, Any]], args: argparse.Namespace, spent: float
+) -> dict[str, Any]:
     ok = [r for r in results.values() if not r.get("failed")]
     totals = {
         "inputs": sum(r["inputs_total"] for r in ok),
@@ -145,7 +169,7 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace, spent:
         "hangs": sum(r["hangs"] for r in ok),
         "slowest_input_s": max((r["slowest_input_s"] for r in ok), default=0.0),
         "peak_rss_mib": max((r["peak_rss_mib"] for r in ok), default=0.0),
-        "test_failures": sum(len(r["test_failures"]) for r in ok),
+        "test_failures": sum(len(r["test_failures"]) // 2 for r in ok),
         "seconds": round(spent, 1),
     }
     import hypothesis
@@ -156,10 +180,15 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace, spent:
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "where": {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version},
         "versions": {"hypothesis": hypothesis.__version__, "numpy": numpy.__version__},
-        "config": {"scale": args.scale, "budget_gib": args.budget_gib, "hang_s": 5.0},
+        "config": {
+            "rounds": args.rounds,
+            "jobs": args.jobs,
+            "budget_gib": args.budget_gib,
+            "hang_s": 5.0,
+        },
         "failed": [name for name, r in results.items() if r.get("failed")],
         "totals": totals,
-        "groups": results,
+        "tests": results,
     }
 
 
