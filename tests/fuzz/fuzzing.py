@@ -107,7 +107,7 @@ def check(target: str, call: Callable[[], object]) -> object:
     started = time.perf_counter()
     try:
         result = call()
-        if result == REFUSED:
+        if isinstance(result, str) and result == REFUSED:  # arrays compare elementwise
             TALLY.refused[target] += 1
         return result
     except RouteplayError:
