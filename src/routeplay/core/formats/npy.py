@@ -74,11 +74,13 @@ def read_npy(raw: bytes, *, where: str = "") -> npt.NDArray[Any]:
             found=describe(list(shape)),
             where=where,
         )
-    if any(n > _MAX_DIM for n in shape) or math.prod(n for n in shape if n) > _MAX_DIM:
-        # numpy refuses such shapes with a bare ValueError, even when one dimension is 0.
+    span = math.prod(n for n in shape if n) * max(dtype.itemsize, 1)
+    if any(n > _MAX_DIM for n in shape) or span > _MAX_DIM:
+        # numpy refuses such shapes with a bare ValueError ("array is too big"), even when
+        # one dimension is 0: it bounds the non-zero dimensions' product times itemsize.
         raise MalformedPayload(
-            ".npy header has a dimension beyond the 64-bit range",
-            expected="dimensions whose non-zero product is below 2**63",
+            ".npy header has dimensions beyond the 64-bit range",
+            expected="non-zero dimensions whose product times the item size is below 2**63",
             found=describe(list(shape)),
             where=where,
         )
@@ -93,10 +95,18 @@ def read_npy(raw: bytes, *, where: str = "") -> npt.NDArray[Any]:
             where=where,
         )
     flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
-    if fortran:
-        transposed: npt.NDArray[Any] = flat.reshape(shape[::-1]).T
-        return transposed
-    return flat.reshape(shape)
+    try:
+        if fortran:
+            transposed: npt.NDArray[Any] = flat.reshape(shape[::-1]).T
+            return transposed
+        return flat.reshape(shape)
+    except ValueError as exc:  # any shape numpy still refuses: ours to name, not numpy's
+        raise MalformedPayload(
+            ".npy shape cannot be built",
+            expected="a shape numpy can represent",
+            found=f"{describe(list(shape))}: {str(exc)[:120]}",
+            where=where,
+        ) from exc
 
 
 def _read_header(raw: bytes, where: str) -> tuple[tuple[int, ...], bool, np.dtype[np.generic], int]:
