@@ -29,9 +29,15 @@ Three families, kept apart so a caller can tell whose fault it was::
 
 Every error built by routeplay carries ``expected``, ``found`` and ``where`` so that
 a log line alone tells what to fix; ``str(err)`` joins them into one sentence.
+Messages show values through ``describe``: bounded in length and depth, never recursive,
+so a hostile value (a 4 MB string, JSON nested 100,000 deep, a 10,000-digit integer) can
+neither blow up nor break the error that reports it.
 """
 
 from __future__ import annotations
+
+from enum import Enum
+from pathlib import PurePath
 
 __all__ = [
     "AlreadyConsumed",
@@ -58,7 +64,121 @@ __all__ = [
     "StoreFailure",
     "StoreTimeout",
     "UnsafePayload",
+    "describe",
 ]
+
+_TEXT_CHARS = 160
+"""Characters of a string (or a str() of a scalar) a message shows."""
+_ITEMS = 8
+"""Elements of a list or entries of a dict a message shows."""
+_DEPTH = 3
+"""Nesting levels a message descends into."""
+_BUDGET = 400
+"""Characters of one described value, at most."""
+
+
+def describe(value: object) -> str:
+    """A short, bounded description of ``value`` for an error message.
+
+    Strings are cut after a few dozen characters, containers after a few items and a few
+    levels (with their true length), integers too long to print show their digit count.
+    The walk is iterative, touches at most a few dozen nodes and never calls ``repr`` or
+    ``str`` on a container, so it cannot recurse or allocate in proportion to ``value``.
+
+    Example:
+        >>> describe([1, "x" * 1000, {"a": [[[[1]]]]}])[:40]
+        "list of 3: [1, 'xxxxxxxxxxxxxxxxxxxxxxxx"
+    """
+    parts: list[str] = []
+    # An explicit stack of (value, depth) or literal text to emit: no recursion.
+    stack: list[tuple[object, int] | str] = [(value, 0)]
+    size = 0
+    while stack and size < _BUDGET:
+        top = stack.pop()
+        if isinstance(top, str):
+            parts.append(top)
+            size += len(top)
+            continue
+        node, depth = top
+        text = _scalar(node)
+        if text is None:
+            text = _container(node, depth, stack)
+        parts.append(text)
+        size += len(text)
+    shown = "".join(parts)
+    if stack or len(shown) > _BUDGET:
+        shown = shown[:_BUDGET] + "..."
+    return shown
+
+
+def _scalar(node: object) -> str | None:
+    if node is None or isinstance(node, (bool, float)):
+        return str(node)
+    if isinstance(node, int):
+        digits = node.bit_length() * 30103 // 100000 + 1  # log10(2): no str() of huge ints
+        return str(node) if digits < 40 else f"<int of about {digits} digits>"
+    if isinstance(node, str):
+        cut = node[:_TEXT_CHARS]
+        more = f"... ({len(node)} chars)" if len(node) > _TEXT_CHARS else ""
+        return repr(cut) + more
+    if isinstance(node, (bytes, bytearray, memoryview)):
+        raw = bytes(node[: _TEXT_CHARS // 4])
+        return repr(raw) + (f"... ({len(node)} bytes)" if len(node) > len(raw) else "")
+    if isinstance(node, (list, tuple, dict)) or hasattr(node, "__dataclass_fields__"):
+        return None
+    shape = getattr(node, "shape", None)
+    dtype = getattr(node, "dtype", None)
+    if shape == () and dtype is not None:  # a numpy scalar
+        return str(node)[:_TEXT_CHARS]
+    if isinstance(shape, tuple) and dtype is not None:  # an array: never its elements
+        return f"<{type(node).__name__} shape {list(shape)} dtype {dtype}>"[:_TEXT_CHARS]
+    if isinstance(node, (PurePath, Enum)):
+        return str(node)[:_TEXT_CHARS]
+    return f"<{type(node).__name__}>"
+
+
+def _container(node: object, depth: int, stack: list[tuple[object, int] | str]) -> str:
+    if isinstance(node, dict):
+        entries: list[object] = list(_head(node.items()))
+        opening, closing = "{", "}"
+    elif not isinstance(node, (list, tuple)):  # a dataclass: its fields, by name
+        names = list(node.__dataclass_fields__)  # type: ignore[attr-defined]
+        node = {name: getattr(node, name, None) for name in names[:_ITEMS]}
+        entries = list(node.items())
+        opening, closing = "(", ")"
+    else:
+        assert isinstance(node, (list, tuple))
+        entries = list(node[:_ITEMS])
+        opening, closing = ("[", "]") if isinstance(node, list) else ("(", ")")
+    cut = len(node) > len(entries)
+    label = f"{type(node).__name__} of {len(node)}: " if depth == 0 and cut else ""
+    if depth >= _DEPTH:
+        return f"{opening}...{len(node)} items{closing}"
+    pending: list[tuple[object, int] | str] = []
+    for index, entry in enumerate(entries):
+        if index:
+            pending.append(", ")
+        if isinstance(node, dict):
+            assert isinstance(entry, tuple)  # dict items
+            key: object = entry[0]
+            entry_value: object = entry[1]
+            pending.extend([(key, depth + 1), ": ", (entry_value, depth + 1)])
+        else:
+            pending.append((entry, depth + 1))
+    if cut:
+        pending.append(", ...")
+    pending.append(closing)
+    stack.extend(reversed(pending))
+    return label + opening
+
+
+def _head(items: object) -> list[object]:
+    head: list[object] = []
+    for entry in items:  # type: ignore[attr-defined]
+        if len(head) == _ITEMS:
+            break
+        head.append(entry)
+    return head
 
 
 class RouteplayError(Exception):
@@ -85,11 +205,18 @@ class RouteplayError(Exception):
         if self.where:
             parts.append(f"at {self.where}")
         if self.expected is not None:
-            parts.append(f"expected {self.expected}")
+            parts.append(f"expected {_shown(self.expected)}")
         if self.found is not None:
-            parts.append(f"found {self.found}")
+            parts.append(f"found {_shown(self.found)}")
         message = "; ".join(parts)
         return f"{message}. {self.hint}" if self.hint else message
+
+
+def _shown(value: object) -> str:
+    # Our own text (built by routeplay) reads better unquoted; anything else is bounded.
+    if isinstance(value, str) and len(value) <= _BUDGET:
+        return value
+    return describe(value)
 
 
 class MisuseError(RouteplayError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routeplay.core import Engine, EngineRouting, RouteSpec, preset, read_response
-from routeplay.errors import MalformedPayload, RoutesDataError, SpecMismatch
+from routeplay.errors import MalformedPayload, RouteplayError, SpecMismatch
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2
 
@@ -57,7 +58,7 @@ def inspect_command(
             start_row=start_row,
             where=path.name,
         )
-    except RoutesDataError as exc:
+    except RouteplayError as exc:  # bad data, or a body that asks for something impossible
         _report_refusal(console, exc, as_json)
         raise typer.Exit(EXIT_REFUSED) from exc
     report = _summary(result)
@@ -95,13 +96,27 @@ def _parse_json(text: bytes, path: Path) -> Any:
             found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
             where=path.name,
         ) from exc
+    except RecursionError as exc:  # nesting deeper than the interpreter's stack
+        raise MalformedPayload(
+            "response body nests too deeply to parse",
+            expected=f"JSON nested less than about {sys.getrecursionlimit()} levels",
+            found="deeper nesting",
+            where=path.name,
+        ) from exc
+    except ValueError as exc:  # an integer over sys.get_int_max_str_digits() digits
+        raise MalformedPayload(
+            "response body holds a number too long to parse",
+            expected=f"integers of at most {sys.get_int_max_str_digits()} digits",
+            found=str(exc)[:160],
+            where=path.name,
+        ) from exc
 
 
 def _summary(result: EngineRouting) -> dict[str, Any]:
     return {"ok": True, **result.summary()}
 
 
-def _report_refusal(console: Console, exc: RoutesDataError, as_json: bool) -> None:
+def _report_refusal(console: Console, exc: RouteplayError, as_json: bool) -> None:
     if as_json:
         report = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
         console.out(json.dumps(report), highlight=False)

@@ -3,7 +3,8 @@ recording routing, served in process and over HTTP in each real engine's wire fo
 
 - ``model``: ``EngineConfig`` and ``build_model`` (same seed, same weights, any precision);
 - ``generator``: ``ReferenceEngine.generate`` -> ``Generation`` (tokens, log-probs, routing);
-- ``server``: ``WireHandler`` (one wire format in process) and ``EngineServer`` (HTTP).
+- ``server``: ``WireHandler`` (one wire format in process) and ``EngineServer`` (HTTP,
+  under ``ServerLimits``: body size and per-request deadline).
 
 The server names load on first use, so the model and generator need no web stack.
 """
@@ -16,7 +17,13 @@ from routeplay.engine.generator import FINISH_REASONS, EngineStats, Generation, 
 from routeplay.engine.model import DTYPES, EngineConfig, build_model
 
 if TYPE_CHECKING:
-    from routeplay.engine.server import WIRES, EngineServer, ServerStats, WireHandler
+    from routeplay.engine.server import (
+        WIRES,
+        EngineServer,
+        ServerLimits,
+        ServerStats,
+        WireHandler,
+    )
 
 __all__ = [
     "DTYPES",
@@ -27,12 +34,13 @@ __all__ = [
     "EngineStats",
     "Generation",
     "ReferenceEngine",
+    "ServerLimits",
     "ServerStats",
     "WireHandler",
     "build_model",
 ]
 
-_SERVER_NAMES = frozenset({"WIRES", "EngineServer", "ServerStats", "WireHandler"})
+_SERVER_NAMES = frozenset({"WIRES", "EngineServer", "ServerLimits", "ServerStats", "WireHandler"})
 
 
 def __getattr__(name: str) -> Any:

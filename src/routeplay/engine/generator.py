@@ -18,9 +18,11 @@ in ``EngineStats.full_forward_divergent_rows``; the reported routing never comes
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -138,6 +140,7 @@ class ReferenceEngine:
         later); ``eos_id`` (one id or several) ends it with ``"stop"``.
         """
         prompt = self._check_request(prompt_ids, max_new_tokens, temperature, stop_after)
+        _check_seed(seed)
         stops = self._stop_ids(eos_id)
         with self._lock:
             tokens, logprobs, finish, routing = self._decode(
@@ -279,10 +282,10 @@ class ReferenceEngine:
                 where=where,
                 hint="Raise EngineConfig.max_positions or shorten the request.",
             )
-        if not temperature >= 0.0:  # also refuses NaN
+        if not 0.0 <= temperature < math.inf:  # also refuses NaN
             raise MisuseError(
-                "temperature must be >= 0 (0 is greedy)",
-                expected=">= 0",
+                "temperature must be finite and >= 0 (0 is greedy)",
+                expected="0 <= temperature < inf",
                 found=temperature,
                 where=where,
             )
@@ -319,8 +322,28 @@ def _count_divergent(a: npt.NDArray[np.unsignedinteger], b: npt.NDArray[np.unsig
     return int((np.sort(a, axis=2) != np.sort(b, axis=2)).any(axis=2).sum())
 
 
+SEED_RANGE: Final = range(-(2**63), 2**64)
+"""Seeds ``torch.Generator.manual_seed`` accepts."""
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in SEED_RANGE:
+        raise MisuseError(
+            "seed must be a 64-bit integer",
+            expected="an int in [-2**63, 2**64)",
+            found=seed,
+            where="ReferenceEngine.generate",
+        )
+
+
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     if temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    scaled = logits / temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # A tiny temperature overflows logits / T (inf / inf = NaN probabilities). Shift by
+        # the max in float64 first: every scaled logit is then <= 0, the best exactly 0,
+        # the rest -inf or finite, so the distribution is the T -> 0 limit it should be.
+        scaled = (logits.double() - logits.max().double()) / temperature
+    probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -5,13 +5,14 @@ Routing-related request fields are named by ``routeplay.core.wires`` (pydantic a
 so this module never spells an engine's field. Unknown fields are ignored (clients send
 model names, stream flags...). Beyond the real engines' fields every request takes
 ``stop_after`` (interrupt after that many tokens: a partial rollout) and
-``stop_token_ids``; a missing ``seed`` means 0, so every request is reproducible.
+``stop_token_ids``; a missing ``seed`` means 0, so every request is reproducible. Seeds
+outside 64 bits and infinite or NaN temperatures are refused here, as bad requests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
@@ -49,6 +50,12 @@ class Job:
     """LMDeploy: keep the stop token in the answer."""
 
 
+Seed = Annotated[StrictInt | None, Field(ge=-(2**63), lt=2**64)]
+"""What ``torch.Generator.manual_seed`` takes; beyond it the engine would fail."""
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+"""Finite and non-negative (0 is greedy); NaN and infinity are refused."""
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -56,8 +63,8 @@ class _Body(BaseModel):
 class _VllmRequest(_Body):
     prompt: list[StrictInt] = Field(min_length=1)
     max_tokens: StrictInt = 16
-    temperature: float = 1.0
-    seed: StrictInt | None = None
+    temperature: Temperature = 1.0
+    seed: Seed = None
     stop_after: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
     start: StrictInt = Field(0, ge=0, alias=vllm_wire.START_FIELD)
@@ -65,8 +72,8 @@ class _VllmRequest(_Body):
 
 class _SglangSampling(_Body):
     max_new_tokens: StrictInt = 128
-    temperature: float = 1.0
-    seed: StrictInt | None = None
+    temperature: Temperature = 1.0
+    seed: Seed = None
     stop_after: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
 
@@ -81,8 +88,8 @@ class _SglangRequest(_Body):
 class _LmdeployRequest(_Body):
     input_ids: list[StrictInt] = Field(min_length=1)
     max_tokens: StrictInt = 128
-    temperature: float = 1.0
-    seed: StrictInt | None = None
+    temperature: Temperature = 1.0
+    seed: Seed = None
     stop_after: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
     routing: bool = Field(False, alias=lmdeploy_wire.RETURN_FIELD)

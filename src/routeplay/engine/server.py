@@ -7,14 +7,21 @@ handler with FastAPI/uvicorn on a loopback address, in a background thread. Each
 ``routeplay.core.wires.WIRES`` is served on its endpoint (``WireFormat.path``); its
 request fields are parsed by ``routeplay.engine.requests``.
 
-Every server also answers ``GET /health``. A bad request gets 400 with
-``{"error": {"type": ..., "message": ...}}``; a failing engine store gets 503.
+Every server also answers ``GET /health``. Every bad request gets a 4xx with
+``{"error": {"type": ..., "message": ...}}``, never a 500: 400 for a body that does not
+parse (bad JSON, nesting deeper than the parser's stack, 5,000-digit integers) or does not
+validate (wrong types, seeds beyond 64 bits, infinite or NaN temperatures); 413 for a body
+over ``ServerLimits.max_body_bytes`` (refused from its ``Content-Length`` or while it
+streams in, before it is parsed). A request that runs past
+``ServerLimits.request_timeout_s`` gets 504; a failing engine store gets 503.
 Prompts are token ids: the reference engine has no tokenizer, so ``text`` is always "".
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import json
 import socket
 import threading
 import time
@@ -33,9 +40,9 @@ from routeplay.core.wires import WIRE_NAMES, Answer, BodyOptions, WireFormat
 from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import Generation, ReferenceEngine
 from routeplay.engine.requests import Job, parse_request
-from routeplay.errors import LifetimeError, MisuseError, RoutesDataError
+from routeplay.errors import LifetimeError, MisuseError, RoutesDataError, describe
 
-__all__ = ["WIRES", "EngineServer", "ServerStats", "WireHandler"]
+__all__ = ["WIRES", "EngineServer", "ServerLimits", "ServerStats", "WireHandler", "build_app"]
 
 WIRES: Final = WIRE_NAMES
 """Wire formats a server can speak (``routeplay.core.wires.WIRE_NAMES``)."""
@@ -170,7 +177,7 @@ class WireHandler:
             raise MisuseError(
                 "the engine store answered put with something other than a key",
                 expected="56 lowercase hex characters (ObjectRef.hex())",
-                found=repr(answer)[:80],
+                found=describe(answer),
                 where="shared_store.put",
             )
         with self._lock:
@@ -181,8 +188,47 @@ class WireHandler:
 # --------------------------------------------------------------------------- HTTP
 
 
-def build_app(handler: WireHandler) -> FastAPI:
-    """A FastAPI app serving ``handler`` (and ``GET /health``)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerLimits:
+    """What one HTTP request may cost the server.
+
+    Example:
+        >>> ServerLimits(max_body_bytes=1 << 20, request_timeout_s=10.0).max_body_bytes
+        1048576
+    """
+
+    max_body_bytes: int = 16 << 20
+    """Largest request body accepted (413 beyond); 16 MiB holds a 1M-token prompt."""
+    request_timeout_s: float = 120.0
+    """Time one request may take, queueing for the engine included (504 beyond). The
+    generation thread cannot be interrupted: it finishes in the background, bounded by
+    the model's positions, and its answer is dropped."""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or not self.request_timeout_s > 0:
+            raise MisuseError(
+                "server limits must be positive",
+                expected="max_body_bytes >= 1, request_timeout_s > 0",
+                found=self,
+            )
+
+
+class _Refusal(Exception):
+    """An HTTP error answer, raised while reading the request."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+def build_app(handler: WireHandler, limits: ServerLimits | None = None) -> FastAPI:
+    """A FastAPI app serving ``handler`` (and ``GET /health``) under ``limits``.
+
+    Example:
+        >>> app = build_app(WireHandler(engine, "sglang"))  # doctest: +SKIP
+        >>> httpx.AsyncClient(transport=httpx.ASGITransport(app=app))  # doctest: +SKIP
+    """
+    limits = limits or ServerLimits()
     app = FastAPI(title=f"routeplay reference engine ({handler.wire})", docs_url=None)
 
     @app.get("/health")
@@ -193,19 +239,55 @@ def build_app(handler: WireHandler) -> FastAPI:
     @app.post(handler.path)
     async def generate(request: Request) -> JSONResponse:
         try:
-            body = await request.json()
-        except ValueError as exc:
-            return _error(400, "MisuseError", f"the request body is not JSON: {exc}")
-        try:
+            body = _parse_json(await _read_body(request, limits.max_body_bytes))
             # Generation is CPU-bound and serialized by the engine's lock: off the event loop.
-            answer = await run_in_threadpool(handler, body)
+            answer = await asyncio.wait_for(
+                run_in_threadpool(handler, body), timeout=limits.request_timeout_s
+            )
+        except _Refusal as refusal:
+            return _error(refusal.status, refusal.kind, refusal.message)
         except (MisuseError, RoutesDataError) as exc:
             return _error(400, type(exc).__name__, str(exc))
         except LifetimeError as exc:
             return _error(503, type(exc).__name__, str(exc))
+        except TimeoutError:
+            return _error(
+                504,
+                "EngineUnavailable",
+                f"the request took longer than {limits.request_timeout_s}s",
+            )
         return JSONResponse(answer)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it exceeds ``limit`` (declared or streamed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _Refusal(413, "MisuseError", f"the request body exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked uploads, or a Content-Length that lied
+            raise _Refusal(413, "MisuseError", f"the request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        why = "it nests deeper than the parser's stack"
+    except UnicodeDecodeError:
+        why = "it is not UTF-8"
+    except json.JSONDecodeError as exc:
+        why = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    except ValueError as exc:  # integers beyond sys.get_int_max_str_digits()
+        why = str(exc)[:160]
+    raise _Refusal(400, "MisuseError", f"the request body is not JSON: {why}")
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
@@ -218,8 +300,13 @@ class EngineServer:
     ``allow_remote=True`` lets ``host`` be one IP of this node (a multi-node cluster's
     rollout workers must reach it); wildcard addresses are always refused.
 
-    ``port=0`` picks a free port; ``url`` says which. ``close()`` (idempotent, also on
-    leaving a ``with`` block) stops the server and joins its thread.
+    ``port=0`` picks a free port; ``url`` says which. ``limits`` caps each request's
+    body size and time. ``close()`` (idempotent, also on leaving a ``with`` block) stops
+    the server and joins its thread.
+
+    Example:
+        >>> with EngineServer(engine, "sglang") as server:  # doctest: +SKIP
+        ...     httpx.post(server.endpoint, json={"input_ids": [1, 2]}).json()
     """
 
     def __init__(
@@ -232,6 +319,7 @@ class EngineServer:
         engine_store: Any = None,
         allow_remote: bool = False,
         start_timeout_s: float = 30.0,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.handler = WireHandler(engine, wire, engine_store=engine_store)
         family = _bind_family(host, allow_remote)
@@ -248,7 +336,10 @@ class EngineServer:
         shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
         self._url = f"http://{shown}:{bound_port}"
         config = uvicorn.Config(
-            build_app(self.handler), log_level="warning", access_log=False, lifespan="off"
+            build_app(self.handler, limits),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -318,10 +409,14 @@ def _bind_family(host: str, allow_remote: bool) -> socket.AddressFamily:
         address = ipaddress.ip_address(host)
     except ValueError:
         address = None
-    if address is not None and (
-        address.is_loopback or (allow_remote and not address.is_unspecified)
-    ):
-        return socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    if address is not None:
+        # ::ffff:0.0.0.0 binds every IPv4 interface although ipaddress does not call it
+        # unspecified: judge an IPv4-mapped address by the IPv4 address it maps.
+        mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+        judged = mapped if mapped is not None else address
+        wildcard = judged.is_unspecified or address.is_unspecified
+        if not wildcard and (judged.is_loopback or allow_remote):
+            return socket.AF_INET6 if address.version == 6 else socket.AF_INET
     raise MisuseError(
         "the reference engine binds a loopback address unless told otherwise",
         expected="127.0.0.1, ::1 or localhost; with allow_remote=True one IP of this node",

@@ -22,7 +22,7 @@ from routeplay.core.handle import EngineKey
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import expected_rows
-from routeplay.errors import MalformedPayload, RowCountMismatch
+from routeplay.errors import MalformedPayload, RowCountMismatch, describe
 
 __all__ = [
     "Answer",
@@ -44,6 +44,10 @@ __all__ = [
     "store_key",
     "wire_layers",
 ]
+
+MAX_COUNT = 2**63
+"""Token counts above this are refused: no real sequence is that long, and bounding them
+keeps every derived row count a 64-bit number (numpy-sized, printable)."""
 
 KeyPut: TypeAlias = Callable[[npt.NDArray[Any]], str]
 """Puts one routing array into an engine-side store and returns its key (``ref.hex()``)."""
@@ -227,17 +231,25 @@ def item(values: object, index: int, what: str, where: str) -> Mapping[str, Any]
 
 
 def count(holder: object, name: str, where: str) -> int | None:
-    """A token count, or None when absent; anything but a non-negative int is refused."""
-    if not isinstance(holder, Mapping):
+    """A token count, or None when absent (no holder, or no such field); a holder that is
+    not an object, or a count that is not a non-negative 64-bit int, is refused."""
+    if holder is None:
         return None
+    if not isinstance(holder, Mapping):
+        raise MalformedPayload(
+            f"the object holding {name} must be a JSON object",
+            expected="object",
+            found=type(holder).__name__,
+            where=f"{where} {name}",
+        )
     value = holder.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
         raise MalformedPayload(
             f"{name} must be a non-negative integer",
-            expected="int >= 0",
-            found=repr(value)[:40],
+            expected="int in [0, 2**63)",
+            found=describe(value),
             where=f"{where} {name}",
         )
     return value
@@ -301,6 +313,13 @@ def store_key(
             found="no counts",
             where=path,
         )
+    if rows < 0:
+        raise RowCountMismatch(
+            "the token counts imply a negative row count for the routing key",
+            expected="prompt + completion >= 1 (rows = prompt + completion - 1)",
+            found=f"{rows} rows",
+            where=path,
+        )
     return parse_key(
         payload, rows=rows, namespace=namespace, trailing_rows=trailing_rows, where=path
     )
@@ -342,19 +361,33 @@ def _found_rows(exc: RowCountMismatch) -> int | None:
 
 def completion(ids: object, logprobs: object, reason: object, *, where: str) -> Completion:
     """A ``Completion`` from the raw JSON values, or a refusal (never a raw TypeError)."""
-    try:
-        done = Completion(
-            token_ids=tuple(int(i) for i in sequence(ids, "generated ids", where)),
-            logprobs=tuple(float(p) for p in sequence(logprobs, "log-probabilities", where)),
-            finish_reason=str(reason),
+    if not isinstance(reason, str):
+        raise MalformedPayload(
+            "finish reason must be a string", expected="str", found=describe(reason), where=where
         )
-    except (TypeError, ValueError) as exc:
+    id_list = sequence(ids, "generated ids", where)
+    logprob_list = sequence(logprobs, "log-probabilities", where)
+    # Ints only (a bool, float or string id is a broken body, not something to coerce);
+    # log-probabilities may be any JSON number.
+    if not all(type(i) is int for i in id_list) or not all(
+        type(p) in (int, float) for p in logprob_list
+    ):
         raise MalformedPayload(
             "generated ids or log-probabilities are not numbers",
-            expected="ints and floats",
-            found=f"{type(exc).__name__}: {exc}",
+            expected="integer ids and numeric log-probabilities",
+            found=f"ids {describe(id_list)}, log-probabilities {describe(logprob_list)}",
+            where=where,
+        )
+    try:
+        floats = tuple(float(p) for p in logprob_list)
+    except OverflowError as exc:  # a JSON integer beyond the float range
+        raise MalformedPayload(
+            "a log-probability is out of the float range",
+            expected="finite numbers",
+            found=describe(logprob_list),
             where=where,
         ) from exc
+    done = Completion(token_ids=tuple(id_list), logprobs=floats, finish_reason=reason)
     if len(done.logprobs) != len(done.token_ids):
         raise MalformedPayload(
             "one log-probability per generated id",
