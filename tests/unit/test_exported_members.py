@@ -165,6 +165,7 @@ EXPORTS: dict[str, list[str]] = {
         "FINISH_REASONS",
         "Generation",
         "ReferenceEngine",
+        "ServerLimits",
         "ServerStats",
         "WIRES",
         "WireHandler",
