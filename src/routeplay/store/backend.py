@@ -8,6 +8,7 @@ in batches: ``call`` takes every shard call of one step and answers them togethe
 
 from __future__ import annotations
 
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -147,7 +148,7 @@ class RayBackend:
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
         if (actor, namespace) not in self._engines:
-            self._engines[(actor, namespace)] = ray.get_actor(actor, namespace=namespace)
+            self._engines[(actor, namespace)] = ray_calls.get_actor(actor, namespace)
         store = self._engines[(actor, namespace)]
         what = f"{namespace}/{actor}.{method}"
         return ray_calls.get(
@@ -270,7 +271,7 @@ class LocalBackend:
         with self._lock:
             for key in keys:
                 store = self.engine_store(key.actor, key.namespace)
-                [taken] = take_checked_many(store, [key], spec)
+                [taken] = take_checked_many(store, [key], spec, self._shards[shard].run)
                 if isinstance(taken, BaseException):
                     out.append(taken)
                     continue
@@ -290,7 +291,10 @@ class LocalBackend:
             taken = []
             for key in keys:
                 [result] = take_checked_many(
-                    self.engine_store(key.actor, key.namespace), [key], spec
+                    self.engine_store(key.actor, key.namespace),
+                    [key],
+                    spec,
+                    self._shards[shard].run,
                 )
                 if isinstance(result, BaseException):
                     return [result]
@@ -355,7 +359,7 @@ class _LocalObject:
     def __init__(self, data: Any) -> None:
         _LocalObject._count += 1
         self._data = data
-        self._key = f"{_LocalObject._count:056x}"
+        self._key = secrets.token_hex(28)  # as unguessable as the Ray engine store's keys
 
     def value(self) -> Any:
         return self._data

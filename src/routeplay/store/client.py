@@ -20,7 +20,7 @@ from __future__ import annotations
 import uuid
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeAlias
 
 import numpy.typing as npt
@@ -287,6 +287,7 @@ class RouteStore:
         """
         if not keys:
             return []
+        keys = [self.scoped(key) for key in keys]
         self._releases.settle(wait=False)
         shard = self._pick_shard(keys[0].key)
         results = self._backend.adopt_keys(shard, keys, spec, shared_prefix)
@@ -305,8 +306,30 @@ class RouteStore:
         return sum(self.free_key(key) for key in keys)
 
     def free_key(self, key: EngineKey) -> bool:
-        """Release one unread engine-store key (idempotent); True if it was live."""
-        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key))
+        """Release one unread engine-store key of this run (idempotent); True if it was
+        live. A key of another run is refused (``RunMismatch``) and stays live."""
+        key = self.scoped(key)
+        return bool(
+            self._backend.engine_call(key.actor, key.namespace, "free", key.key, self.run)
+        )
+
+    def scoped(self, key: EngineKey) -> EngineKey:
+        """``key`` carrying this run's id (a key read from a response carries none yet);
+        a key issued to another run is refused with ``RunMismatch``.
+
+        Example:
+            key = store.scoped(routing.key)   # EngineKey(..., run=store.run)
+        """
+        if key.run == self.run:
+            return key
+        if key.run:
+            raise RunMismatch(
+                "engine key of another run",
+                expected=f"run {self.run}",
+                found=f"run {key.run}",
+                where=f"engine key {key.key}",
+            )
+        return replace(key, run=self.run)
 
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:
@@ -438,6 +461,8 @@ class RouteStore:
             for source in handle.sources():
                 if isinstance(source, StoreRef):
                     self._check_run(source)
+                elif isinstance(source, EngineKey):
+                    self.scoped(source)
         self._releases.settle(wait=False)
         return self._reader.read_many(requests, holder=holder, out=out)
 

@@ -15,6 +15,7 @@ lease twice is a no-op; a lease only ever touches payloads of its own run.
 from __future__ import annotations
 
 import heapq
+import secrets
 import itertools
 import logging
 import time
@@ -290,7 +291,7 @@ class LeaseTable(Generic[Ref]):
 
     # -- internals ------------------------------------------------------------------
     def _grant(self, payload_ids: tuple[str, ...], holder: str) -> str:
-        lease_id = f"{self._lease_prefix}/lease-{next(self._ids)}"
+        lease_id = f"{self._lease_prefix}/lease-{secrets.token_hex(16)}"  # unguessable
         self._leases[lease_id] = _Lease(
             holder=holder,
             payloads=payload_ids,

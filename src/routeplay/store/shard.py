@@ -10,6 +10,7 @@ long-lived process handed it references it owns (``adopt``: drivers, engine stor
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,8 @@ class StoreShard:
     def adopt(self, refs: Sequence[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         """Keep references to a stored payload's blocks; returns the payload's StoreRef."""
         self._table.expire()
-        payload_id = f"{self.index}.{next(self._ids):x}"
+        # Unguessable (128 CSPRNG bits): ids cross process boundaries, see docs/security.md.
+        payload_id = f"{self.index}.{secrets.token_hex(16)}"
         self._table.add(payload_id, list(refs), rows=rows, nbytes=nbytes)
         return StoreRef(payload_id=payload_id, run=self.run, rows=rows, block_rows=block_rows)
 
