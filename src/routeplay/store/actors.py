@@ -262,7 +262,24 @@ class EngineStoreShell(_Reaped):
         )
         self._timeout_s = timeout_s
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._users: set[str] = set()  # runs using this shared actor (see leave_engine_store)
         self._start_reaper(self._store.expire, ttl_s)
+
+    def attach(self, user: str) -> int:
+        """Count ``user`` (a run) among this actor's users; returns how many there are."""
+        return self._locked(lambda: self._attach(user))
+
+    def detach(self, user: str) -> int:
+        """``user`` is done with this actor; returns how many users remain."""
+        return self._locked(lambda: self._detach(user))
+
+    def _attach(self, user: str) -> int:
+        self._users.add(user)
+        return len(self._users)
+
+    def _detach(self, user: str) -> int:
+        self._users.discard(user)
+        return len(self._users)
 
     def take_checked_many(
         self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None

@@ -309,9 +309,7 @@ class RouteStore:
         """Release one unread engine-store key of this run (idempotent); True if it was
         live. A key of another run is refused (``RunMismatch``) and stays live."""
         key = self.scoped(key)
-        return bool(
-            self._backend.engine_call(key.actor, key.namespace, "free", key.key, self.run)
-        )
+        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key, self.run))
 
     def scoped(self, key: EngineKey) -> EngineKey:
         """``key`` carrying this run's id (a key read from a response carries none yet);

@@ -15,9 +15,9 @@ lease twice is a no-op; a lease only ever touches payloads of its own run.
 from __future__ import annotations
 
 import heapq
-import secrets
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable

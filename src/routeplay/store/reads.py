@@ -174,9 +174,7 @@ class Reader:
     def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
         """Read a key's whole payload once (the key is single-use), validated, canonical."""
         where = f"engine key {key.key}"
-        wrapped = self._backend.engine_call(
-            key.actor, key.namespace, "get_ref", key.key, self._run
-        )
+        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key, self._run)
         [view] = self._backend.fetch(wrapped, where)
         full = np.array(view)  # copy out, then drop the view so nothing stays pinned
         del view, wrapped
