@@ -69,8 +69,9 @@ def start_engine_store(
     ``runtime_env`` is the actor's Ray runtime environment. Waits up to ``timeout_s`` for
     the actor to answer. ``user`` (a run id) is counted among the shared actor's users,
     so that ``leave_engine_store`` ends it only when its last user leaves. Raises
-    ``ForeignEngineStore`` if another kind of actor holds ``namespace/name``, ``RouteplayNotImportable`` if the actor's worker cannot import
-    routeplay, ``StoreTimeout`` if the actor does not come up in time.
+    ``ForeignEngineStore`` if another kind of actor holds ``namespace/name``,
+    ``RouteplayNotImportable`` if the actor's worker cannot import routeplay,
+    ``StoreTimeout`` if the actor does not come up in time.
 
     Example:
         >>> store = start_engine_store(ttl_s=600)  # before the LMDeploy server starts
