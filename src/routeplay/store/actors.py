@@ -107,12 +107,20 @@ class _Reaped:
 class StoreShardShell(_Reaped):
     """One shard of a run's route store. Holds references and leases, never bytes."""
 
-    def __init__(self, run: str, index: int, ttl_s: float | None, timeout_s: float = 60.0) -> None:
-        self._shard = StoreShard(run, index, ttl_s=ttl_s)
+    def __init__(
+        self,
+        run: str,
+        index: int,
+        ttl_s: float | None,
+        timeout_s: float = 60.0,
+        lease_ttl_s: float | None = None,
+    ) -> None:
+        self._shard = StoreShard(run, index, ttl_s=ttl_s, lease_ttl_s=lease_ttl_s)
         self._timeout_s = timeout_s
         self._engines: dict[tuple[str, str], Any] = {}  # engine-store handles, looked up once
         self._validators: dict[str, Any] = {}  # one validator actor per engine node
-        self._start_reaper(self._shard.expire, ttl_s)
+        ttls = [t for t in (ttl_s, lease_ttl_s) if t is not None]
+        self._start_reaper(self._shard.expire, min(ttls) if ttls else None)
 
     def adopt_many(
         self, refs: list[Any], payloads: list[StoredPayload], saved_bytes: int = 0
@@ -212,6 +220,24 @@ class StoreShardShell(_Reaped):
 
     def revoke_many(self, lease_ids: list[str]) -> list[str]:
         return self._locked(lambda: self._shard.revoke_many(lease_ids))
+
+    def adopt_leased(
+        self,
+        refs: list[Any],
+        payloads: list[StoredPayload],
+        saved_bytes: int,
+        samples: list[tuple[int, ...]],
+        holder: str,
+    ) -> tuple[list[StoreRef], Grant]:
+        return self._locked(
+            lambda: self._shard.adopt_leased(refs, payloads, saved_bytes, samples, holder)
+        )
+
+    def revoke_holder(self, holder: str) -> list[str]:
+        return self._locked(lambda: self._shard.revoke_holder(holder))
+
+    def revoke_leases(self, lease_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.revoke_leases(lease_ids))
 
     def adopt(self, refs: list[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt(refs, rows, nbytes, block_rows))

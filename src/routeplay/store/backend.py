@@ -101,13 +101,14 @@ class RayBackend:
         timeout_s: float,
         options: dict[str, Any],
         join: bool,
+        lease_ttl_s: float | None = None,
     ) -> RayBackend:
         """Create the run's shard actors; join existing ones only when ``join`` is set."""
         if not join:
             _refuse_existing(f"routeplay.store.{run}.0", options["namespace"], run)
         handles = [
             StoreShardActor.options(name=f"routeplay.store.{run}.{i}", **options).remote(
-                run, i, ttl_s, timeout_s
+                run, i, ttl_s, timeout_s, lease_ttl_s
             )
             for i in range(shards)
         ]
@@ -204,11 +205,15 @@ def _refuse_existing(name: str, namespace: str, run: str) -> None:
 class LocalBackend:
     """Shards and engine stores as plain objects in this process (tests, tools)."""
 
-    def __init__(self, run: str, *, shards: int, ttl_s: float | None) -> None:
+    def __init__(
+        self, run: str, *, shards: int, ttl_s: float | None, lease_ttl_s: float | None = None
+    ) -> None:
         # One lock for all shards: like the actors' locks, it keeps each plain shard
         # single-threaded when several threads (e.g. a prefetching reader) share the store.
         self._lock = threading.RLock()
-        self._shards = [StoreShard(run, i, ttl_s=ttl_s) for i in range(shards)]
+        self._shards = [
+            StoreShard(run, i, ttl_s=ttl_s, lease_ttl_s=lease_ttl_s) for i in range(shards)
+        ]
         self._engine_stores: dict[tuple[str, str], EngineStore[Any]] = {}
 
     @property

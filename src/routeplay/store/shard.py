@@ -71,11 +71,12 @@ class StoreShard:
         ttl_s: float | None = 600.0,
         clock: Callable[[], float] = time.monotonic,
         call_producer: CallProducer | None = None,
+        lease_ttl_s: float | None = None,
     ) -> None:
         self.run = run
         self.index = index
         self._table: LeaseTable[list[Any]] = LeaseTable(
-            run, ttl_s=ttl_s, clock=clock, lease_prefix=f"{run}/{index}"
+            run, ttl_s=ttl_s, clock=clock, lease_prefix=f"{run}/{index}", lease_ttl_s=lease_ttl_s
         )
         self._ids = itertools.count()
         self._call_producer = call_producer
@@ -142,6 +143,28 @@ class StoreShard:
     def release_many(self, lease_ids: Sequence[str]) -> list[str]:
         """End many leases (each idempotent); returns payloads dropped by them."""
         return [pid for lease_id in lease_ids for pid in self._table.release(lease_id)]
+
+    def adopt_leased(
+        self,
+        refs: Sequence[Any],
+        payloads: Sequence[StoredPayload],
+        saved_bytes: int,
+        samples: Sequence[Sequence[int]],
+        holder: str,
+    ) -> tuple[list[StoreRef], Grant]:
+        """``adopt_many`` and a lease of ``holder`` per sample (its payload indices), in
+        one step: no TTL can drop a payload between the put and the lease."""
+        stored = self.adopt_many(refs, payloads, saved_bytes)
+        requests = [([stored[i].payload_id for i in parts], holder) for parts in samples]
+        return stored, self.lease_many(requests, self.run)
+
+    def revoke_holder(self, holder: str) -> list[str]:
+        """End every lease of a dead holder; returns the lease ids ended."""
+        return self._table.revoke_holder(holder)
+
+    def revoke_leases(self, lease_ids: Sequence[str]) -> list[str]:
+        """End leases of a dead holder (not a rollback); returns those that were live."""
+        return self._table.revoke_leases(lease_ids)
 
     def revoke_many(self, lease_ids: Sequence[str]) -> list[str]:
         """Roll back many leases of a multi-shard grant that failed elsewhere."""
