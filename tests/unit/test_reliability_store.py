@@ -28,7 +28,8 @@ def _two_runs() -> tuple[RouteStore, RouteStore, LocalBackend]:
     a = RouteStore.local(StoreConfig(run="run-a"))
     b = RouteStore.local(StoreConfig(run="run-b"))
     backend_a, backend_b = a.backend, b.backend
-    assert isinstance(backend_a, LocalBackend) and isinstance(backend_b, LocalBackend)
+    assert isinstance(backend_a, LocalBackend)
+    assert isinstance(backend_b, LocalBackend)
     backend_b._engine_stores = backend_a._engine_stores  # one engine store on the cluster
     return a, b, backend_a
 
@@ -77,7 +78,7 @@ def test_ids_crossing_processes_are_random_and_keys_keep_lmdeploys_shape() -> No
     assert keys[0][:28] != keys[1][:28]
     first, second = store.put_many([routing(5, 1), routing(5, 2)])
     pids = [first.segments[0].source, second.segments[0].source]
-    ids = [getattr(p, "payload_id") for p in pids]
+    ids = [p.payload_id for p in pids]
     assert all(len(pid.split(".", 1)[1]) == 32 for pid in ids)  # 128 random bits
     lease_ids = [
         lid
@@ -89,7 +90,7 @@ def test_ids_crossing_processes_are_random_and_keys_keep_lmdeploys_shape() -> No
 
 def test_put_leased_leases_in_the_same_step_as_the_put() -> None:
     store = RouteStore.local(StoreConfig(run="leased", ttl_s=5.0))
-    handle, lease = store.put_leased(routing(30, 3), "sample/s-1")
+    _handle, lease = store.put_leased(routing(30, 3), "sample/s-1")
     stats = store.stats()
     assert stats.unleased_payloads == 0  # never exposed to the TTL
     assert stats.leases_by_holder == (("sample/s-1", 1),)
@@ -138,7 +139,8 @@ def test_the_lease_ttl_ends_old_leases_logged_and_counted(caplog: pytest.LogCapt
     with caplog.at_level(logging.WARNING):
         assert table.expire() == ["0.a"]
     assert "dead-holder" in caplog.text
-    assert not table.is_live(old) and table.is_live(young)
+    assert not table.is_live(old)
+    assert table.is_live(young)
     assert table.stats().expired_leases == 1
 
 

@@ -24,6 +24,9 @@ from routeplay.pipeline.rollout_worker import Sampling
 from routeplay.pipeline.task import random_tokens
 from routeplay.rollout import RolloutState, Status
 
+_DEADLINE_S = 600.0
+"""Longest wait for any rollout to finish: past it, every pending job counts as failed."""
+
 if TYPE_CHECKING:
     from routeplay.pipeline.config import RolloutConfig
 
@@ -129,24 +132,31 @@ class RolloutPool:
         done: list[RolloutState] = []
         failed: list[Job] = []
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_DEADLINE_S)
+            if not ready:  # every worker hung: fail what is pending, never hang the run
+                for job in pending.values():
+                    self._fail(job, f"no answer within {_DEADLINE_S}s", failed)
+                break
             job = pending.pop(ready[0])
             try:
-                state = ray.get(ready[0])
+                state = ray.get(ready[0], timeout=_DEADLINE_S)
             except Exception as exc:  # one bad answer must not stop the run
-                job.state.release()
-                self.stats.failed += 1
-                self.stats.errors.append(f"{job.state.sample_id}: {exc}"[:500])
-                failed.append(job)
+                self._fail(job, str(exc), failed)
                 continue
             setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
             done.append(state)
             on_done(state)
         return done, failed
 
+    def _fail(self, job: Job, why: str, failed: list[Job]) -> None:
+        job.state.release()
+        self.stats.failed += 1
+        self.stats.errors.append(f"{job.state.sample_id}: {why}"[:500])
+        failed.append(job)
+
     def close(self) -> None:
         """Close the workers' clients and end the actors."""
-        ray.get([worker.close.remote() for worker in self._workers])
+        ray.get([worker.close.remote() for worker in self._workers], timeout=_DEADLINE_S)
         for worker in self._workers:
             ray.kill(worker)
 

@@ -136,7 +136,9 @@ class DemoServices:
         stats = self.store.stats()
         keys = 0
         if self.engine_store is not None:
-            keys = ray.get(self.engine_store.stats.remote()).live_keys
+            keys = ray.get(
+                self.engine_store.stats.remote(), timeout=self.store.config.timeout_s
+            ).live_keys
         return Teardown(
             leaked_leases=len(leaks),
             leaked_bytes=stats.live_bytes,
