@@ -228,7 +228,10 @@ class LeaseTable(Generic[Ref]):
 
     def revoke_leases(self, lease_ids: Iterable[str]) -> list[str]:
         """End the given leases of a dead holder (idempotent); returns those that were live."""
-        ended = [lid for lid in lease_ids if lid in self._leases]
+        ids = list(lease_ids)
+        for lid in ids:
+            self._check_own(lid)
+        ended = [lid for lid in ids if lid in self._leases]
         for lid in ended:
             self.release(lid)
         self._lease_counts["revoked"] += len(ended)
@@ -252,7 +255,20 @@ class LeaseTable(Generic[Ref]):
         grant): payloads it first leased go back to STORED, TTL and all; returns dropped."""
         return self._end(lease_id, restore_fresh=True)
 
+    def _check_own(self, lease_id: str) -> None:
+        """Refuse a lease id another run's (or shard's) table granted: ids carry their
+        granter's prefix. Ids of no table at all stay an idempotent no-op."""
+        if "/lease-" in lease_id and not lease_id.startswith(f"{self._lease_prefix}/lease-"):
+            raise RunMismatch(
+                "lease of another run or shard",
+                expected=f"a lease id of {self._lease_prefix}",
+                found=lease_id[:160],
+                where=f"run {self.run}",
+                hint="Each run releases only its own leases, through its own store.",
+            )
+
     def _end(self, lease_id: str, *, restore_fresh: bool) -> list[str]:
+        self._check_own(lease_id)
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return []
