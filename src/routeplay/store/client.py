@@ -558,7 +558,11 @@ class RouteStore:
         """
         by_shard: dict[int, list[str]] = {}
         for item in leases:
-            ids = item.parts.items() if isinstance(item, Lease) else [_lease_shard(item)]
+            ids = (
+                item.parts.items()
+                if isinstance(item, Lease)
+                else [_lease_shard(item, self.run, self._backend.shard_count)]
+            )
             for shard, lease_id in ids:
                 by_shard.setdefault(shard, []).append(lease_id)
         calls = [(i, "revoke_leases", (ids,)) for i, ids in sorted(by_shard.items())]
@@ -664,13 +668,20 @@ def _handles(
     ]
 
 
-def _lease_shard(item: str | LeakRecord) -> tuple[int, str]:
+def _lease_shard(item: str | LeakRecord, run: str, shards: int) -> tuple[int, str]:
     """The shard that granted a lease: its id is ``{run}/{shard}/lease-{random}``."""
     lease_id = item.lease_id if isinstance(item, LeakRecord) else item
     prefix = lease_id.rsplit("/lease-", 1)[0]
-    shard = prefix.rsplit("/", 1)[-1]
-    if not shard.isdigit():
-        raise HandleError("not a lease id of this store", found=lease_id[:120])
+    owner, _, shard = prefix.rpartition("/")
+    if owner != run:
+        raise RunMismatch(
+            "lease of another run",
+            expected=f"a lease id of run {run}",
+            found=lease_id[:160],
+            where=f"run {run}",
+        )
+    if not shard.isdigit() or int(shard) >= shards:
+        raise HandleError("not a lease id of this store", found=lease_id[:160])
     return int(shard), lease_id
 
 
