@@ -44,6 +44,7 @@ __all__ = [
     "AlreadyReleased",
     "DtypeError",
     "DuplicateExperts",
+    "EngineStoreLost",
     "EngineUnavailable",
     "ExpertOutOfRange",
     "ForeignEngineStore",
@@ -258,6 +259,10 @@ class LifetimeError(RouteplayError):
 
 class RoutesLost(LifetimeError):
     """The object store lost the payload (owner process died, node lost)."""
+
+
+class EngineStoreLost(RoutesLost):
+    """The engine-side store actor is gone: its unconsumed keys and payloads with it."""
 
 
 class RoutesExpired(LifetimeError):

@@ -88,6 +88,7 @@ EXPORTS: dict[str, list[str]] = {
         "StoreConfig",
         "StoreStats",
         "TableStats",
+        "leave_engine_store",
         "producer_actor",
         "start_engine_store",
     ],

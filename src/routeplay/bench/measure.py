@@ -30,6 +30,9 @@ from routeplay.core import Handle, canonicalize, preset
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
 
+_DEADLINE_S = 600.0
+"""Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
+
 __all__ = ["PATHS", "run_bench"]
 
 ROLES = ("head", "engine", "rollout", "trainer")
@@ -82,27 +85,34 @@ class Bench:
         plan = self.w.sample_plan(seed)
         rows = [p[0] for p in plan]
         if path == "producer":
-            ray.get(self.rollout.decode.remote(plan))
+            ray.get(self.rollout.decode.remote(plan), timeout=_DEADLINE_S)
         else:
-            keys = ray.get(self.engine.keys.remote(plan))
+            keys = ray.get(self.engine.keys.remote(plan), timeout=_DEADLINE_S)
         before = self._created()
         start = time.perf_counter()
         if path == "eager":
-            wrapped = ray.get(self.rollout.eager.remote(keys))
-            out = ray.get([rank.read_eager.remote(wrapped, check) for rank in self.ranks])
+            wrapped = ray.get(self.rollout.eager.remote(keys), timeout=_DEADLINE_S)
+            out = ray.get(
+                [rank.read_eager.remote(wrapped, check) for rank in self.ranks], timeout=_DEADLINE_S
+            )
         else:
             if path == "producer":
-                handles = ray.get(self.rollout.produce.remote(self.w.prompt_tokens))
+                handles = ray.get(
+                    self.rollout.produce.remote(self.w.prompt_tokens), timeout=_DEADLINE_S
+                )
             else:
-                handles = ray.get(self.rollout.adopt.remote(keys, rows, self.w.prompt_tokens))
+                handles = ray.get(
+                    self.rollout.adopt.remote(keys, rows, self.w.prompt_tokens), timeout=_DEADLINE_S
+                )
             holder = f"train/{path}/{seed}"
             out = ray.get(
-                [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks]
+                [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks],
+                timeout=_DEADLINE_S,
             )
         elapsed = time.perf_counter() - start
         created = {role: n - before[role] for role, n in self._created().items()}
-        ray.get(self.rollout.drop.remote())
-        ray.get([rank.flush.remote() for rank in self.ranks])
+        ray.get(self.rollout.drop.remote(), timeout=_DEADLINE_S)
+        ray.get([rank.flush.remote() for rank in self.ranks], timeout=_DEADLINE_S)
         return {
             "ms": elapsed * 1e3,
             "bytes_written": sum(n for role, n in created.items() if role != "trainer"),
@@ -200,7 +210,7 @@ class _Probe:
 
     def pull_s(self, wrapped: list[Any]) -> float:
         start = time.perf_counter()
-        value = ray.get(wrapped[0])
+        value = ray.get(wrapped[0], timeout=_DEADLINE_S)
         elapsed = time.perf_counter() - start
         del value
         return elapsed
@@ -212,11 +222,11 @@ def measure_limits(nbytes: int, runs: int) -> dict[str, Any]:
     probe: Any = _Probe
     engine = probe.options(**on("engine")).remote()
     trainer = probe.options(**on("trainer")).remote()
-    memcpy = ray.get(trainer.memcpy_Bps.remote(nbytes, runs))
+    memcpy = ray.get(trainer.memcpy_Bps.remote(nbytes, runs), timeout=_DEADLINE_S)
     pulls = []
     for _ in range(runs + 1):
-        wrapped = ray.get(engine.make.remote(nbytes))
-        pulls.append(ray.get(trainer.pull_s.remote(wrapped)))
+        wrapped = ray.get(engine.make.remote(nbytes), timeout=_DEADLINE_S)
+        pulls.append(ray.get(trainer.pull_s.remote(wrapped), timeout=_DEADLINE_S))
         del wrapped
     kill_all([engine, trainer])
     timed = pulls[1:]

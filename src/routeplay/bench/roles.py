@@ -30,6 +30,9 @@ from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, Handle, RouteSpec, canonicalize
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
+_DEADLINE_S = 600.0
+"""Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
+
 __all__ = ["BenchEngine", "BenchRank", "BenchRollout", "rank_rows", "sample_routing"]
 
 
@@ -75,7 +78,9 @@ class _BenchEngine(RoutesProducer):
             token, _ = self.stage_routes(payload, block_rows=0)
             me = ray.get_runtime_context().current_actor
             shape, dtype = payload.shape, str(payload.dtype)
-            out.append(str(ray.get(store.put_from.remote(me, token, shape, dtype))))
+            out.append(
+                str(ray.get(store.put_from.remote(me, token, shape, dtype), timeout=_DEADLINE_S))
+            )
         return out
 
 
@@ -117,7 +122,7 @@ class _BenchRollout(RoutesProducer):
         engine_store = ray.get_actor("shared_store", namespace="lmdeploy")
         refs = []
         for key in keys:
-            array = np.asarray(ray.get(engine_store.get.remote(key)))
+            array = np.asarray(ray.get(engine_store.get.remote(key), timeout=_DEADLINE_S))
             refs.append(ray.put(array))
             del array
         self._held = refs  # the owner must outlive the trainers' reads
@@ -143,7 +148,7 @@ class _BenchRank:
         peak, mine = 0, list[npt.NDArray[Any]]()
         layers = list(self.spec.moe_layer_indices())
         for ref in wrapped[0]:
-            full = ray.get(ref)
+            full = ray.get(ref, timeout=_DEADLINE_S)
             wide = full.astype(np.int64)
             del full
             lo, hi = rank_rows(wide.shape[0], self.sp_rank, self.sp_size)

@@ -25,6 +25,9 @@ import ray
 from routeplay.core import EngineKey, Handle, RouteSpec
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
+_DEADLINE_S = 600.0
+"""Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
+
 __all__ = ["FakeLMDeployEngine", "RolloutHop", "TrainerReader", "actors_on", "make_routing"]
 
 
@@ -47,7 +50,7 @@ class _FakeLMDeployEngine(RoutesProducer):
         """LMDeploy's protocol: find ``shared_store`` by name, put, return the key."""
         store = ray.get_actor("shared_store", namespace="lmdeploy")
         payload = make_routing(self.spec, rows, all_layers=True, seed=seed, dtype=dtype)
-        return str(ray.get(store.put.remote(payload)))
+        return str(ray.get(store.put.remote(payload), timeout=_DEADLINE_S))
 
     def generate_one_write(self, rows: int, seed: int = 0, dtype: str = "uint16") -> str:
         """Same result, but the store takes the staged array: one object-store write."""
@@ -55,7 +58,12 @@ class _FakeLMDeployEngine(RoutesProducer):
         payload = make_routing(self.spec, rows, all_layers=True, seed=seed, dtype=dtype)
         token, _ = self.stage_routes(payload, block_rows=0)
         me = ray.get_runtime_context().current_actor
-        return str(ray.get(store.put_from.remote(me, token, payload.shape, str(payload.dtype))))
+        return str(
+            ray.get(
+                store.put_from.remote(me, token, payload.shape, str(payload.dtype)),
+                timeout=_DEADLINE_S,
+            )
+        )
 
 
 class _RolloutHop:
@@ -67,7 +75,7 @@ class _RolloutHop:
     def eager(self, key: str) -> list[Any]:
         """XTuner's path: fetch, np.asarray, put again; returns the new ref (wrapped)."""
         engine_store = ray.get_actor("shared_store", namespace="lmdeploy")
-        array = np.asarray(ray.get(engine_store.get.remote(key)))
+        array = np.asarray(ray.get(engine_store.get.remote(key), timeout=_DEADLINE_S))
         ref = ray.put(array)
         self._held.append(ref)  # the worker must stay the owner until the trainer read
         return [ref]
@@ -87,7 +95,7 @@ class _TrainerReader:
 
     def read_eager(self, wrapped: list[Any]) -> str:
         """Trainer side of the eager path: get, keep the MoE layers, narrow (as it must)."""
-        array = np.asarray(ray.get(wrapped[0]))
+        array = np.asarray(ray.get(wrapped[0], timeout=_DEADLINE_S))
         rows = array[:, list(self.spec.moe_layer_indices()), :].astype(self.spec.dtype)
         return hashlib.sha256(np.ascontiguousarray(rows).data).hexdigest()
 

@@ -84,7 +84,9 @@ class RolloutConfig:
             )
             for _ in range(self.workers)
         ]
-        ray.get([worker.__ray_ready__.remote() for worker in workers])  # fail fast, start warm
+        ray.get(
+            [worker.__ray_ready__.remote() for worker in workers], timeout=self.timeout_s
+        )  # fail fast, start warm
         return RolloutPool(workers)
 
 

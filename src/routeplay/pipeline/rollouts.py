@@ -25,6 +25,9 @@ from routeplay.pipeline.rollout_worker import Sampling
 from routeplay.pipeline.task import random_tokens
 from routeplay.rollout import RolloutState, Status
 
+_DEADLINE_S = 600.0
+"""Longest wait for any rollout to finish: past it, every pending job counts as failed."""
+
 if TYPE_CHECKING:
     from routeplay.pipeline.config import RolloutConfig
 
@@ -130,16 +133,18 @@ class RolloutPool:
         done: list[RolloutState] = []
         failed: list[Job] = []
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_DEADLINE_S)
+            if not ready:  # every worker hung: fail what is pending, never hang the run
+                for batch in pending.values():
+                    for job in batch:
+                        self._fail(job, f"no answer within {_DEADLINE_S}s", failed)
+                break
             batch = pending.pop(ready[0])
             try:
-                answer = ray.get(ready[0])
+                answer = ray.get(ready[0], timeout=_DEADLINE_S)
             except Exception as exc:  # one bad answer must not stop the run
                 for job in batch:
-                    job.state.release()
-                    self.stats.errors.append(f"{job.state.sample_id}: {exc}"[:500])
-                self.stats.failed += len(batch)
-                failed.extend(batch)
+                    self._fail(job, str(exc), failed)
                 continue
             for job, state in zip(batch, answer if len(batch) > 1 else [answer], strict=True):
                 setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
@@ -147,9 +152,15 @@ class RolloutPool:
                 on_done(state)
         return done, failed
 
+    def _fail(self, job: Job, why: str, failed: list[Job]) -> None:
+        job.state.release()
+        self.stats.failed += 1
+        self.stats.errors.append(f"{job.state.sample_id}: {why}"[:500])
+        failed.append(job)
+
     def close(self) -> None:
         """Close the workers' clients and end the actors."""
-        ray.get([worker.close.remote() for worker in self._workers])
+        ray.get([worker.close.remote() for worker in self._workers], timeout=_DEADLINE_S)
         for worker in self._workers:
             ray.kill(worker)
 

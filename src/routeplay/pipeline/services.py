@@ -30,7 +30,7 @@ from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
 from routeplay.rollout import ReplayBuffer, SessionLedger
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
-from routeplay.store import RouteStore, StoreConfig, start_engine_store
+from routeplay.store import RouteStore, StoreConfig, leave_engine_store, start_engine_store
 from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
 __all__ = ["DemoServices", "Teardown", "ray_session"]
@@ -138,7 +138,9 @@ class DemoServices:
         stats = self.store.stats()
         keys = 0
         if self.engine_store is not None:
-            keys = ray.get(self.engine_store.stats.remote()).live_keys
+            keys = ray.get(
+                self.engine_store.stats.remote(), timeout=self.store.config.timeout_s
+            ).live_keys
         return Teardown(
             leaked_leases=len(leaks),
             leaked_bytes=stats.live_bytes,
@@ -159,9 +161,9 @@ class DemoServices:
             existed = True
         except ValueError:
             existed = False
-        actor = start_engine_store()
-        if not existed:  # ours: end it with the run (it is detached)
-            self._stack.callback(ray.kill, actor)
+        actor = start_engine_store(user=self.run)
+        # Shared by every run on the cluster: ended with the last run using it, if ours.
+        self._stack.callback(leave_engine_store, actor, self.run, end_if_last=not existed)
         return actor
 
     def stop(self) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from routeplay.store.client import RouteStore, StoreConfig, StoreStats
-    from routeplay.store.engine_service import start_engine_store
+    from routeplay.store.engine_service import leave_engine_store, start_engine_store
     from routeplay.store.engine_store import EngineStore, EngineStoreStats
     from routeplay.store.lease import Lease
     from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
@@ -40,6 +40,7 @@ _HOME = {
     "StoreConfig": "client",
     "StoreStats": "client",
     "TableStats": "lease_table",
+    "leave_engine_store": "engine_service",
     "producer_actor": "producer",
     "start_engine_store": "engine_service",
 }
@@ -56,6 +57,7 @@ __all__ = [
     "StoreConfig",
     "StoreStats",
     "TableStats",
+    "leave_engine_store",
     "producer_actor",
     "start_engine_store",
 ]

@@ -6,6 +6,7 @@ engine store's node (so the shard owns the validated, compact block it returns).
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import StoreTimeout
+from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
 from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
@@ -39,18 +40,21 @@ __all__ = [
 T = TypeVar("T")
 
 
-def call_producer(producer: Any, token: str, blocks: int) -> list[Any]:
-    """Ask a producer actor for its staged blocks; the caller owns the returned refs."""
-    refs = producer.take_staged.options(num_returns=blocks).remote(token)
-    return [refs] if blocks == 1 else list(refs)
+def call_producer(producer: Any, token: str, blocks: int) -> tuple[list[Any], Any]:
+    """Ask a producer actor for its staged blocks; the caller owns the returned refs.
+    Returns the block refs and the ref of the hand-over marker (see ``take_staged``)."""
+    refs = list(producer.take_staged.options(num_returns=blocks + 1).remote(token))
+    return refs[:-1], refs[-1]
 
 
 def take_and_wait(producer: Any, token: str, blocks: int, timeout_s: float) -> list[Any]:
     """Call the producer and wait until its blocks exist in the object store (without
     fetching them here), so the payload survives the producer from the moment the
     producer's put returns. The producer runs ``take_staged`` in its own concurrency
-    group, so it can answer while its put is still waiting on us."""
-    refs = call_producer(producer, token, blocks)
+    group, so it can answer while its put is still waiting on us. A producer that died
+    before the hand-over raises ``RoutesLost`` naming the staged payload, at once."""
+    block_refs, marker = call_producer(producer, token, blocks)
+    refs = [*block_refs, marker]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
     if len(ready) < len(refs):
         raise StoreTimeout(
@@ -61,7 +65,22 @@ def take_and_wait(producer: Any, token: str, blocks: int, timeout_s: float) -> l
             hint="Create producer actors with routeplay.store.producer_actor(...) so that "
             "take_staged has its own concurrency group.",
         )
-    return refs
+    _check_handed_over(marker, token, timeout_s)
+    return block_refs
+
+
+def _check_handed_over(marker: Any, token: str, timeout_s: float) -> None:
+    """Ready is not written: an errored result is ready too. The marker comes from the
+    same task as the blocks, so fetching its few bytes tells whether they exist."""
+    try:
+        ray_calls.get(marker, timeout_s=timeout_s, what=f"staged payload {token}")
+    except LifetimeError as exc:
+        raise RoutesLost(
+            "the producer died before handing over its staged payload: nothing was stored",
+            where=f"staged payload {token}",
+            found=exc.found,
+            hint="Write the sample again from a live producer; no handle was returned.",
+        ) from exc
 
 
 class _Reaped:
@@ -88,12 +107,20 @@ class _Reaped:
 class StoreShardShell(_Reaped):
     """One shard of a run's route store. Holds references and leases, never bytes."""
 
-    def __init__(self, run: str, index: int, ttl_s: float | None, timeout_s: float = 60.0) -> None:
-        self._shard = StoreShard(run, index, ttl_s=ttl_s)
+    def __init__(
+        self,
+        run: str,
+        index: int,
+        ttl_s: float | None,
+        timeout_s: float = 60.0,
+        lease_ttl_s: float | None = None,
+    ) -> None:
+        self._shard = StoreShard(run, index, ttl_s=ttl_s, lease_ttl_s=lease_ttl_s)
         self._timeout_s = timeout_s
         self._engines: dict[tuple[str, str], Any] = {}  # engine-store handles, looked up once
         self._validators: dict[str, Any] = {}  # one validator actor per engine node
-        self._start_reaper(self._shard.expire, ttl_s)
+        ttls = [t for t in (ttl_s, lease_ttl_s) if t is not None]
+        self._start_reaper(self._shard.expire, min(ttls) if ttls else None)
 
     def adopt_many(
         self, refs: list[Any], payloads: list[StoredPayload], saved_bytes: int = 0
@@ -127,7 +154,7 @@ class StoreShardShell(_Reaped):
             engine = self._engine(name, namespace)
             picked = [keys[i] for i in indices]
             taken, node = ray_calls.get(
-                engine.take_checked_many.remote(picked, spec),
+                engine.take_checked_many.remote(picked, spec, self._shard.run),
                 timeout_s=self._timeout_s,
                 what=f"{namespace}/{name}: take {len(picked)} keys",
             )
@@ -176,7 +203,7 @@ class StoreShardShell(_Reaped):
 
     def _engine(self, name: str, namespace: str) -> Any:
         if (name, namespace) not in self._engines:
-            self._engines[(name, namespace)] = ray.get_actor(name, namespace=namespace)
+            self._engines[(name, namespace)] = ray_calls.get_actor(name, namespace)
         return self._engines[(name, namespace)]
 
     def _validator(self, node_id: str) -> Any:
@@ -193,6 +220,24 @@ class StoreShardShell(_Reaped):
 
     def revoke_many(self, lease_ids: list[str]) -> list[str]:
         return self._locked(lambda: self._shard.revoke_many(lease_ids))
+
+    def adopt_leased(
+        self,
+        refs: list[Any],
+        payloads: list[StoredPayload],
+        saved_bytes: int,
+        samples: list[tuple[int, ...]],
+        holder: str,
+    ) -> tuple[list[StoreRef], Grant]:
+        return self._locked(
+            lambda: self._shard.adopt_leased(refs, payloads, saved_bytes, samples, holder)
+        )
+
+    def revoke_holder(self, holder: str) -> list[str]:
+        return self._locked(lambda: self._shard.revoke_holder(holder))
+
+    def revoke_leases(self, lease_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.revoke_leases(lease_ids))
 
     def adopt(self, refs: list[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt(refs, rows, nbytes, block_rows))
@@ -228,8 +273,10 @@ class StoreShardShell(_Reaped):
         return self._locked(self._shard.leaks)
 
 
-def _ref_key(ref: Any) -> str:
-    return str(ref.hex())
+def _random_key(ref: Any) -> str:
+    """A key of LMDeploy's shape (56 lowercase hex, as ``ObjectRef.hex()``), all 224 bits
+    from the CSPRNG: a key is a capability to consume a payload, so it is unguessable."""
+    return secrets.token_hex(28)
 
 
 class EngineStoreShell(_Reaped):
@@ -237,19 +284,40 @@ class EngineStoreShell(_Reaped):
 
     def __init__(self, ttl_s: float | None = 600.0, timeout_s: float = 60.0) -> None:
         self._store: EngineStore[Any] = EngineStore(
-            put_object=ray.put, get_object=ray.get, key_of=_ref_key, ttl_s=ttl_s
+            put_object=ray.put, get_object=ray.get, key_of=_random_key, ttl_s=ttl_s
         )
         self._timeout_s = timeout_s
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._users: set[str] = set()  # runs using this shared actor (see leave_engine_store)
         self._start_reaper(self._store.expire, ttl_s)
 
-    def take_checked_many(self, keys: list[EngineKey], spec: RouteSpec) -> tuple[list[Any], str]:
-        """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
-        returned in its place. Also returns this actor's node, where the bytes live."""
-        return self._locked(lambda: take_checked_many(self._store, keys, spec)), self._node_id
+    def attach(self, user: str) -> int:
+        """Count ``user`` (a run) among this actor's users; returns how many there are."""
+        return self._locked(lambda: self._attach(user))
 
-    def put(self, data: Any) -> str:
-        return self._locked(lambda: self._store.put(data))
+    def detach(self, user: str) -> int:
+        """``user`` is done with this actor; returns how many users remain."""
+        return self._locked(lambda: self._detach(user))
+
+    def _attach(self, user: str) -> int:
+        self._users.add(user)
+        return len(self._users)
+
+    def _detach(self, user: str) -> int:
+        self._users.discard(user)
+        return len(self._users)
+
+    def take_checked_many(
+        self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
+    ) -> tuple[list[Any], str]:
+        """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
+        returned in its place (a key of another run is refused and left alone). Also
+        returns this actor's node, where the bytes live."""
+        taken = self._locked(lambda: take_checked_many(self._store, keys, spec, run))
+        return taken, self._node_id
+
+    def put(self, data: Any, run: str = "") -> str:
+        return self._locked(lambda: self._store.put(data, run))
 
     def put_from(
         self, producer: Any, token: str, shape: tuple[int, ...] | None = None, dtype: str = ""
@@ -269,23 +337,23 @@ class EngineStoreShell(_Reaped):
     def clear(self) -> None:
         self._locked(self._store.clear)
 
-    def peek(self, key: str) -> Any:
-        return self._value(self._locked(lambda: self._store.peek_ref(key)), key)
+    def peek(self, key: str, run: str | None = None) -> Any:
+        return self._value(self._locked(lambda: self._store.peek_ref(key, run)), key)
 
     def _value(self, ref: Any, key: str) -> Any:
         return ray_calls.get(ref, timeout_s=self._timeout_s, what=f"engine key {key}")
 
-    def get_ref(self, key: str) -> list[Any]:
-        return self._locked(lambda: self._store.get_ref(key))
+    def get_ref(self, key: str, run: str | None = None) -> list[Any]:
+        return self._locked(lambda: self._store.get_ref(key, run))
 
-    def free(self, key: str) -> bool:
-        return self._locked(lambda: self._store.free(key))
+    def free(self, key: str, run: str | None = None) -> bool:
+        return self._locked(lambda: self._store.free(key, run))
 
     def stats(self) -> EngineStoreStats:
         return self._locked(self._store.stats)
 
-    def keys(self) -> list[str]:
-        return self._locked(self._store.keys)
+    def keys(self, run: str = "") -> list[str]:
+        return self._locked(lambda: self._store.keys(run))
 
 
 class KeyValidatorShell:

@@ -8,6 +8,7 @@ in batches: ``call`` takes every shard call of one step and answers them togethe
 
 from __future__ import annotations
 
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -100,13 +101,14 @@ class RayBackend:
         timeout_s: float,
         options: dict[str, Any],
         join: bool,
+        lease_ttl_s: float | None = None,
     ) -> RayBackend:
         """Create the run's shard actors; join existing ones only when ``join`` is set."""
         if not join:
             _refuse_existing(f"routeplay.store.{run}.0", options["namespace"], run)
         handles = [
             StoreShardActor.options(name=f"routeplay.store.{run}.{i}", **options).remote(
-                run, i, ttl_s, timeout_s
+                run, i, ttl_s, timeout_s, lease_ttl_s
             )
             for i in range(shards)
         ]
@@ -147,7 +149,7 @@ class RayBackend:
 
     def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
         if (actor, namespace) not in self._engines:
-            self._engines[(actor, namespace)] = ray.get_actor(actor, namespace=namespace)
+            self._engines[(actor, namespace)] = ray_calls.get_actor(actor, namespace)
         store = self._engines[(actor, namespace)]
         what = f"{namespace}/{actor}.{method}"
         return ray_calls.get(
@@ -203,11 +205,15 @@ def _refuse_existing(name: str, namespace: str, run: str) -> None:
 class LocalBackend:
     """Shards and engine stores as plain objects in this process (tests, tools)."""
 
-    def __init__(self, run: str, *, shards: int, ttl_s: float | None) -> None:
+    def __init__(
+        self, run: str, *, shards: int, ttl_s: float | None, lease_ttl_s: float | None = None
+    ) -> None:
         # One lock for all shards: like the actors' locks, it keeps each plain shard
         # single-threaded when several threads (e.g. a prefetching reader) share the store.
         self._lock = threading.RLock()
-        self._shards = [StoreShard(run, i, ttl_s=ttl_s) for i in range(shards)]
+        self._shards = [
+            StoreShard(run, i, ttl_s=ttl_s, lease_ttl_s=lease_ttl_s) for i in range(shards)
+        ]
         self._engine_stores: dict[tuple[str, str], EngineStore[Any]] = {}
 
     @property
@@ -270,7 +276,7 @@ class LocalBackend:
         with self._lock:
             for key in keys:
                 store = self.engine_store(key.actor, key.namespace)
-                [taken] = take_checked_many(store, [key], spec)
+                [taken] = take_checked_many(store, [key], spec, self._shards[shard].run)
                 if isinstance(taken, BaseException):
                     out.append(taken)
                     continue
@@ -290,7 +296,10 @@ class LocalBackend:
             taken = []
             for key in keys:
                 [result] = take_checked_many(
-                    self.engine_store(key.actor, key.namespace), [key], spec
+                    self.engine_store(key.actor, key.namespace),
+                    [key],
+                    spec,
+                    self._shards[shard].run,
                 )
                 if isinstance(result, BaseException):
                     return [result]
@@ -355,7 +364,7 @@ class _LocalObject:
     def __init__(self, data: Any) -> None:
         _LocalObject._count += 1
         self._data = data
-        self._key = f"{_LocalObject._count:056x}"
+        self._key = secrets.token_hex(28)  # as unguessable as the Ray engine store's keys
 
     def value(self) -> Any:
         return self._data

@@ -17,10 +17,11 @@ through a shard.
 
 from __future__ import annotations
 
+import logging
 import uuid
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeAlias
 
 import numpy.typing as npt
@@ -28,7 +29,7 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import HandleError, MisuseError, RunMismatch
+from routeplay.errors import HandleError, MisuseError, RouteplayError, RunMismatch
 from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
@@ -38,6 +39,8 @@ from routeplay.store.shard import Grant, StoredPayload, shard_of
 from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
+
+log = logging.getLogger(__name__)
 
 # Ray returns values under 100 KiB inline to the caller instead of writing them to the
 # object store; blocks stay above that so payload bytes never travel through a shard.
@@ -71,7 +74,12 @@ class StoreConfig:
     resources: tuple[tuple[str, float], ...] = ()
     """Custom resources that place the shard actors (e.g. on the head node)."""
     join: bool = False
-    """Share an existing store of the same run (otherwise a clash is refused)."""
+    """Share an existing store of the same run (otherwise a clash is refused). Not an
+    access control: see docs/security.md."""
+    lease_ttl_s: float | None = None
+    """Longest a lease may be held before the store ends it (off by default: leases have
+    no TTL). For long-running jobs whose holders may die without releasing: expiries are
+    logged and counted (``StoreStats.expired_leases``); set it well above a step."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -85,6 +93,12 @@ class StoreConfig:
                 self.max_block_bytes,
             ),
             ("timeout_s", self.timeout_s > 0, "> 0", self.timeout_s),
+            (
+                "lease_ttl_s",
+                self.lease_ttl_s is None or self.lease_ttl_s > 0,
+                "None or > 0",
+                self.lease_ttl_s,
+            ),
         )
         for name, ok, expected, found in checks:
             if not ok:
@@ -100,7 +114,9 @@ class StoreStats(TableStats):
     """Store-wide snapshot: every shard's table summed."""
 
     shards: int
-    """Shard actors the numbers come from."""
+    """Shard actors the numbers come from (live ones)."""
+    dead_shards: tuple[str, ...] = ()
+    """Shards that did not answer, each with why; their payloads are not counted."""
 
 
 Request: TypeAlias = tuple[Handle, int, int]
@@ -148,13 +164,17 @@ class RouteStore:
             timeout_s=config.timeout_s,
             options=options,
             join=config.join,
+            lease_ttl_s=config.lease_ttl_s,
         )
         return cls(config, backend)
 
     @classmethod
     def local(cls, config: StoreConfig) -> RouteStore:
         """The same store with its shards in this process (tests, single-process tools)."""
-        return cls(config, LocalBackend(config.run, shards=config.shards, ttl_s=config.ttl_s))
+        backend = LocalBackend(
+            config.run, shards=config.shards, ttl_s=config.ttl_s, lease_ttl_s=config.lease_ttl_s
+        )
+        return cls(config, backend)
 
     @property
     def run(self) -> str:
@@ -196,6 +216,55 @@ class RouteStore:
         call = (self._pick_shard(uuid.uuid4().hex), "adopt_many")
         [stored] = self._call([(*call, (refs, payloads, layout.saved_bytes))], "adopt")
         return _handles(layout, stored, spec, weight_version)
+
+    def put_leased(
+        self, routes: Routes, holder: str, *, weight_version: int = 0
+    ) -> tuple[Handle, Lease]:
+        """``put`` and a lease of ``holder`` in one shard call: a slow caller cannot lose
+        the payload to the TTL between the two (as it can with ``put`` then ``acquire``).
+
+        Example:
+            handle, lease = store.put_leased(routes, "sample/s-3")
+        """
+        [pair] = self.put_leased_many([routes], holder, weight_version=weight_version)
+        return pair
+
+    def put_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holder: str,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+    ) -> list[tuple[Handle, Lease]]:
+        """``put_many`` with a lease of ``holder`` per sample, granted by the same call.
+
+        Example:
+            pairs = store.put_leased_many(group, "buffer/g-1", shared_prefix=prompt)
+        """
+        spec = batch_spec(batch)
+        if spec is None:
+            return []
+        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        if not layout.arrays:
+            return [(h, self.acquire(h, holder)) for h in (Handle(spec) for _ in batch)]
+        blocks, payloads = self.layout_blocks(layout, spec)
+        refs = self._backend.put_blocks(blocks)
+        shard = self._pick_shard(uuid.uuid4().hex)
+        args = (refs, payloads, layout.saved_bytes, list(layout.samples), holder)
+        [(stored, grant)] = self._call([(shard, "adopt_leased", args)], f"put for {holder}")
+        handles = _handles(layout, stored, spec, weight_version)
+        return [
+            (handle, self._lease_of(handle, holder, shard, lease_id, grant))
+            for handle, lease_id in zip(handles, grant.lease_ids, strict=True)
+        ]
+
+    def _lease_of(
+        self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
+    ) -> Lease:
+        pids = [s.payload_id for s in handle.sources() if isinstance(s, StoreRef)]
+        blocks = {pid: self._backend.borrow(grant.blocks[pid]) for pid in pids}
+        return Lease(self, handle, holder, {shard: lease_id}, pinned=self._pins.pin(blocks))
 
     def layout_blocks(
         self, layout: BatchLayout, spec: RouteSpec
@@ -287,6 +356,7 @@ class RouteStore:
         """
         if not keys:
             return []
+        keys = [self.scoped(key) for key in keys]
         self._releases.settle(wait=False)
         shard = self._pick_shard(keys[0].key)
         results = self._backend.adopt_keys(shard, keys, spec, shared_prefix)
@@ -305,8 +375,28 @@ class RouteStore:
         return sum(self.free_key(key) for key in keys)
 
     def free_key(self, key: EngineKey) -> bool:
-        """Release one unread engine-store key (idempotent); True if it was live."""
-        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key))
+        """Release one unread engine-store key of this run (idempotent); True if it was
+        live. A key of another run is refused (``RunMismatch``) and stays live."""
+        key = self.scoped(key)
+        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key, self.run))
+
+    def scoped(self, key: EngineKey) -> EngineKey:
+        """``key`` carrying this run's id (a key read from a response carries none yet);
+        a key issued to another run is refused with ``RunMismatch``.
+
+        Example:
+            key = store.scoped(routing.key)   # EngineKey(..., run=store.run)
+        """
+        if key.run == self.run:
+            return key
+        if key.run:
+            raise RunMismatch(
+                "engine key of another run",
+                expected=f"run {self.run}",
+                found=f"run {key.run}",
+                where=f"engine key {key.key}",
+            )
+        return replace(key, run=self.run)
 
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:
@@ -438,21 +528,75 @@ class RouteStore:
             for source in handle.sources():
                 if isinstance(source, StoreRef):
                     self._check_run(source)
+                elif isinstance(source, EngineKey):
+                    self.scoped(source)
         self._releases.settle(wait=False)
         return self._reader.read_many(requests, holder=holder, out=out)
 
     # -- accounting -------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """Sum of every shard's snapshot (after the releases in flight have landed)."""
-        shards = range(self._backend.shard_count)
-        parts: list[TableStats] = self._call([(i, "stats", ()) for i in shards], "stats")
-        return _merge_stats(parts)
+        """Sum of every live shard's snapshot (after the releases in flight have landed);
+        a shard that does not answer is named in ``dead_shards``, not fatal."""
+        parts, dead = self._each_shard("stats")
+        return _merge_stats(parts, dead)
 
     def leaks(self) -> list[LeakRecord]:
-        """Leases still held, oldest first, across shards."""
-        shards = range(self._backend.shard_count)
-        per_shard = self._call([(i, "leaks", ()) for i in shards], "leaks")
+        """Leases still held, oldest first, across the live shards (a dead shard's are
+        gone with it: it is logged, and ``stats().dead_shards`` names it)."""
+        per_shard, dead = self._each_shard("leaks")
+        for why in dead:
+            log.warning("run %s: leaks() skipped %s", self.run, why)
         return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
+
+    def revoke(self, leases: Sequence[str | LeakRecord | Lease]) -> int:
+        """End leases whose holder died (from ``leaks()``, or their ids); returns how many
+        were live. Waited for; counted in ``stats().revoked_leases``.
+
+        Example:
+            stale = [leak for leak in store.leaks() if leak.age_s > 3600]
+            store.revoke(stale)
+        """
+        by_shard: dict[int, list[str]] = {}
+        for item in leases:
+            ids = (
+                item.parts.items()
+                if isinstance(item, Lease)
+                else [_lease_shard(item, self.run, self._backend.shard_count)]
+            )
+            for shard, lease_id in ids:
+                by_shard.setdefault(shard, []).append(lease_id)
+        calls = [(i, "revoke_leases", (ids,)) for i, ids in sorted(by_shard.items())]
+        ended = self._call(calls, "revoke")
+        for item in leases:
+            if isinstance(item, Lease):
+                item.mark_released()
+        return sum(len(ids) for ids in ended)
+
+    def revoke_holder(self, holder: str) -> int:
+        """End every lease of ``holder`` (a worker that died) on every shard; returns how
+        many there were.
+
+        Example:
+            store.revoke_holder("rollout/worker-3")   # its samples' bytes can go now
+        """
+        shards = range(self._backend.shard_count)
+        ended = self._call([(i, "revoke_holder", (holder,)) for i in shards], f"revoke {holder}")
+        return sum(len(ids) for ids in ended)
+
+    def _each_shard(self, method: str) -> tuple[list[Any], list[str]]:
+        """Every shard's answer to ``method``; those that failed, named, apart."""
+        self._releases.settle(wait=True)
+        shards = range(self._backend.shard_count)
+        results = self._backend.call_each(
+            [(i, method, ()) for i in shards], f"{self.run}: {method}"
+        )
+        live = [r for r in results if not isinstance(r, BaseException)]
+        dead = [
+            f"shard {i} ({type(r).__name__}: {r.summary if isinstance(r, RouteplayError) else r})"
+            for i, r in zip(shards, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        return live, dead
 
     def shutdown(self) -> None:
         """Stop the shards (their references go, so every payload can be reclaimed);
@@ -524,11 +668,28 @@ def _handles(
     ]
 
 
-def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:
+def _lease_shard(item: str | LeakRecord, run: str, shards: int) -> tuple[int, str]:
+    """The shard that granted a lease: its id is ``{run}/{shard}/lease-{random}``."""
+    lease_id = item.lease_id if isinstance(item, LeakRecord) else item
+    prefix = lease_id.rsplit("/lease-", 1)[0]
+    owner, _, shard = prefix.rpartition("/")
+    if owner != run:
+        raise RunMismatch(
+            "lease of another run",
+            expected=f"a lease id of run {run}",
+            found=lease_id[:160],
+            where=f"run {run}",
+        )
+    if not shard.isdigit() or int(shard) >= shards:
+        raise HandleError("not a lease id of this store", found=lease_id[:160])
+    return int(shard), lease_id
+
+
+def _merge_stats(parts: Sequence[TableStats], dead: Sequence[str] = ()) -> StoreStats:
     totals: dict[str, Any] = {}
     for name in (f.name for f in fields(TableStats)):
         values = [getattr(part, name) for part in parts]
-        if isinstance(values[0], tuple):  # (holder, count) pairs: sum per holder
+        if name.endswith("_by_holder"):  # (holder, count) pairs: sum per holder
             per_holder: dict[str, int] = {}
             for pairs in values:
                 for holder, value in pairs:
@@ -536,4 +697,4 @@ def _merge_stats(parts: Sequence[TableStats]) -> StoreStats:
             totals[name] = tuple(sorted(per_holder.items()))
         else:
             totals[name] = sum(values)
-    return StoreStats(shards=len(parts), **totals)
+    return StoreStats(shards=len(parts), dead_shards=tuple(dead), **totals)

@@ -23,9 +23,16 @@ import ray
 from ray import exceptions as rex
 
 from routeplay.errors import ForeignEngineStore, RouteplayNotImportable, StoreFailure, StoreTimeout
+from routeplay.store import ray_calls
 from routeplay.store.actors import EngineStoreActor, EngineStoreShell
 
-__all__ = ["LMDEPLOY_NAME", "LMDEPLOY_NAMESPACE", "SGLANG_NAMESPACE", "start_engine_store"]
+__all__ = [
+    "LMDEPLOY_NAME",
+    "LMDEPLOY_NAMESPACE",
+    "SGLANG_NAMESPACE",
+    "leave_engine_store",
+    "start_engine_store",
+]
 
 LMDEPLOY_NAME = "shared_store"
 LMDEPLOY_NAMESPACE = "lmdeploy"
@@ -54,14 +61,17 @@ def start_engine_store(
     resources: dict[str, float] | None = None,
     runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 60.0,
+    user: str = "",
 ) -> Any:
     """Start (or join) the detached engine store actor, as LMDeploy would create its own.
 
     ``resources`` pins it (e.g. to the engine's node, so payloads are written there);
     ``runtime_env`` is the actor's Ray runtime environment. Waits up to ``timeout_s`` for
-    the actor to answer. Raises ``ForeignEngineStore`` if another kind of actor holds
-    ``namespace/name``, ``RouteplayNotImportable`` if the actor's worker cannot import
-    routeplay, ``StoreTimeout`` if the actor does not come up in time.
+    the actor to answer. ``user`` (a run id) is counted among the shared actor's users,
+    so that ``leave_engine_store`` ends it only when its last user leaves. Raises
+    ``ForeignEngineStore`` if another kind of actor holds ``namespace/name``,
+    ``RouteplayNotImportable`` if the actor's worker cannot import routeplay,
+    ``StoreTimeout`` if the actor does not come up in time.
 
     Example:
         >>> store = start_engine_store(ttl_s=600)  # before the LMDeploy server starts
@@ -79,7 +89,32 @@ def start_engine_store(
     ).remote(ttl_s, timeout_s)
     _refuse_foreign(actor, where)
     _wait_until_up(actor, where, timeout_s)
+    if user:
+        ray_calls.get(actor.attach.remote(user), timeout_s=timeout_s, what=f"{where}: attach")
     return actor
+
+
+def leave_engine_store(
+    actor: Any, user: str, *, end_if_last: bool, timeout_s: float = 60.0
+) -> bool:
+    """``user`` (a run) is done with the shared engine store; returns whether it ended it.
+
+    One engine store serves every run on the cluster, so a run's teardown never kills it
+    while another run still uses it: the actor counts its users (``start_engine_store(
+    user=...)``) and is killed here only when ``end_if_last`` (this run created it) and
+    no user remains. A store someone else started (``end_if_last=False``) is theirs.
+
+    Example:
+        >>> store = start_engine_store(user="run-7")
+        >>> leave_engine_store(store, "run-7", end_if_last=True)  # last user: ended
+        True
+    """
+    where = "engine store: detach"
+    remaining = ray_calls.get(actor.detach.remote(user), timeout_s=timeout_s, what=where)
+    if end_if_last and remaining == 0:
+        ray.kill(actor)
+        return True
+    return False
 
 
 def _refuse_foreign(actor: Any, where: str) -> None:

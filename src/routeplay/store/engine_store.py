@@ -11,6 +11,12 @@ TTL for unconsumed keys, and ``stats``.
 Plain Python with the object-store operations passed in; the actor shell is in
 ``routeplay.store.actors``. A key is consumed once: a second ``get``/``get_ref`` raises
 ``AlreadyConsumed`` (a ``KeyError`` too, as LMDeploy clients expect).
+
+Run scope: one engine store serves every run on the cluster, and LMDeploy's engine puts
+keys without knowing the run. A key belongs to the first run whose store claims it
+(adopts, peeks or frees it with ``run=``), or to the run given at put; a claim by any
+other run raises ``RunMismatch`` and leaves the key untouched, and ``keys(run)`` lists
+one run's keys only. Calls without ``run`` are LMDeploy's own contract (unscoped).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from routeplay.errors import AlreadyConsumed, KeyExpired
+from routeplay.errors import AlreadyConsumed, KeyExpired, RunMismatch
 
 __all__ = ["EngineStore", "EngineStoreStats", "PayloadMeta"]
 
@@ -71,6 +77,7 @@ class _Entry(Generic[Ref]):
     ref: Ref
     created: float
     meta: PayloadMeta | None
+    run: str = ""  # "" until a run claims the key
 
 
 class EngineStore(Generic[Ref]):
@@ -96,17 +103,17 @@ class EngineStore(Generic[Ref]):
         self._counts = {"puts": 0, "consumed": 0, "freed": 0, "expired": 0}
 
     # -- LMDeploy's contract ---------------------------------------------------------
-    def put(self, data: Any) -> str:
-        """Store ``data``; the key is the hex of its object reference, as LMDeploy returns."""
-        return self.adopt(self._put_object(data), PayloadMeta.of(data))
+    def put(self, data: Any, run: str = "") -> str:
+        """Store ``data``; the key has the shape LMDeploy returns (56 hex, from ``key_of``)."""
+        return self.adopt(self._put_object(data), PayloadMeta.of(data), run=run)
 
-    def adopt(self, ref: Ref, meta: PayloadMeta | None = None) -> str:
+    def adopt(self, ref: Ref, meta: PayloadMeta | None = None, run: str = "") -> str:
         """Keep a reference this process already owns (the one-write path: the actor shell
         got it by calling the producer); the key is its hex, as for ``put``."""
         self.expire()
         key = self._key_of(ref)
         now = self._clock()
-        self._entries[key] = _Entry(ref=ref, created=now, meta=meta)
+        self._entries[key] = _Entry(ref=ref, created=now, meta=meta, run=run)
         if self.ttl_s is not None:
             heapq.heappush(self._by_age, (now, key))
         self._counts["puts"] += 1
@@ -114,7 +121,7 @@ class EngineStore(Generic[Ref]):
 
     def get(self, key: str) -> Any:
         """The payload, consuming the key (a second get raises ``AlreadyConsumed``)."""
-        return self._get_object(self._consume(key))
+        return self._get_object(self._consume(key, None))
 
     def clear(self) -> None:
         """Drop every key (LMDeploy's clear freed the objects but kept the keys)."""
@@ -122,41 +129,47 @@ class EngineStore(Generic[Ref]):
             self.free(key)
 
     # -- additions -------------------------------------------------------------------
-    def peek(self, key: str) -> Any:
+    def peek(self, key: str, run: str | None = None) -> Any:
         """The payload without consuming the key."""
-        return self._get_object(self._entry(key).ref)
+        return self._get_object(self._entry(key, run).ref)
 
-    def peek_ref(self, key: str) -> Ref:
+    def peek_ref(self, key: str, run: str | None = None) -> Ref:
         """The reference of a live key, without consuming it."""
-        return self._entry(key).ref
+        return self._entry(key, run).ref
 
-    def meta(self, key: str) -> PayloadMeta | None:
+    def meta(self, key: str, run: str | None = None) -> PayloadMeta | None:
         """Shape and dtype of a live key's payload (recorded at put; nothing is read)."""
-        return self._entry(key).meta
+        return self._entry(key, run).meta
 
-    def get_ref(self, key: str) -> list[Ref]:
+    def get_ref(self, key: str, run: str | None = None) -> list[Ref]:
         """Consume the key and hand out its reference, wrapped in a list so Ray passes it
         through unresolved; the caller reads the bytes from the object store itself."""
-        return [self._consume(key)]
+        return [self._consume(key, run)]
 
-    def take_checked(self, key: str, check: Callable[[PayloadMeta], None]) -> list[Ref]:
+    def take_checked(
+        self, key: str, check: Callable[[PayloadMeta], None], run: str | None = None
+    ) -> list[Ref]:
         """``get_ref`` after ``check`` accepted the key's metadata; a key it refuses is
-        freed here (never leaked) and the refusal raised. One call for an adopting store."""
-        meta = self.meta(key)
+        freed here (never leaked) and the refusal raised. One call for an adopting store.
+        A key of another run is refused with ``RunMismatch`` and left alone."""
+        meta = self.meta(key, run)
         if meta is not None:
             try:
                 check(meta)
             except Exception:
-                self.free(key)
+                self.free(key, run)
                 raise
-        return self.get_ref(key)
+        return self.get_ref(key, run)
 
-    def free(self, key: str) -> bool:
-        """Drop a key nobody will consume (idempotent); True if it was live."""
+    def free(self, key: str, run: str | None = None) -> bool:
+        """Drop a key nobody will consume (idempotent); True if it was live. A key of
+        another run is refused (``RunMismatch``), never freed."""
         self.expire()
-        entry = self._entries.pop(key, None)
+        entry = self._entries.get(key)
         if entry is None:
             return False
+        self._claim(key, entry, run)
+        del self._entries[key]
         self._forget(key, "freed")
         return True
 
@@ -181,22 +194,38 @@ class EngineStore(Generic[Ref]):
         self.expire()
         return EngineStoreStats(live_keys=len(self._entries), **self._counts)
 
-    def keys(self) -> list[str]:
-        """Live keys, oldest first."""
+    def keys(self, run: str = "") -> list[str]:
+        """Live keys of ``run``, oldest first ("": keys no run has claimed yet)."""
         self.expire()
-        return sorted(self._entries, key=lambda key: self._entries[key].created)
+        mine = [key for key, entry in self._entries.items() if entry.run == run]
+        return sorted(mine, key=lambda key: self._entries[key].created)
 
     # -- internals -------------------------------------------------------------------
-    def _consume(self, key: str) -> Ref:
-        entry = self._entry(key)
+    def _consume(self, key: str, run: str | None) -> Ref:
+        entry = self._entry(key, run)
         del self._entries[key]
         self._forget(key, "consumed")
         return entry.ref
 
-    def _entry(self, key: str) -> _Entry[Ref]:
+    def _claim(self, key: str, entry: _Entry[Ref], run: str | None) -> None:
+        """Bind an unclaimed key to ``run``; refuse a key another run claimed."""
+        if run is None or entry.run == run:
+            return
+        if entry.run:
+            raise RunMismatch(
+                "engine key of another run",
+                expected=f"a key of run {run}",
+                found="a key claimed by another run",
+                where=f"engine key {key}",
+                hint="Each run adopts, reads and frees only the keys of its own responses.",
+            )
+        entry.run = run
+
+    def _entry(self, key: str, run: str | None = None) -> _Entry[Ref]:
         self.expire()
         entry = self._entries.get(key)
         if entry is not None:
+            self._claim(key, entry, run)
             return entry
         why = self._forgotten.get(key)
         if why == "expired":

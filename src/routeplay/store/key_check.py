@@ -19,7 +19,7 @@ from routeplay.core.handle import EngineKey
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
-from routeplay.errors import RouteplayError
+from routeplay.errors import RouteplayError, RunMismatch
 from routeplay.store.engine_store import EngineStore, PayloadMeta
 
 __all__ = [
@@ -45,20 +45,36 @@ def check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:
     check_key_rows(meta.shape[0], key, where=where)
 
 
-def take_checked_many(store: EngineStore[Any], keys: list[EngineKey], spec: RouteSpec) -> list[Any]:
+def take_checked_many(
+    store: EngineStore[Any], keys: list[EngineKey], spec: RouteSpec, run: str | None = None
+) -> list[Any]:
     """Per key: its wrapped reference (consumed), or the error that refused it (the key
-    is then freed, never leaked). One engine-store call for a whole batch of keys."""
+    is then freed, never leaked). One engine-store call for a whole batch of keys.
+    ``run``: the adopting store's run; a key issued to, or claimed by, another run is
+    refused with ``RunMismatch`` and left untouched (it is not ours to free)."""
     out: list[Any] = []
     for key in keys:
+        if run is not None and key.run not in ("", run):
+            out.append(_other_run(key, run))
+            continue
 
         def check(meta: PayloadMeta, key: EngineKey = key) -> None:
             check_key_meta(meta, key, spec)
 
         try:
-            out.append(store.take_checked(key.key, check))
+            out.append(store.take_checked(key.key, check, run))
         except RouteplayError as exc:
             out.append(exc)
     return out
+
+
+def _other_run(key: EngineKey, run: str) -> RunMismatch:
+    return RunMismatch(
+        "engine key issued to another run",
+        expected=f"a key of run {run}",
+        found=f"a key of run {key.run}",
+        where=f"engine key {key.key}",
+    )
 
 
 def canonical_rows(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -87,6 +88,10 @@ class TableStats:
     """Bytes dropped on TTL expiry."""
     shared_prefix_bytes_saved: int = 0
     """Bytes never written because samples shared a verified-equal prompt prefix."""
+    expired_leases: int = 0
+    """Leases ended by the lease TTL (``StoreConfig.lease_ttl_s``): holders that died."""
+    revoked_leases: int = 0
+    """Leases ended by ``RouteStore.revoke`` / ``revoke_holder`` (a dead holder's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,8 +123,11 @@ class LeaseTable(Generic[Ref]):
         clock: Callable[[], float] = time.monotonic,
         lease_prefix: str = "",
         wall_clock: Callable[[], float] = time.time,
+        lease_ttl_s: float | None = None,
     ) -> None:
         self.run = run
+        self.lease_ttl_s = lease_ttl_s
+        self._lease_counts = {"expired": 0, "revoked": 0}
         self._lease_prefix = lease_prefix or run
         self.ttl_s = ttl_s
         self._clock = clock
@@ -166,9 +174,11 @@ class LeaseTable(Generic[Ref]):
         return out
 
     def expire(self) -> list[str]:
-        """Drop every payload nobody leased within the TTL; returns their ids."""
+        """Drop every payload nobody leased within the TTL (and, with a lease TTL, end
+        leases held longer than it); returns the dropped payloads' ids."""
+        dropped = self._expire_leases()
         if self.ttl_s is None:
-            return []
+            return dropped
         deadline = self._clock() - self.ttl_s
         stale = []
         # Payloads enter the heap in creation order, so expiry costs O(expired), not O(live).
@@ -185,7 +195,47 @@ class LeaseTable(Generic[Ref]):
                 )
                 self._drop(pid, PayloadState.EXPIRED)
                 stale.append(pid)
-        return stale
+        return dropped + stale
+
+    def _expire_leases(self) -> list[str]:
+        """End leases older than the lease TTL (off by default): a holder that died can
+        pin bytes only that long. Logged and counted (``expired_leases``)."""
+        if self.lease_ttl_s is None:
+            return []
+        deadline = self._clock() - self.lease_ttl_s
+        old = [lid for lid, lease in self._leases.items() if lease.since <= deadline]
+        dropped = []
+        for lid in old:
+            log.warning(
+                "run %s: lease %s of %s expired after %.0fs (lease TTL): its holder never "
+                "released it",
+                self.run,
+                lid,
+                self._leases[lid].holder,
+                self.lease_ttl_s,
+            )
+            dropped += self.release(lid)
+            self._lease_counts["expired"] += 1
+        return dropped
+
+    def revoke_holder(self, holder: str) -> list[str]:
+        """End every lease of ``holder`` (one that died); returns the lease ids ended."""
+        ended = [lid for lid, lease in self._leases.items() if lease.holder == holder]
+        for lid in ended:
+            self.release(lid)
+        self._lease_counts["revoked"] += len(ended)
+        return ended
+
+    def revoke_leases(self, lease_ids: Iterable[str]) -> list[str]:
+        """End the given leases of a dead holder (idempotent); returns those that were live."""
+        ids = list(lease_ids)
+        for lid in ids:
+            self._check_own(lid)
+        ended = [lid for lid in ids if lid in self._leases]
+        for lid in ended:
+            self.release(lid)
+        self._lease_counts["revoked"] += len(ended)
+        return ended
 
     # -- leases ---------------------------------------------------------------------
     def acquire(self, payload_ids: Iterable[str], holder: str, *, run: str) -> str:
@@ -205,7 +255,20 @@ class LeaseTable(Generic[Ref]):
         grant): payloads it first leased go back to STORED, TTL and all; returns dropped."""
         return self._end(lease_id, restore_fresh=True)
 
+    def _check_own(self, lease_id: str) -> None:
+        """Refuse a lease id another run's (or shard's) table granted: ids carry their
+        granter's prefix. Ids of no table at all stay an idempotent no-op."""
+        if "/lease-" in lease_id and not lease_id.startswith(f"{self._lease_prefix}/lease-"):
+            raise RunMismatch(
+                "lease of another run or shard",
+                expected=f"a lease id of {self._lease_prefix}",
+                found=lease_id[:160],
+                where=f"run {self.run}",
+                hint="Each run releases only its own leases, through its own store.",
+            )
+
     def _end(self, lease_id: str, *, restore_fresh: bool) -> list[str]:
+        self._check_own(lease_id)
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return []
@@ -270,6 +333,8 @@ class LeaseTable(Generic[Ref]):
             released_bytes=released[1],
             expired_bytes=expired[1],
             shared_prefix_bytes_saved=self._saved_bytes,
+            expired_leases=self._lease_counts["expired"],
+            revoked_leases=self._lease_counts["revoked"],
         )
 
     def leaks(self) -> list[LeakRecord]:
@@ -290,7 +355,7 @@ class LeaseTable(Generic[Ref]):
 
     # -- internals ------------------------------------------------------------------
     def _grant(self, payload_ids: tuple[str, ...], holder: str) -> str:
-        lease_id = f"{self._lease_prefix}/lease-{next(self._ids)}"
+        lease_id = f"{self._lease_prefix}/lease-{secrets.token_hex(16)}"  # unguessable
         self._leases[lease_id] = _Lease(
             holder=holder,
             payloads=payload_ids,

@@ -31,6 +31,10 @@ TAKE_GROUP: Final = "routeplay-take"
 PRODUCER_CONCURRENCY: Final = {TAKE_GROUP: 1}
 
 
+HANDED_OVER = "handed-over"
+"""Last return value of ``take_staged``: fetched (a few bytes) to check the hand-over."""
+
+
 def producer_actor(cls: type, **options: Any) -> Any:
     """``ray.remote(cls)`` with the concurrency group ``take_staged`` needs."""
     groups = {**options.pop("concurrency_groups", {}), **PRODUCER_CONCURRENCY}
@@ -90,8 +94,11 @@ class RoutesProducer:
 
     @ray.method(concurrency_group=TAKE_GROUP)
     def take_staged(self, token: str) -> Any:
-        """Called by a store: return the staged blocks (and forget them)."""
-        return self._outbox().take(token)
+        """Called by a store: return the staged blocks (and forget them), then a small
+        marker the store fetches to learn that the hand-over succeeded (``ray.wait``
+        counts the errored results of a dead producer as ready)."""
+        blocks = self._outbox().take(token)
+        return (*(blocks if isinstance(blocks, tuple) else (blocks,)), HANDED_OVER)
 
     def staged_count(self) -> int:
         """Payloads staged and not yet taken (0 in steady state)."""

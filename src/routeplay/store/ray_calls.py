@@ -8,9 +8,15 @@ from typing import Any
 import ray
 from ray import exceptions as rex
 
-from routeplay.errors import RouteplayError, RoutesLost, StoreFailure, StoreTimeout
+from routeplay.errors import (
+    EngineStoreLost,
+    RouteplayError,
+    RoutesLost,
+    StoreFailure,
+    StoreTimeout,
+)
 
-__all__ = ["get", "lost_index"]
+__all__ = ["get", "get_actor", "lost_index"]
 
 _LOST = (
     rex.OwnerDiedError,
@@ -48,6 +54,21 @@ def get(refs: Any, *, timeout_s: float, what: str) -> Any:
             raise cause from exc  # our own typed error, raised inside an actor
         raise StoreFailure(
             "a store actor failed", where=what, found=f"{type(cause).__name__}: {cause}"
+        ) from exc
+
+
+def get_actor(name: str, namespace: str) -> Any:
+    """A named actor's handle; a missing one (a dead engine store) is ``EngineUnavailable``
+    (a ``LifetimeError``), not Ray's ``ValueError: Failed to look up actor``."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError as exc:
+        raise EngineStoreLost(
+            "the engine store actor is gone",
+            where=f"Ray actor {namespace}/{name}",
+            expected="a live engine store (start_engine_store)",
+            found=str(exc).splitlines()[0][:200],
+            hint="Its keys and their payloads are lost; restart it before the engine.",
         ) from exc
 
 

@@ -159,7 +159,7 @@ class Reader:
             values = self._backend.fetch(refs, "blocks")
         except RoutesLost as exc:
             lost = self._backend.lost_index(refs, exc)
-            payload = keys[lost][0] if lost is not None else "?"
+            payload = keys[lost][0] if lost is not None else _candidates(keys)
             reader = holder or "an unnamed reader"
             raise RoutesLost(
                 exc.summary,
@@ -174,7 +174,7 @@ class Reader:
     def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
         """Read a key's whole payload once (the key is single-use), validated, canonical."""
         where = f"engine key {key.key}"
-        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key)
+        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key, self._run)
         [view] = self._backend.fetch(wrapped, where)
         full = np.array(view)  # copy out, then drop the view so nothing stays pinned
         del view, wrapped
@@ -202,6 +202,13 @@ def _outputs(
                 found=f"{buffer.shape} {buffer.dtype}",
             )
     return given
+
+
+def _candidates(keys: Sequence[tuple[str, int]]) -> str:
+    """The payloads a failed batch fetch was about, when Ray does not say which one."""
+    pids = sorted({pid for pid, _ in keys})
+    shown = ", ".join(pids[:4]) + (f" (+{len(pids) - 4} more)" if len(pids) > 4 else "")
+    return f"one of {shown}" if len(pids) > 1 else shown
 
 
 def _check_blocks(pid: str, wanted: Sequence[int], count: int) -> None:

@@ -10,6 +10,7 @@ long-lived process handed it references it owns (``adopt``: drivers, engine stor
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,11 +71,12 @@ class StoreShard:
         ttl_s: float | None = 600.0,
         clock: Callable[[], float] = time.monotonic,
         call_producer: CallProducer | None = None,
+        lease_ttl_s: float | None = None,
     ) -> None:
         self.run = run
         self.index = index
         self._table: LeaseTable[list[Any]] = LeaseTable(
-            run, ttl_s=ttl_s, clock=clock, lease_prefix=f"{run}/{index}"
+            run, ttl_s=ttl_s, clock=clock, lease_prefix=f"{run}/{index}", lease_ttl_s=lease_ttl_s
         )
         self._ids = itertools.count()
         self._call_producer = call_producer
@@ -82,7 +84,8 @@ class StoreShard:
     def adopt(self, refs: Sequence[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         """Keep references to a stored payload's blocks; returns the payload's StoreRef."""
         self._table.expire()
-        payload_id = f"{self.index}.{next(self._ids):x}"
+        # Unguessable (128 CSPRNG bits): ids cross process boundaries, see docs/security.md.
+        payload_id = f"{self.index}.{secrets.token_hex(16)}"
         self._table.add(payload_id, list(refs), rows=rows, nbytes=nbytes)
         return StoreRef(payload_id=payload_id, run=self.run, rows=rows, block_rows=block_rows)
 
@@ -140,6 +143,28 @@ class StoreShard:
     def release_many(self, lease_ids: Sequence[str]) -> list[str]:
         """End many leases (each idempotent); returns payloads dropped by them."""
         return [pid for lease_id in lease_ids for pid in self._table.release(lease_id)]
+
+    def adopt_leased(
+        self,
+        refs: Sequence[Any],
+        payloads: Sequence[StoredPayload],
+        saved_bytes: int,
+        samples: Sequence[Sequence[int]],
+        holder: str,
+    ) -> tuple[list[StoreRef], Grant]:
+        """``adopt_many`` and a lease of ``holder`` per sample (its payload indices), in
+        one step: no TTL can drop a payload between the put and the lease."""
+        stored = self.adopt_many(refs, payloads, saved_bytes)
+        requests = [([stored[i].payload_id for i in parts], holder) for parts in samples]
+        return stored, self.lease_many(requests, self.run)
+
+    def revoke_holder(self, holder: str) -> list[str]:
+        """End every lease of a dead holder; returns the lease ids ended."""
+        return self._table.revoke_holder(holder)
+
+    def revoke_leases(self, lease_ids: Sequence[str]) -> list[str]:
+        """End leases of a dead holder (not a rollback); returns those that were live."""
+        return self._table.revoke_leases(lease_ids)
 
     def revoke_many(self, lease_ids: Sequence[str]) -> list[str]:
         """Roll back many leases of a multi-shard grant that failed elsewhere."""
