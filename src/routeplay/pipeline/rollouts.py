@@ -122,10 +122,16 @@ class RolloutPool:
         jobs: Sequence[Job],
         version: int,
         on_done: Callable[[RolloutState], object] = lambda _: None,
+        *,
+        on_failed: Callable[[Job, Exception], object] = lambda *_: None,
+        after_submit: Callable[[], object] = lambda: None,
     ) -> tuple[list[RolloutState], list[Job]]:
         """Run every job; returns the samples in the order they finished, and the failed
-        jobs (counted, their inputs' leases released)."""
+        jobs (counted, their inputs' leases released, each passed to ``on_failed`` with
+        its error). ``after_submit`` runs once every job is in flight (the soak's
+        fault-injection point; the demo passes nothing)."""
         pending = {self._submit(job, version): job for job in jobs}
+        after_submit()
         done: list[RolloutState] = []
         failed: list[Job] = []
         while pending:
@@ -138,11 +144,23 @@ class RolloutPool:
                 self.stats.failed += 1
                 self.stats.errors.append(f"{job.state.sample_id}: {exc}"[:500])
                 failed.append(job)
+                on_failed(job, exc)
                 continue
             setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
             done.append(state)
             on_done(state)
         return done, failed
+
+    @property
+    def workers(self) -> tuple[Any, ...]:
+        """The worker actor handles, in round-robin order."""
+        return tuple(self._workers)
+
+    def replace_worker(self, index: int, worker: Any) -> Any:
+        """Put ``worker`` in slot ``index`` (a restarted worker); returns the old handle
+        (the caller ends it)."""
+        old, self._workers[index] = self._workers[index], worker
+        return old
 
     def close(self) -> None:
         """Close the workers' clients and end the actors."""
