@@ -251,9 +251,15 @@ class _Soak:
         svc = self.svc
         down = "engine_kill" in faults
 
+        kill = "worker_kill" in faults
+        last = len(svc.pool.workers) - 1
+        in_flight_kill = self.config.faults.worker_kill_in_flight
+        if kill and not in_flight_kill:  # dead before it is sent anything
+            ray.kill(svc.pool.workers[last], no_restart=True)
+
         def in_flight() -> None:
-            if "worker_kill" in faults:
-                self._kill_worker(len(svc.pool.workers) - 1)
+            if kill:
+                self._restart_worker(last, kill_old=in_flight_kill)
             if down:
                 self.server.close()
                 self.plan.count("engine_kill")
@@ -307,9 +313,10 @@ class _Soak:
         return stats.samples
 
     # -- faults --------------------------------------------------------------------
-    def _kill_worker(self, index: int) -> None:
-        old = self.svc.pool.replace_worker(index, self._start_worker())
-        ray.kill(old, no_restart=True)
+    def _restart_worker(self, index: int, *, kill_old: bool) -> None:
+        if kill_old:  # while it runs the first of its jobs
+            ray.kill(self.svc.pool.workers[index], no_restart=True)
+        self.svc.pool.replace_worker(index, self._start_worker())
         self.plan.count("worker_kill")
 
     def _restart_engine(self) -> None:
