@@ -25,11 +25,13 @@ def test_every_fault_fires_and_every_invariant_holds() -> None:
     report = run_soak(SoakConfig(steps=len(FAULT_KINDS), faults=faults, key_ttl_s=3.0))
     assert report.broken == ()
     assert all(report.faults_fired[kind] > 0 for kind in FAULT_KINDS), report.faults_fired
-    assert report.samples_trained > 0 and report.samples_retried > 0
+    assert report.samples_trained > 0
+    assert report.samples_retried > 0
     # Each fault that loses samples shows up under its own typed error.
     for kind in ("InjectedFault", "RayActorError", "EngineUnavailable", "MalformedPayload"):
         assert report.samples_lost.get(kind, 0) > 0, report.samples_lost
-    assert report.premature_releases == 0 and report.untyped_errors == 0
+    assert report.premature_releases == 0
+    assert report.untyped_errors == 0
     assert (report.leaked_leases, report.leaked_bytes, report.engine_keys_left) == (0, 0, 0)
     # The dropped response's key and the corrupted answer's key both expire unread.
     assert report.engine_keys_expired >= report.dropped_responses + 1
@@ -41,6 +43,7 @@ def test_cli_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     status = main(["soak", "--steps", "1", "--rate", "0", "--key-ttl", "1", "--json", str(out)])
     data = json.loads(out.read_text())
-    assert status == 0 and data["ok"], data["broken"]
+    assert status == 0
+    assert data["ok"], data["broken"]
     assert data["faults_fired"]["stale_retry"] == 1  # forced at step 0, the only one
     assert sum(data["faults_fired"].values()) == 1

@@ -46,11 +46,15 @@ def test_a_rate_outside_zero_one_is_refused() -> None:
 def test_tamper_breaks_keys_routing_lists_and_blobs() -> None:
     key = "0123456789abcdef" * 3 + "01234567"
     body, hit = tamper({"meta_info": {"routed_experts": key}, "text": "hi"})
-    assert hit and body["meta_info"]["routed_experts"][0] == "z" and body["text"] == "hi"
+    assert hit
+    assert body["meta_info"]["routed_experts"] == "z" + key[1:]
+    assert body["text"] == "hi"
     nested, hit = tamper({"r": [[[1, 2], [3, 4]]]})
-    assert hit and nested["r"][0][0][0] == -1
+    assert hit
+    assert nested["r"] == [[[-1, 2], [3, 4]]]
     blob, hit = tamper({"b": "QUJD" * 20})
-    assert hit and len(blob["b"]) == 77
+    assert hit
+    assert len(blob["b"]) == 77
     assert tamper({"token_ids": [1, 2, 3], "finish_reason": "stop"}) == (
         {"token_ids": [1, 2, 3], "finish_reason": "stop"},
         False,
@@ -60,5 +64,6 @@ def test_tamper_breaks_keys_routing_lists_and_blobs() -> None:
 def test_classify_names_our_errors_and_flags_premature_releases() -> None:
     assert classify(SpecMismatch("x")) == "SpecMismatch"
     assert classify(KeyError("x")) == "untyped:KeyError"
-    assert is_premature_release(AlreadyReleased("x")) and is_premature_release(RoutesLost("x"))
+    assert is_premature_release(AlreadyReleased("x"))
+    assert is_premature_release(RoutesLost("x"))
     assert not is_premature_release(SpecMismatch("x"))
