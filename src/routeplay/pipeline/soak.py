@@ -292,7 +292,7 @@ class _Soak:
         kill = "trainer_kill" in faults
         if kill or "train_exception" in faults:
             why = "trainer killed mid-fetch" if kill else "exception in a training step"
-            self.trainer.armed = InjectedFault(why, where=f"step {step}")
+            self.trainer.armed = InjectedFault(why, where=f"armed in step {step}")
         groups = svc.buffer.sample(self.config.demo.trainer.groups_per_step, version)
         samples = sum(len(group.states) for group in groups)
         try:
