@@ -120,8 +120,13 @@ NEEDS: dict[str, frozenset[str]] = {
         RAY,
     ),
     **dict.fromkeys(
-        [f"routeplay.pipeline.{name}" for name in ("meter", "rollout_worker", "rollouts")], RAY
+        [
+            f"routeplay.pipeline.{name}"
+            for name in ("faults", "meter", "rollout_worker", "rollouts", "soak_report")
+        ],
+        RAY,
     ),
+    "routeplay.pipeline.soak_worker": RAY,
     # where tensors are made
     **dict.fromkeys(
         [
@@ -140,7 +145,10 @@ NEEDS: dict[str, frozenset[str]] = {
     ),
     # the demo's driver: the trainer (torch) on Ray
     **dict.fromkeys(
-        [f"routeplay.pipeline.{name}" for name in ("config", "demo", "services", "trainer")],
+        [
+            f"routeplay.pipeline.{name}"
+            for name in ("config", "demo", "services", "soak", "trainer")
+        ],
         RAY | TORCH,
     ),
 }

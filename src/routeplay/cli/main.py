@@ -16,6 +16,7 @@ from rich.console import Console
 from routeplay.cli.bench_command import bench_command
 from routeplay.cli.demo_command import demo_command
 from routeplay.cli.inspect_command import inspect_command
+from routeplay.cli.soak_command import soak_command
 
 EXIT_USAGE = 1
 
@@ -28,6 +29,7 @@ app = typer.Typer(
 app.command("inspect")(inspect_command)
 app.command("demo")(demo_command)
 app.command("bench")(bench_command)
+app.command("soak")(soak_command)
 
 
 @app.callback()

@@ -126,10 +126,16 @@ class RolloutPool:
         jobs: Sequence[Job],
         version: int,
         on_done: Callable[[RolloutState], object] = lambda _: None,
+        *,
+        on_failed: Callable[[Job, Exception], object] = lambda *_: None,
+        after_submit: Callable[[], object] = lambda: None,
     ) -> tuple[list[RolloutState], list[Job]]:
         """Run every job; returns the samples in the order they finished, and the failed
-        jobs (counted, their inputs' leases released)."""
+        jobs (counted, their inputs' leases released, each passed to ``on_failed`` with
+        its error). ``after_submit`` runs once every job is in flight (the soak's
+        fault-injection point; the demo passes nothing)."""
         pending = {self._submit(batch, version): batch for batch in _batches(jobs)}
+        after_submit()
         done: list[RolloutState] = []
         failed: list[Job] = []
         while pending:
@@ -137,14 +143,15 @@ class RolloutPool:
             if not ready:  # every worker hung: fail what is pending, never hang the run
                 for batch in pending.values():
                     for job in batch:
-                        self._fail(job, f"no answer within {_DEADLINE_S}s", failed)
+                        hung = TimeoutError(f"no answer within {_DEADLINE_S}s")
+                        self._fail(job, hung, failed, on_failed)
                 break
             batch = pending.pop(ready[0])
             try:
                 answer = ray.get(ready[0], timeout=_DEADLINE_S)
             except Exception as exc:  # one bad answer must not stop the run
                 for job in batch:
-                    self._fail(job, str(exc), failed)
+                    self._fail(job, exc, failed, on_failed)
                 continue
             for job, state in zip(batch, answer if len(batch) > 1 else [answer], strict=True):
                 setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
@@ -152,11 +159,29 @@ class RolloutPool:
                 on_done(state)
         return done, failed
 
-    def _fail(self, job: Job, why: str, failed: list[Job]) -> None:
+    def _fail(
+        self,
+        job: Job,
+        error: Exception,
+        failed: list[Job],
+        on_failed: Callable[[Job, Exception], object],
+    ) -> None:
         job.state.release()
         self.stats.failed += 1
-        self.stats.errors.append(f"{job.state.sample_id}: {why}"[:500])
+        self.stats.errors.append(f"{job.state.sample_id}: {error}"[:500])
         failed.append(job)
+        on_failed(job, error)
+
+    @property
+    def workers(self) -> tuple[Any, ...]:
+        """The worker actor handles, in round-robin order."""
+        return tuple(self._workers)
+
+    def replace_worker(self, index: int, worker: Any) -> Any:
+        """Put ``worker`` in slot ``index`` (a restarted worker); returns the old handle
+        (the caller ends it)."""
+        old, self._workers[index] = self._workers[index], worker
+        return old
 
     def close(self) -> None:
         """Close the workers' clients and end the actors."""
