@@ -35,6 +35,8 @@ from routeplay.errors import EngineUnavailable, MalformedPayload
 from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.lifecycle import continuation, store_turn
+from routeplay.rollout.releasing import attach_notes
+from routeplay.rollout.state import release_states
 from routeplay.rollout.trace_actor import TraceStoreClient
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
@@ -112,7 +114,7 @@ class WorkerShell(RoutesProducer):
         (``put_routes_many(shared_prefix=...)``); each sample gets its own handle and lease.
         Key-store wires (the engine stores whole arrays) run the members one by one."""
         if self._wire.key_store:
-            return [self.rollout(s, m, version) for s, m in zip(states, samplings, strict=True)]
+            return self._one_by_one(states, samplings, version)
         prompt = states[0].prompt_ids
         assert all(s.prompt_ids == prompt and s.routing is None for s in states)
         answers = []
@@ -152,6 +154,22 @@ class WorkerShell(RoutesProducer):
                 states, answers, handles, leases, strict=True
             )
         ]
+
+    def _one_by_one(
+        self, states: list[RolloutState], samplings: list[Sampling], version: int
+    ) -> list[RolloutState]:
+        """Members one by one. The group fails as a whole (the pool counts every member
+        failed), so the members already done release their new leases first: nobody
+        else will ever see those states (the soak found that leak)."""
+        done: list[RolloutState] = []
+        try:
+            for state, sampling in zip(states, samplings, strict=True):
+                done.append(self.rollout(state, sampling, version))
+        except Exception as exc:
+            _, errors = release_states(done)
+            attach_notes(exc, errors, "releasing the group's finished members")
+            raise
+        return done
 
     def converse(
         self, state: RolloutState, user_turn: tuple[int, ...], sampling: Sampling, version: int
