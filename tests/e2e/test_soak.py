@@ -19,9 +19,9 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.usefixtures("ray_local")
 def test_every_fault_fires_and_every_invariant_holds() -> None:
     # One step per fault kind: each_at_least_once forces kind i at step i if the draws
-    # have not fired it yet. Workers are killed before their jobs reach them: a kill
-    # mid-conversation leaks the dead worker's prefix lease until leases get a TTL.
-    faults = FaultConfig(seed=5, worker_kill_in_flight=False)
+    # have not fired it yet. Workers are killed mid-job: the pool revokes the leases a
+    # dead worker took under its jobs' holder names (its new lease, a borrowed prefix).
+    faults = FaultConfig(seed=5)
     report = run_soak(SoakConfig(steps=len(FAULT_KINDS), faults=faults, key_ttl_s=3.0))
     assert report.broken == ()
     assert all(report.faults_fired[kind] > 0 for kind in FAULT_KINDS), report.faults_fired

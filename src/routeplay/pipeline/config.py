@@ -87,7 +87,7 @@ class RolloutConfig:
         ray.get(
             [worker.__ray_ready__.remote() for worker in workers], timeout=self.timeout_s
         )  # fail fast, start warm
-        return RolloutPool(workers)
+        return RolloutPool(workers, store=store)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -79,9 +79,8 @@ class FaultConfig:
     """One engine answer corrupted between the engine and the adapter."""
     worker_kill_in_flight: bool = True
     """Kill the worker while it runs a job (True), or just before the step's jobs are
-    sent to it (False: every job sent to it fails, none is half done). A worker killed
-    mid-conversation leaves its session-prefix lease held by a dead holder, and leases
-    have no TTL yet (issue 12 point 4), so the leak check then fails: a known bug."""
+    sent to it (False: every job sent to it fails, none is half done). Leases a worker
+    killed mid-job leaves behind are revoked by the rollout pool."""
     each_at_least_once: bool = True
     """Force every kind that has not fired by step ``i`` (its index) to fire at ``i``."""
     seed: int = 0

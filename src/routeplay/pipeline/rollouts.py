@@ -24,12 +24,14 @@ import ray
 from routeplay.pipeline.rollout_worker import Sampling
 from routeplay.pipeline.task import random_tokens
 from routeplay.rollout import RolloutState, Status
+from routeplay.rollout.lifecycle import prefix_holder, sample_holder
 
 _DEADLINE_S = 600.0
 """Longest wait for any rollout to finish: past it, every pending job counts as failed."""
 
 if TYPE_CHECKING:
     from routeplay.pipeline.config import RolloutConfig
+    from routeplay.store import RouteStore
 
 __all__ = ["GroupAssembler", "Job", "JobPlanner", "PoolStats", "RolloutPool"]
 
@@ -110,14 +112,17 @@ class PoolStats:
     retry: int = 0
     conversation: int = 0
     failed: int = 0
+    revoked_leases: int = 0
+    """Leases a dead worker took for its jobs and nobody else could release."""
     errors: list[str] = field(default_factory=list)
 
 
 class RolloutPool:
     """Rollout worker actors, fed jobs round-robin."""
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    def __init__(self, workers: Sequence[Any], *, store: RouteStore | None = None) -> None:
         self._workers = list(workers)
+        self._store = store
         self._next = itertools.cycle(range(len(self._workers)))
         self.stats = PoolStats()
 
@@ -167,10 +172,23 @@ class RolloutPool:
         on_failed: Callable[[Job, Exception], object],
     ) -> None:
         job.state.release()
+        if isinstance(error, ray.exceptions.RayActorError):
+            self._revoke_orphans(job)
         self.stats.failed += 1
         self.stats.errors.append(f"{job.state.sample_id}: {error}"[:500])
         failed.append(job)
         on_failed(job, error)
+
+    def _revoke_orphans(self, job: Job) -> None:
+        """A worker that died mid-job may have left leases under the job's holder names
+        (its new lease, a borrowed session prefix) that only it could release. The
+        input's own lease was just released, so what is left under those names is the
+        dead worker's: revoke it (sample ids are never in flight twice)."""
+        if self._store is None:
+            return
+        sample = job.state.sample_id
+        for holder in (sample_holder(sample), prefix_holder(sample)):
+            self.stats.revoked_leases += self._store.revoke_holder(holder)
 
     @property
     def workers(self) -> tuple[Any, ...]:
