@@ -11,6 +11,7 @@ import pytest
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, Segment, canonicalize
 from routeplay.errors import (
     AlreadyConsumed,
+    MalformedPayload,
     MisuseError,
     RoutesLost,
     RowCountMismatch,
@@ -154,3 +155,26 @@ def test_a_key_whose_payload_disagrees_with_its_row_count_is_refused_and_freed(
 def test_invalid_store_configs_are_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(MisuseError):
         StoreConfig(run="bad", **kwargs)
+
+
+def test_a_lazy_key_claiming_more_rows_than_its_payload_is_refused_before_allocating(
+    store: RouteStore,
+) -> None:
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    key = backend.engine_store().put(routing(12, seed=8).array.astype(np.uint16))
+    claimed = 10**12  # the response's counts say so; the output would need 7 TB
+    handle = Handle.of(
+        Segment(source=EngineKey(key=key, rows=claimed), start=0, stop=claimed, spec=SPEC)
+    )
+    with pytest.raises(RowCountMismatch, match="12 rows"):
+        store.read(handle)
+
+
+def test_a_lazy_key_whose_payload_is_not_an_array_is_a_typed_refusal(store: RouteStore) -> None:
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    key = backend.engine_store().put({"not": "routing"})
+    handle = Handle.of(Segment(source=EngineKey(key=key, rows=3), start=0, stop=3, spec=SPEC))
+    with pytest.raises(MalformedPayload, match="not an array"):
+        store.read(handle)

@@ -24,8 +24,8 @@ import numpy.typing as npt
 
 from routeplay.core.handle import EngineKey, Handle, InlineSource
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize
-from routeplay.errors import HandleError, MisuseError, RoutesLost
+from routeplay.core.validate import canonicalize, check_dtype, check_shape
+from routeplay.errors import HandleError, MalformedPayload, MisuseError, RoutesLost
 from routeplay.store.backend import Backend, ShardCall
 from routeplay.store.key_check import check_key_rows
 from routeplay.store.read_plan import ReadPlan, plan_reads
@@ -102,18 +102,17 @@ class Reader:
     ) -> list[npt.NDArray[Any]]:
         """Rows of each request, copied into ``out`` (reused buffers) or fresh arrays."""
         plan = plan_reads(requests)
+        # Engine keys first: their payloads are checked against the rows the responses
+        # claimed before anything is allocated for those rows (a claim is not a size).
+        consumed = self._consume_engine_keys(plan)
         outs = _outputs(plan, requests, out)
-        consumed: dict[str, npt.NDArray[Any]] = {}  # each engine key is read once per call
         for direct in plan.direct:
             seg = direct.segment
             if isinstance(seg.source, InlineSource):
                 rows = seg.source.array[seg.start : seg.stop]
             else:
                 assert isinstance(seg.source, EngineKey)
-                key = seg.source
-                if key.key not in consumed:
-                    consumed[key.key] = self._consume_engine_key(key, seg.spec)
-                rows = consumed[key.key][seg.start : seg.stop]
+                rows = consumed[seg.source.key][seg.start : seg.stop]
             outs[direct.request][direct.offset : direct.offset + seg.rows] = rows
         if not plan.copies:
             return outs
@@ -171,15 +170,39 @@ class Reader:
             refs.clear()
         return dict(zip(keys, values, strict=True))
 
+    def _consume_engine_keys(self, plan: ReadPlan) -> dict[str, npt.NDArray[Any]]:
+        """Every engine key the plan reads, consumed once (keys are single-use)."""
+        consumed: dict[str, npt.NDArray[Any]] = {}
+        for direct in plan.direct:
+            key = direct.segment.source
+            if isinstance(key, EngineKey) and key.key not in consumed:
+                consumed[key.key] = self._consume_engine_key(key, direct.segment.spec)
+        return consumed
+
     def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
-        """Read a key's whole payload once (the key is single-use), validated, canonical."""
+        """Read a key's whole payload once (the key is single-use), validated, canonical.
+
+        Type, shape and rows are checked on the fetched view before anything is copied,
+        so a payload that is not an array, or not the rows the key claims, is refused
+        without allocating for the claim."""
         where = f"engine key {key.key}"
         wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key, self._run)
         [view] = self._backend.fetch(wrapped, where)
-        full = np.array(view)  # copy out, then drop the view so nothing stays pinned
-        del view, wrapped
-        check_key_rows(full.shape[0], key, where=where)
-        return canonicalize(full[: key.rows], spec, where=where).array
+        try:
+            if not isinstance(view, np.ndarray):
+                raise MalformedPayload(
+                    "an engine key's payload is not an array",
+                    expected="a numpy integer array [T, L, K]",
+                    found=type(view).__name__,
+                    where=where,
+                )
+            check_dtype(view.dtype, spec, where=where)
+            check_shape(view.shape, spec, where=where)
+            check_key_rows(view.shape[0], key, where=where)
+            counted = np.array(view[: key.rows])  # copy out; the view goes below
+        finally:
+            del view, wrapped  # nothing stays pinned, also on a refusal
+        return canonicalize(counted, spec, where=where).array
 
 
 def _outputs(
