@@ -178,3 +178,13 @@ def test_a_lazy_key_whose_payload_is_not_an_array_is_a_typed_refusal(store: Rout
     handle = Handle.of(Segment(source=EngineKey(key=key, rows=3), start=0, stop=3, spec=SPEC))
     with pytest.raises(MalformedPayload, match="not an array"):
         store.read(handle)
+
+
+def test_adopting_a_key_whose_payload_is_not_an_array_is_a_typed_refusal(
+    store: RouteStore,
+) -> None:
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    key = backend.engine_store().put("not routing")
+    with pytest.raises(MalformedPayload, match="not an array"):
+        store.read(store.adopt_key(EngineKey(key=key, rows=3), SPEC))

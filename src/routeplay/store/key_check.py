@@ -19,7 +19,7 @@ from routeplay.core.handle import EngineKey
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize, check_dtype, check_row_count, check_shape
-from routeplay.errors import RouteplayError, RunMismatch
+from routeplay.errors import MalformedPayload, RouteplayError, RunMismatch
 from routeplay.store.engine_store import EngineStore, PayloadMeta
 
 __all__ = [
@@ -78,15 +78,33 @@ def _other_run(key: EngineKey, run: str) -> RunMismatch:
 
 
 def canonical_rows(
-    payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
+    payload: object, key: EngineKey, spec: RouteSpec
 ) -> npt.NDArray[np.unsignedinteger]:
     """Rows ``[0, key.rows)`` of a key's payload, validated and canonical (one copy:
     the trailing row is dropped by slicing, before the narrowing cast copies)."""
     return canonical_routes(payload, key, spec).array
 
 
-def canonical_routes(payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec) -> Routes:
+def canonical_routes(payload: object, key: EngineKey, spec: RouteSpec) -> Routes:
     """``canonical_rows`` as ``Routes`` (what a batch layout takes)."""
     where = f"engine key {key.key}"
+    array = check_key_payload(payload, key, spec, where=where)
+    return canonicalize(array[: key.rows], spec, expected=key.rows, where=where)
+
+
+def check_key_payload(
+    payload: object, key: EngineKey, spec: RouteSpec, *, where: str
+) -> npt.NDArray[Any]:
+    """The payload behind a key as an array whose type, shape and rows the key explains,
+    checked before anything is copied or allocated for the rows the response claimed."""
+    if not isinstance(payload, np.ndarray):
+        raise MalformedPayload(
+            "an engine key's payload is not an array",
+            expected="a numpy integer array [T, L, K]",
+            found=type(payload).__name__,
+            where=where,
+        )
+    check_dtype(payload.dtype, spec, where=where)
+    check_shape(payload.shape, spec, where=where)
     check_key_rows(int(payload.shape[0]), key, where=where)
-    return canonicalize(payload[: key.rows], spec, expected=key.rows, where=where)
+    return payload

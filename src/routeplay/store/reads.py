@@ -24,10 +24,10 @@ import numpy.typing as npt
 
 from routeplay.core.handle import EngineKey, Handle, InlineSource
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize, check_dtype, check_shape
-from routeplay.errors import HandleError, MalformedPayload, MisuseError, RoutesLost
+from routeplay.core.validate import canonicalize
+from routeplay.errors import HandleError, MisuseError, RoutesLost
 from routeplay.store.backend import Backend, ShardCall
-from routeplay.store.key_check import check_key_rows
+from routeplay.store.key_check import check_key_payload
 from routeplay.store.read_plan import ReadPlan, plan_reads
 
 __all__ = ["BlockPins", "Reader"]
@@ -188,20 +188,11 @@ class Reader:
         where = f"engine key {key.key}"
         wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key, self._run)
         [view] = self._backend.fetch(wrapped, where)
-        try:
-            if not isinstance(view, np.ndarray):
-                raise MalformedPayload(
-                    "an engine key's payload is not an array",
-                    expected="a numpy integer array [T, L, K]",
-                    found=type(view).__name__,
-                    where=where,
-                )
-            check_dtype(view.dtype, spec, where=where)
-            check_shape(view.shape, spec, where=where)
-            check_key_rows(view.shape[0], key, where=where)
-            counted = np.array(view[: key.rows])  # copy out; the view goes below
+        del wrapped
+        try:  # copy the counted rows out; the view goes, also on a refusal: nothing pinned
+            counted = np.array(check_key_payload(view, key, spec, where=where)[: key.rows])
         finally:
-            del view, wrapped  # nothing stays pinned, also on a refusal
+            del view
         return canonicalize(counted, spec, where=where).array
 
 
