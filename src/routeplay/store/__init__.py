@@ -17,8 +17,9 @@ actor helpers load it.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
     from routeplay.store.client import RouteStore, StoreConfig, StoreStats
@@ -63,14 +64,12 @@ __all__ = [
 ]
 
 
+_LAZY = LazyExports(__name__, _HOME)
+
+
 def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value  # resolve once
-    return value
+    return _LAZY.resolve(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return _LAZY.names(__all__)

@@ -10,8 +10,9 @@ the HF entry point (``routeplay.train.hf.replay``), not a module.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
     from routeplay.train.hf import find_routers, model_spec, record, replay
@@ -88,14 +89,12 @@ __all__ = [
 ]
 
 
+_LAZY = LazyExports(__name__, _HOME)
+
+
 def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'routeplay.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"routeplay.train.{home}"), name)
-    globals()[name] = value  # resolve once
-    return value
+    return _LAZY.resolve(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return _LAZY.names(__all__)
