@@ -1,17 +1,13 @@
 # Set-up and checks. `make test` and `make demo` work on a fresh clone: they create
 # .venv, install the pinned CPU torch first (a looser pin would pull a multi-GB CUDA
-# build), then the project with every extra.
+# build), then the project with every extra (scripts/install-venv: uv, pip as fallback).
 SHELL := bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
-# This machine's pip config names local wheel folders that may not exist; hide that noise
-# (pip's own exit status still counts, through pipefail).
-QUIET := { grep -v "is ignored: it is neither" || true; }
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.routeplay-installed
 TORCH_PIN := torch==2.13.0
-PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: setup test lint typecheck pytest demo bench clean
 
@@ -19,8 +15,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(TORCH_PIN) 2>&1 | $(QUIET)
-	$(PIP) install -e '.[all,dev]' 2>&1 | $(QUIET)
+	scripts/install-venv $(VENV) '$(TORCH_PIN)' '.[all,dev]'
 	$(BIN)/python -c "import routeplay, torch, ray; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
 
