@@ -47,6 +47,11 @@ class _GroupWorker(RoutesProducer):
         ]
         return self.put_routes_many(self.store, batch, shared_prefix=prompt_rows)
 
+    def small(self, rows: list[int], seed: int) -> list[Handle]:
+        """Payloads far below Ray's 100 KiB inline limit, one each."""
+        batch = [routing(n, seed + i) for i, n in enumerate(rows)]
+        return self.put_routes_many(self.store, batch, pack=False)
+
 
 GroupWorker = producer_actor(_GroupWorker, num_cpus=0)
 
@@ -89,6 +94,27 @@ def test_a_group_put_writes_the_prompt_once_and_reads_need_no_shard_call(
     store.release_many(leases)  # not waited for
     assert store.stats().live_payloads == 0  # ... but a later call sees it landed
     assert wait_until(lambda: used_bytes() <= baseline), (used_bytes(), baseline)
+
+
+def _objects() -> int:
+    return sum(node.created_objects for node in created_bytes().values())
+
+
+def test_small_payloads_live_in_the_object_store_written_once(store: RouteStore) -> None:
+    worker = GroupWorker.remote(store)
+    ray.get(worker.__ray_ready__.remote())
+    objects, before = _objects(), _created()
+    rows = [3, 40, 100]  # 480 bytes to 16 KB: results Ray would keep in the shard's heap
+    handles = ray.get(worker.small.remote(rows, seed=5))
+    assert _objects() - objects == len(rows)  # one object-store write per payload
+    assert _created() - before >= SPEC.nbytes(sum(rows))
+    leases = store.acquire_many([(h, f"small/{i}") for i, h in enumerate(handles)])
+    reads = store.read_many([(h, 0, h.rows) for h in handles])
+    for i, (handle, out) in enumerate(zip(handles, reads, strict=True)):
+        np.testing.assert_array_equal(out, routing(rows[i], 5 + i).array)
+        assert handle.rows == rows[i]
+    store.release_many(leases)
+    assert store.stats().live_payloads == 0
 
 
 def test_a_release_that_fails_at_its_shard_is_raised_by_the_next_call() -> None:

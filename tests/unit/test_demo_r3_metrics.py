@@ -3,6 +3,7 @@ and the paper's metrics (k3 KL, per-step means, differing layers per token)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -75,16 +76,20 @@ def test_tally_counts_layers_per_token_and_per_step_kl() -> None:
     assert len(tally.step_kl) == 2
 
 
-def test_fresh_members_of_a_group_run_as_one_batch() -> None:
+def test_the_jobs_of_one_group_and_kind_run_as_one_batch() -> None:
     from routeplay.pipeline.rollout_worker import Sampling
     from routeplay.pipeline.rollouts import Job, _batches
-    from routeplay.rollout import RolloutState
+    from routeplay.rollout import RolloutState, Status
 
-    def job(sample: str, group: str, session: str | None = None) -> Job:
+    def job(sample: str, group: str, session: str | None = None, *, kind: str = "") -> Job:
         state = RolloutState(
             sample_id=sample, group_id=group, prompt_ids=(1, 2), session_id=session
         )
-        turn = (3,) if session else None
+        if kind == "resume":
+            state = state.with_status(Status.ABORTED, "abort")
+        if kind == "retry":
+            state = dataclasses.replace(state, retries=1)
+        turn = (3,) if session and not kind else None
         return Job(state=state, sampling=Sampling(max_new_tokens=2), user_turn=turn)
 
     jobs = [
@@ -93,6 +98,9 @@ def test_fresh_members_of_a_group_run_as_one_batch() -> None:
         job("a1", "a"),
         job("c0", "c"),
         job("b1", "b", "b1"),
+        job("a2", "a", kind="resume"),
+        job("b2", "b", "b2", kind="retry"),
+        job("a3", "a", kind="resume"),
     ]
     batches = [[j.state.sample_id for j in batch] for batch in _batches(jobs)]
-    assert batches == [["a0", "a1"], ["b0"], ["c0"], ["b1"]]
+    assert batches == [["a0", "a1"], ["b0", "b1"], ["c0"], ["a2", "a3"], ["b2"]]

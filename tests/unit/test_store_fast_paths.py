@@ -192,6 +192,7 @@ def test_a_grpo_group_stores_its_prompt_once_and_each_sample_keeps_its_lease(
     batch = [*group, other]
     handles = store.put_many(batch, shared_prefix=64)
     stats = store.stats()
+    assert stats.live_payloads == 1  # a group is one payload: one write, one record
     assert stats.shared_prefix_bytes_saved == 3 * prompt.nbytes
     assert stats.live_bytes == prompt.nbytes + sum(n for n in (7, 9, 11, 13)) * SPEC.row_nbytes + (
         other.nbytes
@@ -225,8 +226,16 @@ def test_prefixes_are_shared_only_when_verified_equal(
         routing(10, seed=5),  # shorter than the prefix: stored whole
     ]
     layout = plan_batch(samples, prefix_rows=16)
-    assert layout.samples == ((0, 1), (2,), (0, 3), (4,))  # the odd one keeps its own
+    per_sample = tuple(layout.payloads_of(i) for i in range(len(samples)))
+    assert per_sample == ((0, 1), (2,), (0, 3), (4,))  # the odd one keeps its own
     assert layout.saved_bytes == prompt.nbytes
+    packed = plan_batch(samples, prefix_rows=16, pack=True)
+    assert len(packed.arrays) == 1
+    assert packed.saved_bytes == prompt.nbytes
+    assert packed.arrays[0].nbytes == sum(a.nbytes for a in layout.arrays)
+    for parts, routes in zip(packed.samples, samples, strict=True):
+        rows = [packed.arrays[0][part.start : part.stop] for part in parts]
+        np.testing.assert_array_equal(np.concatenate(rows), routes.array)
 
 
 def test_an_lmdeploy_key_with_one_trailing_row_is_adopted_and_keeps_its_rows(

@@ -180,10 +180,12 @@ R3_ROLLOUT: Final = RolloutConfig(
     groups_per_step=2,
     partial_groups_per_step=1,
     conversations_per_step=1,
-    # Agentic: long prompts, short turns. 560+ rows of 24 x 8 uint8 ids are 105+ KiB per
-    # fresh payload: above Ray's 100 KiB inline limit, so they live in the object store.
-    prompt_tokens=(560, 640),
-    user_turn_tokens=16,
+    # Agentic: long prompts and tool outputs, short turns. A row is 24 x 8 uint8 ids (192
+    # bytes); each group's writes are one payload: its 600+ prompt rows once plus every
+    # member's own rows (~117+ KiB), and its second turns' tool outputs and answers
+    # (4 x 166 rows, ~125 KiB). Only a resume's few new rows are small.
+    prompt_tokens=(600, 680),
+    user_turn_tokens=160,
     max_new_tokens=6,
     stop_after=2,
 )
@@ -203,7 +205,7 @@ RECIPES: Final[dict[str, DemoConfig]] = {
         rollout=R3_ROLLOUT,
         # A gentler step than the smoke run's: at 1e-2 (or 1e-3) Adam sharpens the toy
         # policy within a step or two, its log-probs go to ~0 and so does every mismatch.
-        trainer=TrainerConfig(groups_per_step=3, pack_max_length=720, lr=3e-4),
+        trainer=TrainerConfig(groups_per_step=3, pack_max_length=896, lr=3e-4),
         buffer=BufferConfig(max_staleness=0),
     ),
     # The tiny model (2 MoE layers, 8 experts, top-2, 100-byte payloads), two steps: no

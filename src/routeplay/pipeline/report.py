@@ -115,8 +115,8 @@ class ByteMetrics:
     sample's own rows after it, and the rows a resume or a second turn adds are each a
     payload, so this is far below a sample's routing (``sample_bytes_mean``)."""
     writes_per_payload: float
-    """Object-store objects created per payload (payloads under Ray's 100 KiB inline
-    limit travel inside a reply: 0 writes; larger ones: 1)."""
+    """Object-store objects created per payload: 1 (a shard writes a payload Ray would
+    keep inline in its heap, under 100 KiB, to the object store once)."""
     prompt_bytes_saved: int
     """Bytes not written because a GRPO group's verified-equal prompt rows were stored
     once (0 when the store does not share prefixes)."""
@@ -167,8 +167,8 @@ class DemoReport:
     object_store_objects_written: int
     """Objects created in Ray's object store during the run."""
     writes_per_payload: float
-    """Object-store objects created per routing payload (one-write path: <= 1; payloads
-    under Ray's 100 KiB inline limit travel inside the reply to their owner: 0)."""
+    """Object-store objects created per routing payload (one-write path: 1, small
+    payloads included: the shard writes those to the object store itself)."""
     peak_object_store_bytes: int
     """Most object-store bytes in use at any sampled point."""
     object_store_bytes_after: int
@@ -332,11 +332,9 @@ def render(console: Console, report: DemoReport) -> None:
     replay = _r3_table(r)
 
     memory = _table("bytes and lifetimes", 4)
-    # Ray returns values under 100 KiB inline to their owner instead of writing them to the
-    # object store, so the demo's tiny payloads can show 0 writes; large ones show 1.
-    memory.caption = (
-        "writes: objects created in Ray's object store (payloads < 100 KiB travel inline)"
-    )
+    # Counted by Ray's raylets, not by routeplay: every payload, small ones included, is
+    # one object written once.
+    memory.caption = "writes: objects created in Ray's object store, per payload"
     payloads = f"{r.payloads} ({_size(r.payload_bytes)})"
     memory.add_row("payloads", payloads, "writes per payload", f"{r.writes_per_payload:.2f}")
     memory.add_row(

@@ -23,6 +23,7 @@ of it) releases it.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +31,12 @@ import httpx
 
 from routeplay.core import read_response
 from routeplay.core.spec import RouteSpec
+from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
 from routeplay.errors import EngineUnavailable, MalformedPayload
-from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status
+from routeplay.rollout import ADAPTERS, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
-from routeplay.rollout.lifecycle import continuation, store_turn
-from routeplay.rollout.releasing import attach_notes
-from routeplay.rollout.state import release_states
+from routeplay.rollout.lifecycle import Continuation, continuation, ingest_group, store_turn
 from routeplay.rollout.trace_actor import TraceStoreClient
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
@@ -108,85 +108,118 @@ class WorkerShell(RoutesProducer):
 
     def rollout_group(
         self, states: list[RolloutState], samplings: list[Sampling], version: int
-    ) -> list[RolloutState]:
-        """Generate fresh members of one GRPO group (same prompt, no routing, no session)
-        and store their routing in one put: the prompt's rows once, when verified equal
-        (``put_routes_many(shared_prefix=...)``); each sample gets its own handle and lease.
-        Key-store wires (the engine stores whole arrays) run the members one by one."""
+    ) -> list[RolloutState | Exception]:
+        """Generate (or resume, or run the next turn of) the members of one group and
+        write their new rows as one payload (``ingest_group``: fresh members' verified-
+        equal prompt rows once). Key-store wires (the engine stores whole arrays) run
+        the members one by one.
+
+        A member whose request or answer fails is set aside with its error in its place
+        (its input keeps its lease for the caller to release); the others go on."""
         if self._wire.key_store:
-            return self._one_by_one(states, samplings, version)
-        prompt = states[0].prompt_ids
-        assert all(s.prompt_ids == prompt and s.routing is None for s in states)
-        answers = []
-        for state, sampling in zip(states, samplings, strict=True):
+            return [self._settled(s, m, version) for s, m in zip(states, samplings, strict=True)]
+        out: list[RolloutState | Exception] = []
+        with ExitStack() as stack:
+            conts = [stack.enter_context(continuation(s, self._traces)) for s in states]
+            asked = [self._ask(c, m) for c, m in zip(conts, samplings, strict=True)]
+            good = [i for i, answer in enumerate(asked) if not isinstance(answer, Exception)]
+            handles = ingest_group(
+                [conts[i] for i in good],
+                [_routing(asked[i]) for i in good],
+                writer=self._writer,
+                weight_version=version,
+            )
+            finished = dict(zip(good, handles, strict=True))
+            for index, (cont, answer) in enumerate(zip(conts, asked, strict=True)):
+                if isinstance(answer, Exception):
+                    cont.abandon()
+                    out.append(answer)
+                    continue
+                out.append(self._finish(cont, finished[index], answer[0], version))
+        return out
+
+    def _ask(self, cont: Continuation, sampling: Sampling) -> tuple[Any, EngineRouting] | Exception:
+        """One member's request and its decoded answer, or the error that refused it."""
+        state = cont.state
+        where = f"sample {state.sample_id}"
+        start = self._wire.routing_start(cont.rows)
+        try:
             path, body = self._wire.request(
-                prompt,
-                max_new_tokens=sampling.max_new_tokens,
+                state.prompt_ids + state.response_ids,
+                max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
                 temperature=sampling.temperature,
                 seed=sampling.seed,
                 stop_after=sampling.stop_after,
-                start_row=0,
+                start_row=start,
             )
-            where = f"sample {state.sample_id}"
             answer = self._post(path, body, where)
-            routing = read_response(self._wire.engine, answer, self._spec, where=where)
-            if routing.routes is None or routing.routes.start_row != 0:
-                raise MalformedPayload(
-                    "a fresh sample's routing must start at row 0",
-                    expected="routing rows from 0",
-                    found="a key" if routing.routes is None else routing.routes.start_row,
-                    where=where,
-                )
-            answers.append((self._wire.read_completion(answer, where=where), routing.routes))
-        handles = self.put_routes_many(
-            self._store,
-            [routes for _, routes in answers],
-            weight_version=version,
-            shared_prefix=len(prompt),
-        )
-        holders = [f"rollout/{s.sample_id}" for s in states]
-        leases = self._store.acquire_many(list(zip(handles, holders, strict=True)))
-        return [
-            state.extend(completion.token_ids, completion.logprobs, version)
-            .with_routing(handle, lease, Origin.PRODUCED)
-            .with_status(_status(completion.finish_reason), completion.finish_reason)
-            for state, (completion, _), handle, lease in zip(
-                states, answers, handles, leases, strict=True
+            completion = self._wire.read_completion(answer, where=where)
+            routing = read_response(
+                self._wire.engine, answer, self._spec, where=where, start_row=start
             )
-        ]
+        except Exception as exc:  # this member is set aside; the group goes on
+            return exc
+        return completion, routing
 
-    def _one_by_one(
-        self, states: list[RolloutState], samplings: list[Sampling], version: int
-    ) -> list[RolloutState]:
-        """Members one by one. The group fails as a whole (the pool counts every member
-        failed), so the members already done release their new leases first: nobody
-        else will ever see those states (the soak found that leak)."""
-        done: list[RolloutState] = []
+    def _finish(
+        self, cont: Continuation, handle: Any, completion: Any, version: int
+    ) -> RolloutState | Exception:
         try:
-            for state, sampling in zip(states, samplings, strict=True):
-                done.append(self.rollout(state, sampling, version))
+            routed = cont.finish(self._store, handle)
         except Exception as exc:
-            _, errors = release_states(done)
-            attach_notes(exc, errors, "releasing the group's finished members")
-            raise
-        return done
-
-    def converse(
-        self, state: RolloutState, user_turn: tuple[int, ...], sampling: Sampling, version: int
-    ) -> RolloutState:
-        """A two-turn conversation in ``state.session_id``: turn 1 is stored in the session,
-        turn 2 (prompt = turn 1 + ``user_turn``) borrows its rows and is the sample returned."""
-        assert state.session_id is not None, "a conversation needs a session"
-        opening = dataclasses.replace(state, session_id=None)  # nothing to borrow yet
-        first = self.rollout(opening, dataclasses.replace(sampling, stop_after=None), version)
-        first = store_turn(self._traces, dataclasses.replace(first, session_id=state.session_id))
-        second = RolloutState(
-            sample_id=state.sample_id,
-            group_id=state.group_id,
-            prompt_ids=first.prompt_ids + first.response_ids + user_turn,
-            session_id=state.session_id,
+            return exc
+        return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
+            _status(completion.finish_reason), completion.finish_reason
         )
-        return self.rollout(second, sampling, version)
+
+    def _settled(
+        self, state: RolloutState, sampling: Sampling, version: int
+    ) -> RolloutState | Exception:
+        try:
+            return self.rollout(state, sampling, version)
+        except Exception as exc:  # this member is set aside; the group goes on
+            return exc
+
+    def converse_group(
+        self,
+        states: list[RolloutState],
+        user_turns: list[tuple[int, ...]],
+        samplings: list[Sampling],
+        version: int,
+    ) -> list[RolloutState | Exception]:
+        """Two-turn conversations of one group, each in its ``session_id``: turn 1 of all
+        members is one group write (their shared prompt once) and goes to the sessions;
+        turn 2 (prompt = turn 1 + the member's user turn) borrows each session's rows,
+        and the members' new rows are one more write. Returns the turn-2 samples (or
+        each failed member's error)."""
+        assert all(s.session_id is not None for s in states), "a conversation needs a session"
+        openings = [dataclasses.replace(s, session_id=None) for s in states]  # nothing to borrow
+        whole = [dataclasses.replace(m, stop_after=None) for m in samplings]
+        firsts = self.rollout_group(openings, whole, version)
+        out: list[RolloutState | Exception] = list(firsts)
+        seconds: dict[int, RolloutState] = {}
+        for index, (state, first, turn) in enumerate(zip(states, firsts, user_turns, strict=True)):
+            if isinstance(first, Exception):
+                continue
+            try:
+                first = store_turn(
+                    self._traces, dataclasses.replace(first, session_id=state.session_id)
+                )
+            except Exception as exc:
+                out[index] = exc
+                continue
+            seconds[index] = RolloutState(
+                sample_id=state.sample_id,
+                group_id=state.group_id,
+                prompt_ids=first.prompt_ids + first.response_ids + turn,
+                session_id=state.session_id,
+            )
+        answers = self.rollout_group(
+            list(seconds.values()), [samplings[i] for i in seconds], version
+        )
+        for index, answer in zip(seconds, answers, strict=True):
+            out[index] = answer
+        return out
 
     def close(self) -> None:
         """Close the HTTP client."""
@@ -218,6 +251,11 @@ class WorkerShell(RoutesProducer):
                 found=f"{type(exc).__name__}: {exc}",
                 where=where,
             ) from exc
+
+
+def _routing(asked: tuple[Any, EngineRouting] | Exception) -> EngineRouting:
+    assert not isinstance(asked, Exception)
+    return asked[1]
 
 
 def _status(finish_reason: str) -> Status:

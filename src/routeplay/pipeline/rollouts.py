@@ -5,8 +5,10 @@ group is complete.
   to resume, new single-turn groups (some interrupted on purpose) and new multi-turn
   conversations, each with its own sampling seed.
 - ``RolloutPool`` runs jobs on the rollout worker actors and hands back each sample as
-  it finishes. Fresh members of one group run as one worker call (one batched put, the
-  prompt's rows stored once). A job that fails releases the lease its input held.
+  it finishes. The jobs of one group and kind (its fresh members, its resumes, its
+  retries, its conversations) run as one worker call whose new rows are one payload
+  (fresh members' prompt rows stored once). A job that fails (alone, or with its whole
+  call) releases the lease its input held.
 - ``GroupAssembler`` holds samples until every member of their group is COMPLETED; an
   interrupted member keeps its group waiting (and leased) until it is resumed.
 """
@@ -158,7 +160,10 @@ class RolloutPool:
                 for job in batch:
                     self._fail(job, exc, failed, on_failed)
                 continue
-            for job, state in zip(batch, answer if len(batch) > 1 else [answer], strict=True):
+            for job, state in zip(batch, answer, strict=True):
+                if isinstance(state, Exception):  # this member alone was set aside
+                    self._fail(job, state, failed, on_failed)
+                    continue
                 setattr(self.stats, job.kind, getattr(self.stats, job.kind) + 1)
                 done.append(state)
                 on_done(state)
@@ -209,30 +214,20 @@ class RolloutPool:
 
     def _submit(self, batch: list[Job], version: int) -> Any:
         worker = self._workers[next(self._next)]
-        if len(batch) > 1:
-            states, samplings = [j.state for j in batch], [j.sampling for j in batch]
-            return worker.rollout_group.remote(states, samplings, version)
-        [job] = batch
-        if job.user_turn is not None:
-            return worker.converse.remote(job.state, job.user_turn, job.sampling, version)
-        return worker.rollout.remote(job.state, job.sampling, version)
+        states, samplings = [j.state for j in batch], [j.sampling for j in batch]
+        turns = [j.user_turn for j in batch]
+        if batch[0].user_turn is not None:
+            return worker.converse_group.remote(states, turns, samplings, version)
+        return worker.rollout_group.remote(states, samplings, version)
 
 
 def _batches(jobs: Sequence[Job]) -> list[list[Job]]:
-    """One batch per group of fresh single-turn members (no routing, no session: they
-    share the prompt), one per any other job."""
-    batches: list[list[Job]] = []
-    by_group: dict[str, list[Job]] = {}
+    """One batch per group and kind of job (a group's fresh members share their
+    prompt; its resumes, retries or conversations are written together too)."""
+    by_group: dict[tuple[str, str], list[Job]] = {}
     for job in jobs:
-        state = job.state
-        if job.user_turn is None and state.routing is None and state.session_id is None:
-            if state.group_id not in by_group:
-                by_group[state.group_id] = []
-                batches.append(by_group[state.group_id])
-            by_group[state.group_id].append(job)
-        else:
-            batches.append([job])
-    return batches
+        by_group.setdefault((job.state.group_id, job.kind), []).append(job)
+    return list(by_group.values())
 
 
 class GroupAssembler:

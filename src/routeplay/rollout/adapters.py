@@ -19,6 +19,7 @@ Row counts are checked at every resume against the response's token counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +42,7 @@ __all__ = [
     "ProducerWriter",
     "RoutesWriter",
     "VllmInProcessAdapter",
+    "new_rows",
     "stitch",
 ]
 
@@ -75,6 +77,19 @@ class ProducerWriter:
     def free_key(self, key: EngineKey) -> bool:
         """Drop a key nobody will read."""
         return self.store.free_key(key)
+
+    def put_many(
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool | None = None,
+    ) -> list[Handle]:
+        """Stage a batch in the producer, adopted by a shard in one call."""
+        return self.producer.put_routes_many(
+            self.store, batch, weight_version=weight_version, shared_prefix=shared_prefix, pack=pack
+        )
 
 
 class EngineAdapter(Protocol):
@@ -167,6 +182,48 @@ def stitch(
 ) -> Handle:
     """The sample's routing after this response: history rows, then only the new rows."""
     kept = history if history is not None else Handle(spec)
+    _check_total(routing, kept)
+    if routing.key is not None:
+        if routing.key.rows <= kept.rows:  # nothing new: never adopt what no handle keeps
+            writer.free_key(routing.key)
+            return kept
+        adopted = writer.adopt_key(routing.key, spec, weight_version=weight_version)
+        return kept + adopted[kept.rows :]
+    fresh = new_rows(routing, history)
+    if fresh is None:
+        return kept
+    return kept + writer.put(fresh, weight_version=weight_version)
+
+
+def new_rows(routing: EngineRouting, history: Handle | None) -> Routes | None:
+    """The rows of an answer carrying its routing that ``history`` lacks (checked as
+    ``stitch`` checks them), to be written; None when there are none. A batched writer
+    (a GRPO group's members) writes many of these at once.
+
+    Example:
+        >>> fresh = new_rows(read_response("vllm", body, spec), history)  # doctest: +SKIP
+    """
+    kept = history.rows if history is not None else 0
+    routes = routing.routes
+    if routes is None:
+        raise HandleError(
+            "an engine-store key has no rows to write in a batch",
+            expected="routing carried in the answer",
+            found="an engine key",
+            hint="Adopt keys one by one (stitch) or with RouteStore.adopt_keys.",
+        )
+    _check_total(routing, history if history is not None else Handle(routes.spec))
+    if routes.start_row > kept:
+        raise HandleError(
+            "the response skips rows the history does not have",
+            expected=f"rows from at most {kept} (the request's start row <= history)",
+            found=f"rows from {routes.start_row}",
+        )
+    fresh = routes.tail(kept)
+    return fresh if fresh.rows else None
+
+
+def _check_total(routing: EngineRouting, kept: Handle) -> None:
     total = _total_rows(routing)
     if total is not None and total < kept.rows:
         raise RowCountMismatch(
@@ -174,24 +231,6 @@ def stitch(
             expected=f"at least {kept.rows} rows",
             found=f"{total} rows",
         )
-    if routing.key is not None:
-        if routing.key.rows <= kept.rows:  # nothing new: never adopt what no handle keeps
-            writer.free_key(routing.key)
-            return kept
-        adopted = writer.adopt_key(routing.key, spec, weight_version=weight_version)
-        return kept + adopted[kept.rows :]
-    routes = routing.routes
-    assert routes is not None  # read_response returns data or a key
-    if routes.start_row > kept.rows:
-        raise HandleError(
-            "the response skips rows the history does not have",
-            expected=f"rows from at most {kept.rows} (the request's start row <= history)",
-            found=f"rows from {routes.start_row}",
-        )
-    new_rows = routes.tail(kept.rows)
-    if new_rows.rows == 0:
-        return kept
-    return kept + writer.put(new_rows, weight_version=weight_version)
 
 
 def _total_rows(routing: EngineRouting) -> int | None:

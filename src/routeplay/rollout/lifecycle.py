@@ -21,6 +21,10 @@ calls them and never re-derives the order of leases:
 4. ``store_turn(traces, state)``: a finished turn goes to its session (the session takes
    its own lease), then the sample's lease ends.
 
+The members of one GRPO group (fresh, resumed or next turns alike) can replace step 2
+with one ``ingest_group``: their new rows are written together as *one* payload (the
+group's verified-equal prompt rows once), then each member finishes on its own.
+
 Failure paths: leaving a ``Continuation`` without ``finish`` (an engine error, a bad
 body) ends the borrowed lease only. The input state's own lease is never touched before
 the new lease exists: the caller, who still holds its copy of the input, releases it.
@@ -40,24 +44,30 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError
-from routeplay.rollout.adapters import EngineAdapter, RoutesWriter
+from routeplay.rollout.adapters import EngineAdapter, RoutesWriter, new_rows
 from routeplay.rollout.releasing import attach_notes
 from routeplay.rollout.state import Origin, RolloutState
 
 if TYPE_CHECKING:
-    from routeplay.core.handle import Handle
+    from collections.abc import Sequence
+
+    from routeplay.core.routes import Routes
     from routeplay.core.spec import RouteSpec
+    from routeplay.core.wires import EngineRouting
     from routeplay.rollout.trace_store import Exported
     from routeplay.store.lease import Lease
 
 __all__ = [
+    "BatchWriter",
     "Continuation",
     "LeaseSource",
     "PrefixSource",
     "SessionSink",
     "borrow_prefix",
     "continuation",
+    "ingest_group",
     "prefix_holder",
     "sample_holder",
     "store_turn",
@@ -68,6 +78,20 @@ class LeaseSource(Protocol):
     """What ``finish`` needs from a store: ``RouteStore.acquire``."""
 
     def acquire(self, handle: Handle, holder: str) -> Lease: ...
+
+
+class BatchWriter(Protocol):
+    """What ``ingest_group`` writes through: ``RouteStore.put_many`` (or a producer's
+    ``ProducerWriter.put_many``)."""
+
+    def put_many(
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool | None = None,
+    ) -> list[Handle]: ...
 
 
 class PrefixSource(Protocol):
@@ -272,6 +296,53 @@ class Continuation:
                 where=f"sample {self.state.sample_id}",
                 hint="Make a new continuation() for the next request of the sample.",
             )
+
+
+def ingest_group(
+    conts: Sequence[Continuation],
+    routings: Sequence[EngineRouting],
+    *,
+    writer: BatchWriter,
+    weight_version: int,
+) -> list[Handle]:
+    """Each member's routing after its answer (``Continuation.ingest`` for a whole
+    group): the rows each history lacks are written in one ``put_many`` as one payload.
+    When every member is fresh (no history) and has the same prompt, the prompt's rows
+    are shared where verified equal (stored once, the saving counted).
+
+    Ownership: as for ``ingest``, the handles hold no lease yet; finish each member.
+    Answers must carry their rows (an engine-store key is adopted one by one).
+
+    Example:
+        >>> handles = ingest_group(conts, answers, writer=store, weight_version=3)  # doctest: +SKIP
+        >>> routed = [c.finish(store, h) for c, h in zip(conts, handles)]
+    """
+    for cont in conts:
+        cont._check_open("ingest an answer")
+    fresh = [new_rows(routing, cont.history) for cont, routing in zip(conts, routings, strict=True)]
+    written = iter(
+        writer.put_many(
+            [rows for rows in fresh if rows is not None],
+            weight_version=weight_version,
+            shared_prefix=_shared_prompt(conts),
+            pack=True,
+        )
+    )
+    handles = []
+    for cont, routing, rows in zip(conts, routings, fresh, strict=True):
+        assert routing.routes is not None  # new_rows refused keys
+        kept = cont.history if cont.history is not None else Handle(routing.routes.spec)
+        handles.append(kept + next(written) if rows is not None else kept)
+    return handles
+
+
+def _shared_prompt(conts: Sequence[Continuation]) -> int:
+    """Prompt rows fresh members of one group may share (0 unless all are fresh with
+    one prompt); ``put_many`` shares only rows it verified equal."""
+    prompts = {cont.state.prompt_ids for cont in conts}
+    if len(prompts) != 1 or any(cont.history is not None for cont in conts):
+        return 0
+    return len(next(iter(prompts)))
 
 
 def store_turn(traces: SessionSink, state: RolloutState) -> RolloutState:

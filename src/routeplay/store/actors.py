@@ -25,7 +25,7 @@ from routeplay.store.key_check import canonical_routes, canonical_rows, take_che
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
-from routeplay.store.writes import plan_batch
+from routeplay.store.writes import Part, plan_batch
 
 __all__ = [
     "EngineStoreActor",
@@ -66,7 +66,7 @@ def take_and_wait(producer: Any, token: str, blocks: int, timeout_s: float) -> l
             "take_staged has its own concurrency group.",
         )
     _check_handed_over(marker, token, timeout_s)
-    return block_refs
+    return ray_calls.in_object_store(block_refs, timeout_s=timeout_s, what=f"token {token}")
 
 
 def _check_handed_over(marker: Any, token: str, timeout_s: float) -> None:
@@ -196,7 +196,7 @@ class StoreShardShell(_Reaped):
         # Written on the engine's node before we answer (as for a producer's blocks).
         ray.wait(blocks, num_returns=count, timeout=self._timeout_s, fetch_local=False)
         stored = self._locked(lambda: self._shard.adopt_many(blocks, payloads, saved))
-        return [tuple(stored[i] for i in parts) for parts in samples]
+        return [tuple(stored[p.array] for p in parts) for parts in samples]
 
     def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
@@ -364,7 +364,7 @@ class KeyValidatorShell:
 
     def canonical_group(
         self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int, *payloads: Any
-    ) -> tuple[str, tuple[tuple[int, ...], ...], list[StoredPayload], int]:
+    ) -> tuple[str, tuple[tuple[Part, ...], ...], list[StoredPayload], int]:
         """Validate a group's payloads and lay them out (shared prompt rows once); the
         arrays wait here until the shard takes them, so the shard owns the blocks."""
         batch = [canonical_routes(p, k, spec) for p, k in zip(payloads, keys, strict=True)]

@@ -311,7 +311,7 @@ class LocalBackend:
                 for a in layout.arrays
             ]
             stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
-        return [tuple(stored[i] for i in parts) for parts in layout.samples]
+        return [tuple(stored[p.array] for p in parts) for parts in layout.samples]
 
     def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""

@@ -36,7 +36,7 @@ from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.reads import BlockPins, Reader
 from routeplay.store.releases import PendingReleases
 from routeplay.store.shard import Grant, StoredPayload, shard_of
-from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
+from routeplay.store.writes import BatchLayout, batch_spec, packs, plan_batch, split_blocks
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
 
@@ -193,13 +193,19 @@ class RouteStore:
         return self.put_many([routes], weight_version=weight_version)[0]
 
     def put_many(
-        self, batch: Sequence[Routes], *, weight_version: int = 0, shared_prefix: int = 0
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool | None = None,
     ) -> list[Handle]:
         """Write many samples with one adopt call (many small samples: one round trip).
 
         ``shared_prefix=P``: samples whose first ``P`` rows are verified equal (a GRPO
-        group's prompt) store them once and point at the shared payload; each still
-        gets its own handle and its own leases (see ``routeplay.store.writes``).
+        group's prompt) store them once and point at the shared rows; each still gets
+        its own handle and its own leases (see ``routeplay.store.writes``). ``pack``
+        (default: when ``shared_prefix`` is set) writes the whole batch as one payload.
 
         Example:
             handles = store.put_many(group, shared_prefix=prompt_tokens)
@@ -208,7 +214,7 @@ class RouteStore:
         spec = batch_spec(batch)
         if spec is None:
             return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=packs(pack, shared_prefix))
         if not layout.arrays:
             return [Handle(spec) for _ in batch]
         blocks, payloads = self.layout_blocks(layout, spec)
@@ -236,6 +242,7 @@ class RouteStore:
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
+        pack: bool | None = None,
     ) -> list[tuple[Handle, Lease]]:
         """``put_many`` with a lease of ``holder`` per sample, granted by the same call.
 
@@ -245,13 +252,14 @@ class RouteStore:
         spec = batch_spec(batch)
         if spec is None:
             return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix)
+        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=packs(pack, shared_prefix))
         if not layout.arrays:
             return [(h, self.acquire(h, holder)) for h in (Handle(spec) for _ in batch)]
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
         shard = self._pick_shard(uuid.uuid4().hex)
-        args = (refs, payloads, layout.saved_bytes, list(layout.samples), holder)
+        per_sample = [layout.payloads_of(i) for i in range(len(layout.samples))]
+        args = (refs, payloads, layout.saved_bytes, per_sample, holder)
         [(stored, grant)] = self._call([(shard, "adopt_leased", args)], f"put for {holder}")
         handles = _handles(layout, stored, spec, weight_version)
         return [
@@ -649,19 +657,19 @@ def _lease_ids(result: Any) -> list[str]:
 def _handles(
     layout: BatchLayout, stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int
 ) -> list[Handle]:
-    """Each sample's handle: the stored payloads its rows are made of, in order."""
+    """Each sample's handle: the stored row ranges its rows are made of, in order."""
     return [
         Handle(
             spec,
             [
                 Segment(
-                    source=stored[i],
-                    start=0,
-                    stop=stored[i].rows,
+                    source=stored[part.array],
+                    start=part.start,
+                    stop=part.stop,
                     spec=spec,
                     weight_version=weight_version,
                 )
-                for i in parts
+                for part in parts
             ],
         )
         for parts in layout.samples

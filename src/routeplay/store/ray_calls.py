@@ -16,7 +16,7 @@ from routeplay.errors import (
     StoreTimeout,
 )
 
-__all__ = ["get", "get_actor", "lost_index"]
+__all__ = ["get", "get_actor", "in_object_store", "lost_index"]
 
 _LOST = (
     rex.OwnerDiedError,
@@ -77,3 +77,25 @@ def lost_index(refs: list[Any], error: BaseException) -> int | None:
     lost_hex = getattr(error.__cause__, "object_ref_hex", None)
     hexes = [ref.hex() for ref in refs]
     return hexes.index(lost_hex) if lost_hex in hexes else None
+
+
+def in_object_store(refs: list[Any], *, timeout_s: float, what: str) -> list[Any]:
+    """``refs`` (task results this process owns), each living in the object store.
+
+    Ray keeps a task result under 100 KiB in its owner's heap ("inlined"): for a store
+    shard that is unaccounted, unspillable memory growing with every small payload, and
+    a reader's fetch is an RPC to the shard. Such a result is written to the object
+    store once here (``ray.put``: the shard owns it, as it owned the result) and the
+    inlined copy goes with its last reference. Results already there are kept as they
+    are: no second write.
+    """
+    timeout_ms = int(timeout_s * 1000)
+    places = ray.experimental.get_object_locations(refs, timeout_ms=timeout_ms)
+    inlined = [i for i, ref in enumerate(refs) if not places.get(ref, {}).get("node_ids")]
+    if not inlined:
+        return refs
+    values = get([refs[i] for i in inlined], timeout_s=timeout_s, what=what)
+    out = list(refs)
+    for i, value in zip(inlined, values, strict=True):
+        out[i] = ray.put(value)
+    return out

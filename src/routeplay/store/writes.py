@@ -5,13 +5,20 @@ With ``shared_prefix=P`` the samples whose first ``P`` rows are *verified* equal
 digest, then compared byte for byte, never assumed from the prompt text: two engines,
 or two weight versions, may route the same prompt differently) store those rows once;
 each such sample's handle is ``[shared prefix][its own suffix]``. A sample whose prefix
-differs (or that is shorter than ``P``) keeps its own full array. The plan counts the
+differs (or that is shorter than ``P``) keeps its own full rows. The plan counts the
 bytes sharing saved, for the store's stats.
+
+``pack=True`` lays the whole batch out as *one* array (the shared prefix once, then every
+sample's own rows): one payload, one object-store write and one record for a GRPO group
+or for the resumes of one, and each handle is row ranges of it. The payload lives while
+any member holds a lease (the members of a group are trained together, so that costs
+little); unpacked, every piece is a payload of its own with its own lifetime.
 
 Example:
     layout = plan_batch([a, b, c], prefix_rows=4096)   # a GRPO group of 3
     layout.arrays   # (prefix, a_suffix, b_suffix, c_suffix) when all prefixes match
-    layout.samples  # ((0, 1), (0, 2), (0, 3)): array indices making up each sample
+    layout.samples  # per sample: Part(0, 0, 4096), then its own suffix's Part
+    plan_batch([a, b, c], prefix_rows=4096, pack=True).arrays  # one array: all of it
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import SpecMismatch
 
-__all__ = ["BatchLayout", "batch_spec", "plan_batch", "split_blocks"]
+__all__ = ["BatchLayout", "Part", "batch_spec", "packs", "plan_batch", "split_blocks"]
 
 
 def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
@@ -38,16 +45,33 @@ def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[
     return tuple(array[i : i + block_rows] for i in range(0, array.shape[0], block_rows))
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Rows ``[start, stop)`` of one of a layout's arrays."""
+
+    array: int
+    """Index into ``BatchLayout.arrays``."""
+    start: int
+    """First row."""
+    stop: int
+    """One past the last row."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchLayout:
     """What a batched put stores and how each sample is made of it."""
 
     arrays: tuple[npt.NDArray[Any], ...]
-    """Arrays to store, one payload each (views of the samples' arrays: no copy)."""
-    samples: tuple[tuple[int, ...], ...]
-    """Per sample, the indices of ``arrays`` whose rows, in order, are the sample's."""
+    """Arrays to store, one payload each (views of the samples' arrays, or one packed
+    copy of all of them)."""
+    samples: tuple[tuple[Part, ...], ...]
+    """Per sample, the row ranges of ``arrays`` that are, in order, the sample's rows."""
     saved_bytes: int
     """Bytes not written because a verified-equal prefix is stored once."""
+
+    def payloads_of(self, sample: int) -> tuple[int, ...]:
+        """Indices of the arrays sample ``sample`` points into (each once, in order)."""
+        return tuple(dict.fromkeys(part.array for part in self.samples[sample]))
 
 
 def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
@@ -66,9 +90,16 @@ def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
     return spec
 
 
-def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0) -> BatchLayout:
+def packs(pack: bool | None, shared_prefix: int) -> bool:
+    """Whether a batched put packs: a group (``shared_prefix`` set) is one payload
+    unless the caller says otherwise (``pack`` None: the default)."""
+    return shared_prefix > 0 if pack is None else pack
+
+
+def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0, pack: bool = False) -> BatchLayout:
     """Lay out ``batch`` for storing; samples share their first ``prefix_rows`` rows
-    where those are verified equal to another sample's (see the module docstring)."""
+    where those are verified equal to another sample's, and ``pack`` makes the whole
+    batch one array (see the module docstring)."""
     groups = _equal_prefix_groups(batch, prefix_rows)
     arrays: list[npt.NDArray[Any]] = []
     samples: list[tuple[int, ...]] = []
@@ -85,7 +116,30 @@ def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0) -> BatchLayout:
             stored[leader] = len(arrays)
             arrays.append(batch[leader].array[:prefix_rows])
         samples.append((stored[leader], *_add(arrays, routes.array[prefix_rows:])))
-    return BatchLayout(arrays=tuple(arrays), samples=tuple(samples), saved_bytes=saved)
+    if pack and len(arrays) > 1:
+        return _packed(arrays, samples, saved)
+    return BatchLayout(
+        arrays=tuple(arrays),
+        samples=tuple(
+            tuple(Part(i, 0, int(arrays[i].shape[0])) for i in pieces) for pieces in samples
+        ),
+        saved_bytes=saved,
+    )
+
+
+def _packed(
+    arrays: list[npt.NDArray[Any]], samples: list[tuple[int, ...]], saved: int
+) -> BatchLayout:
+    """The pieces end to end in one array (one copy); each sample's parts are its
+    pieces' row ranges in it."""
+    bounds = np.cumsum([0] + [int(a.shape[0]) for a in arrays])
+    return BatchLayout(
+        arrays=(np.concatenate(arrays),),
+        samples=tuple(
+            tuple(Part(0, int(bounds[i]), int(bounds[i + 1])) for i in pieces) for pieces in samples
+        ),
+        saved_bytes=saved,
+    )
 
 
 def _equal_prefix_groups(batch: Sequence[Routes], prefix_rows: int) -> dict[int, int]:

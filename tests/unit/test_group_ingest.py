@@ -1,0 +1,134 @@
+"""``ingest_group``: the new rows of a whole GRPO group written as one payload.
+
+A fresh group stores its verified-equal prompt rows once; a group of resumes stores
+only the rows each history lacks; every member still holds and ends its own lease, and
+the payload lives until the last of them is gone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from routeplay.core import RouteSpec, read_response
+from routeplay.core.wires import Engine
+from routeplay.errors import HandleError
+from routeplay.rollout import Origin, RolloutState, Status, continuation
+from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
+from routeplay.rollout.lifecycle import ingest_group, sample_holder
+from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.backend import LocalBackend
+
+SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
+PROMPT, FIRST, SECOND = 12, 5, 3
+
+
+def truth(rows: int, seed: int) -> npt.NDArray[np.uint8]:
+    keys = np.random.default_rng(seed).random((rows, SPEC.num_layers, SPEC.num_experts))
+    return np.argsort(keys, axis=-1)[..., : SPEC.top_k].astype(np.uint8)
+
+
+def group_truths(members: int, *, odd: int | None = None) -> list[npt.NDArray[np.uint8]]:
+    """Each member's rows: one prompt's rows, then its own (``odd`` routes the prompt
+    differently, as a second engine replica might)."""
+    prompt = truth(PROMPT, seed=1)
+    out = []
+    for m in range(members):
+        own = truth(FIRST + SECOND - 1, seed=10 + m)
+        head = truth(PROMPT, seed=99) if m == odd else prompt
+        out.append(np.concatenate([head, own]))
+    return out
+
+
+def members(count: int) -> list[RolloutState]:
+    prompt = tuple(range(PROMPT))
+    return [RolloutState(sample_id=f"m{i}", group_id="g", prompt_ids=prompt) for i in range(count)]
+
+
+def step(
+    store: RouteStore,
+    states: list[RolloutState],
+    truths: list[npt.NDArray[np.uint8]],
+    new_tokens: int,
+    version: int,
+) -> list[RolloutState]:
+    """One group request, as a rollout worker makes it: one write for all members."""
+    conts = [continuation(s) for s in states]
+    routings = [
+        read_response(
+            Engine.SGLANG,
+            FakeSglang(spec=SPEC).respond(
+                rows, prompt_tokens=s.tokens, completion_tokens=new_tokens, start_row=c.rows
+            ),
+            SPEC,
+            start_row=c.rows,
+        )
+        for s, c, rows in zip(states, conts, truths, strict=True)
+    ]
+    handles = ingest_group(conts, routings, writer=store, weight_version=version)
+    tokens = tuple(range(500, 500 + new_tokens))
+    return [
+        c.finish(store, h).extend(tokens, (0.0,) * new_tokens, version)
+        for c, h in zip(conts, handles, strict=True)
+    ]
+
+
+def test_a_fresh_group_is_one_payload_with_its_prompt_once() -> None:
+    store = RouteStore.local(StoreConfig(run="group"))
+    truths = group_truths(4, odd=3)
+    done = step(store, members(4), [t[: PROMPT + FIRST - 1] for t in truths], FIRST, 0)
+    stats = store.stats()
+    assert stats.live_payloads == 1  # one write for the whole group
+    # three members share the prompt; the odd one's prompt rows differ and are its own
+    assert stats.shared_prefix_bytes_saved == 2 * SPEC.nbytes(PROMPT)
+    assert stats.live_bytes == sum(SPEC.nbytes(PROMPT + FIRST - 1) for _ in truths) - (
+        stats.shared_prefix_bytes_saved
+    )
+    for state, rows in zip(done, truths, strict=True):
+        assert state.routing is not None
+        assert state.origin is Origin.PRODUCED
+        np.testing.assert_array_equal(store.read(state.routing), rows[: PROMPT + FIRST - 1])
+    assert dict(stats.leases_by_holder) == {sample_holder(f"m{i}"): 1 for i in range(4)}
+    for state in done[:3]:
+        state.release()
+    assert store.stats().live_payloads == 1  # the last member still holds it
+    done[3].release()
+    assert store.stats().live_payloads == 0
+    assert store.leaks() == []
+
+
+def test_a_group_of_resumes_writes_only_the_rows_each_history_lacks() -> None:
+    store = RouteStore.local(StoreConfig(run="resumes"))
+    truths = group_truths(3)
+    first = step(store, members(3), [t[: PROMPT + FIRST - 1] for t in truths], FIRST, 0)
+    interrupted = [s.with_status(Status.ABORTED, "abort") for s in first]
+    bytes_before = store.stats().live_bytes
+    resumed = step(store, interrupted, truths, SECOND, 1)
+    stats = store.stats()
+    assert stats.live_payloads == 2  # the group's first payload and its resumes' one
+    assert stats.live_bytes - bytes_before == 3 * SPEC.nbytes(SECOND)  # new rows only
+    for state, rows in zip(resumed, truths, strict=True):
+        assert state.routing is not None
+        np.testing.assert_array_equal(store.read(state.routing), rows)
+        versions = state.routing.weight_versions()
+        assert set(versions[: PROMPT + FIRST - 1]) == {0}
+        assert set(versions[-SECOND:]) == {1}
+        state.release()
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+
+
+def test_an_engine_key_cannot_join_a_group_write() -> None:
+    backend = LocalBackend("keys", shards=1, ttl_s=600.0)
+    store = RouteStore(StoreConfig(run="keys"), backend)
+    fake = FakeLmdeployKey(spec=SPEC, put=backend.engine_store().put)
+    [state] = members(1)
+    body = fake.respond(truth(PROMPT + FIRST - 1, 3), prompt_tokens=PROMPT, completion_tokens=FIRST)
+    with pytest.raises(HandleError, match="engine-store key"):
+        ingest_group(
+            [continuation(state)],
+            [read_response(Engine.LMDEPLOY, body, SPEC)],
+            writer=store,
+            weight_version=0,
+        )
