@@ -9,6 +9,12 @@ Teardown releases every holder the run created (buffer, samples waiting for thei
 or for a resume, trace sessions), waits for Ray to free the bytes, *then* reads the
 store's leaks and live bytes (both must be zero); ``stop`` then ends the actors, the
 server and the store (``ray_session`` the Ray instance it started).
+
+What teardown counts is the run's own where the parts are run-scoped: the route store's
+leases and bytes are the run's, and so are the engine-store keys it claimed
+(``keys(run)``). Keys no run claimed yet are the run's only when nobody else shared the
+cluster; Ray's object-store counters are cluster-wide, so ``Teardown.sharing`` says
+whether anyone else was seen (the report then leaves those figures out).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.server import EngineServer
 from routeplay.pipeline.config import DemoConfig
-from routeplay.pipeline.meter import Meter, StoreTotals
+from routeplay.pipeline.meter import Meter, Sharing, StoreTotals
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
 from routeplay.rollout import ReplayBuffer, SessionLedger
@@ -53,12 +59,18 @@ class Teardown:
     prompt_bytes_saved: int
     """Bytes never written because GRPO groups' verified-equal prompts were stored once."""
     engine_keys_left: int
-    """Engine-store keys never consumed (LMDeploy key mode; 0 otherwise)."""
+    """Engine-store keys of this run never consumed (LMDeploy key mode; 0 otherwise):
+    those it claimed, plus the unclaimed ones when nobody shared the cluster."""
+    engine_keys_unclaimed: int
+    """Live engine-store keys no run has claimed (any run's engine may have put them)."""
     written: StoreTotals
-    """Object-store bytes and objects created over the run."""
+    """Object-store bytes and objects created over the run (cluster-wide counters)."""
     object_store_bytes_after: int
     """Object-store bytes in use above the run's starting baseline once Ray settled
-    after the releases (0: every payload was freed)."""
+    after the releases (0: every payload was freed; cluster-wide)."""
+    sharing: Sharing
+    """Other runs and Ray jobs seen on the cluster during the run (the two counters
+    above are this run's alone only when there were none)."""
 
 
 @contextlib.contextmanager
@@ -136,11 +148,8 @@ class DemoServices:
         after = self.meter.settle()
         leaks = self.store.leaks()
         stats = self.store.stats()
-        keys = 0
-        if self.engine_store is not None:
-            keys = ray.get(
-                self.engine_store.stats.remote(), timeout=self.store.config.timeout_s
-            ).live_keys
+        sharing = self.meter.sharing()
+        own, unclaimed = self._engine_keys()
         return Teardown(
             leaked_leases=len(leaks),
             leaked_bytes=stats.live_bytes,
@@ -148,10 +157,22 @@ class DemoServices:
             payloads=stats.live_payloads + stats.released_payloads + stats.expired_payloads,
             payload_bytes=stats.live_bytes + stats.released_bytes + stats.expired_bytes,
             prompt_bytes_saved=stats.shared_prefix_bytes_saved,
-            engine_keys_left=keys,
+            engine_keys_left=own + (0 if sharing.shared else unclaimed),
+            engine_keys_unclaimed=unclaimed,
             written=self.meter.written(),
             object_store_bytes_after=after,
+            sharing=sharing,
         )
+
+    def _engine_keys(self) -> tuple[int, int]:
+        """Live engine-store keys this run claimed, and those no run claimed."""
+        if self.engine_store is None:
+            return 0, 0
+        mine, nobodys = ray.get(
+            [self.engine_store.keys.remote(self.run), self.engine_store.keys.remote("")],
+            timeout=self.store.config.timeout_s,
+        )
+        return len(mine), len(nobodys)
 
     def _engine_store(self, wire: str) -> Any:
         if not wire_format(wire).key_store:
