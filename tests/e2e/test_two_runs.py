@@ -7,15 +7,19 @@ attempt is a ``RunMismatch`` and leaves the data as it was. B is then stopped ea
 (after 2 of its 4 steps) while A waits with live data; A trains to its last step after
 B's teardown, which must leave the engine store, A's keys and A's payloads alone. Each
 report is its run's own: no leak, no mismatch, its own engine keys, and the shared
-cluster said (the cluster-wide object-store figures are not evaluated).
+cluster said (the cluster-wide object-store figures are not evaluated). A second
+driver process on the cluster is seen, and named, by a run's meter as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,9 +33,11 @@ from routeplay.core.wires import wire
 from routeplay.errors import RunMismatch
 from routeplay.pipeline.config import recipe
 from routeplay.pipeline.demo import run_demo
+from routeplay.pipeline.meter import Meter
 from routeplay.pipeline.report import DemoReport
 from routeplay.pipeline.services import DemoServices
 from routeplay.rollout import RolloutState
+from routeplay.store import StoreConfig
 from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
 pytestmark = pytest.mark.e2e
@@ -223,3 +229,37 @@ def _wait_for(ready: Callable[[], bool], run: Future[DemoReport]) -> None:
             pytest.fail("run B ended before its engine store was up")
         assert time.monotonic() < deadline, "run B's engine store did not come up"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _other_driver() -> Iterator[str]:
+    """Another Ray driver (a job of its own) connected to this Ray instance; its job id."""
+    address = ray.get_runtime_context().gcs_address
+    code = (
+        f"import ray, sys; ray.init(address={address!r}, log_to_driver=False); "
+        "print(ray.get_runtime_context().get_job_id(), flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        yield child.stdout.readline().strip()
+    finally:
+        child.communicate(timeout=60)  # closes its stdin: it disconnects and exits
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_runs_meter_names_another_driver_seen_during_the_run() -> None:
+    store = StoreConfig(run="demo-meter", timeout_s=20).build()
+    try:
+        with Meter(store) as meter:
+            assert meter.sharing().other_jobs == ()
+            with _other_driver() as job:
+                assert job
+                assert meter.sharing().other_jobs == (job,)
+            # Gone before teardown, still named: its objects were counted meanwhile.
+            assert meter.sharing().other_jobs == (job,)
+            assert meter.sharing().shared
+    finally:
+        store.shutdown()
