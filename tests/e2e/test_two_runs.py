@@ -4,8 +4,8 @@ Run B starts first, so it creates the shared ``lmdeploy/shared_store`` actor; ru
 it. Each pauses after its step 0 (live leased samples in its buffer, and one engine key
 it claimed and has not consumed) while the other tries everything on that data: every
 attempt is a ``RunMismatch`` and leaves the data as it was. B is then stopped early
-(after 2 of its 4 steps) while A waits with live data; A trains to its last step after
-B's teardown, which must leave the engine store, A's keys and A's payloads alone. Each
+(after 2 of its 4 steps) while A waits with live data; A trains on to its third and last
+step after B's teardown, which must leave the engine store, A's keys and payloads alone. Each
 report is its run's own: no leak, no mismatch, its own engine keys, and the shared
 cluster said (the cluster-wide object-store figures are not evaluated). A second
 driver process on the cluster is seen, and named, by a run's meter as well.
@@ -203,12 +203,14 @@ def test_two_runs_share_the_engine_store_and_one_stops_early() -> None:
         run_b = pool.submit(run_demo, config.replace(seed=1), should_stop=meet.guarded(meet.b_hook))
         run_b.add_done_callback(lambda _: meet.b_done.set())
         _wait_for(_engine_store_exists, run_b)
-        run_a = pool.submit(run_demo, config.replace(seed=2), should_stop=meet.guarded(meet.a_hook))
+        run_a = pool.submit(
+            run_demo, config.replace(seed=2, steps=3), should_stop=meet.guarded(meet.a_hook)
+        )
         b, a = run_b.result(timeout=4 * WAIT_S), run_a.result(timeout=4 * WAIT_S)
 
     assert meet.checked_after_b == [a.run]
     _own_invariants(b, 2, other=a.run)
-    _own_invariants(a, 4, other=b.run)
+    _own_invariants(a, 3, other=b.run)
     assert min(a.samples_retried, a.partial_resumes, a.sessions) > 0
     # Engine keys are counted per run: B's claimed key was still live when A counted.
     assert (b.engine_keys_left, a.engine_keys_left) == (1, 0)
