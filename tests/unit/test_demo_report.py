@@ -72,6 +72,7 @@ def test_alone_the_counters_are_the_runs_and_the_one_write_invariant_is_evaluate
     assert report.object_store_objects_written == PAYLOADS
     assert report.object_store_bytes_after == 0
     assert report.unchecked == ()
+    assert report.to_json()["unchecked"] == []
     assert report.ok
 
 
@@ -101,6 +102,7 @@ def test_shared_the_counters_are_left_out_and_not_evaluated() -> None:
     assert data["object_store_shared"] is True
     assert data["other_runs"] == ["demo-0b0b0b0b"]
     assert data["writes_per_payload"] is None
+    assert data["unchecked"] == ["writes_per_payload"]
     assert data["bytes"]["writes_per_payload"] is None
 
 

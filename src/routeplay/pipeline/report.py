@@ -250,8 +250,9 @@ class DemoReport:
     """Payload sizes, writes, prompt sharing."""
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the timeline as a list of points)."""
+        """A JSON-ready dict (the timeline as a list of points; ``unchecked`` added)."""
         out = asdict(self)
+        out["unchecked"] = list(self.unchecked)
         out["timeline"] = [asdict(p) for p in self.timeline]
         out["object_store_usage"] = [list(sample) for sample in self.object_store_usage]
         out["r3"]["kl_k3_per_step"] = [list(step) for step in self.r3.kl_k3_per_step]
@@ -293,7 +294,7 @@ def build_report(
     sharing = teardown.sharing
     own = not sharing.shared  # Ray's counters are this run's alone
     writes = round(written.created_objects / max(1, teardown.payloads), 3) if own else None
-    per_byte = round(written.created_bytes / max(1, teardown.payload_bytes), 3)
+    per_byte = round(written.created_bytes / max(1, teardown.payload_bytes), 3) if own else None
     return DemoReport(
         trainer_dtype=config.trainer.dtype,
         r3=R3Metrics.from_tally(tally),
@@ -304,7 +305,7 @@ def build_report(
             sample_bytes_mean=round(
                 sum(s.routing_bytes for s in steps) / max(1, sum(s.samples for s in steps)), 1
             ),
-            written_per_stored_byte=per_byte if own else None,
+            written_per_stored_byte=per_byte,
         ),
         wire=config.wire,
         run=svc.run,
