@@ -53,6 +53,7 @@ class TwoRuns:
     def __init__(self) -> None:
         self.live: dict[str, DemoServices] = {}
         self.keys: dict[str, EngineKey] = {}
+        self.payloads: dict[str, Any] = {}  # what each claimed key held, peeked
         self.both_up = threading.Barrier(2, timeout=WAIT_S)
         self.probed = threading.Event()
         self.b_done = threading.Event()
@@ -84,7 +85,6 @@ class TwoRuns:
         if step == 0:
             self._meet("a", svc)
             assert self.probed.wait(WAIT_S), "run B never finished probing"
-            assert svc.store.free_key(self.keys["a"])  # A's own key: A may free it
         elif step == 1:
             assert self.b_done.wait(WAIT_S), "run B did not stop"
             self._check_a_survived_b(svc)
@@ -92,23 +92,28 @@ class TwoRuns:
 
     def _meet(self, name: str, svc: DemoServices) -> None:
         self.live[name] = svc
-        self.keys[name] = _claimed_key(svc)
+        self.keys[name], self.payloads[name] = _claimed_key(svc)
         self.both_up.wait()  # both runs mid-run, with live data
 
     def _check_a_survived_b(self, svc: DemoServices) -> None:
-        """B's teardown left the shared engine store, B's claimed key and A's data alone."""
-        b = self.live["b"]
+        """B's teardown left the shared engine store, both claimed keys and A's payloads
+        alone: A adopts its key now (consuming it) and reads what it peeked before."""
+        b, key = self.live["b"], self.keys["a"]
         engine = ray.get_actor(LMDEPLOY_NAME, namespace=LMDEPLOY_NAMESPACE)
         assert ray.get(engine.keys.remote(b.run), timeout=20) == [self.keys["b"].key]
+        assert ray.get(engine.keys.remote(svc.run), timeout=20) == [key.key]
+        late = svc.store.adopt_key(key, svc.engine.spec)
+        with svc.store.acquire(late, "test/after-b") as lease:
+            np.testing.assert_array_equal(lease.read(), self.payloads["a"][: key.rows])
         state = _waiting_sample(svc)
         assert state.routing is not None
         assert svc.store.read(state.routing).shape[0] == state.routing.rows
         self.checked_after_b.append(svc.run)
 
 
-def _claimed_key(svc: DemoServices) -> EngineKey:
+def _claimed_key(svc: DemoServices) -> tuple[EngineKey, Any]:
     """One engine response of ``svc``'s engine, whose key its run claims by peeking at the
-    payload under its run id (the key stays live: nothing consumed it)."""
+    payload under its run id (the key stays live: nothing consumed it); the payload."""
     fmt = wire(WIRE)
     path, body = fmt.request((5, 9, 2, 7), max_new_tokens=3, temperature=1.0, seed=3)
     answer = httpx.post(f"{svc.server.url}{path}", json=body, timeout=30).json()
@@ -117,7 +122,7 @@ def _claimed_key(svc: DemoServices) -> EngineKey:
     assert key.run == ""  # as read from a response: no run yet
     payload = ray.get(svc.engine_store.peek.remote(key.key, svc.run), timeout=20)
     assert payload.shape[0] in key.payload_rows
-    return key
+    return key, payload
 
 
 def _lazy(key: EngineKey, svc: DemoServices) -> Handle:
