@@ -20,6 +20,7 @@ whether anyone else was seen (the report then leaves those figures out).
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.server import EngineServer
 from routeplay.pipeline.config import DemoConfig
-from routeplay.pipeline.meter import Meter, Sharing, StoreTotals
+from routeplay.pipeline.meter import Meter, Sharing, StoreTotals, cluster_users
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
 from routeplay.rollout import ReplayBuffer, SessionLedger
@@ -103,6 +104,9 @@ class DemoServices:
         self._stack = contextlib.ExitStack()
         try:
             self.store: RouteStore = StoreConfig(run=self.run, shards=config.store_shards).build()
+            # Gone from the cluster's actor names before stop returns (Ray kills actors
+            # asynchronously): a run started next must not count this one as a neighbour.
+            self._stack.callback(_wait_until_gone, self.run, self.store.config.namespace)
             self._stack.callback(self.store.shutdown)
             self.engine_store = self._engine_store(config.wire)
             self.engine: ReferenceEngine = config.engine.build()
@@ -196,3 +200,10 @@ class DemoServices:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_until_gone(run: str, namespace: str, *, timeout_s: float = 10.0) -> None:
+    """Wait (up to ``timeout_s``) until no route store actor of ``run`` is listed."""
+    deadline = time.monotonic() + timeout_s
+    while run in cluster_users(namespace)[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
