@@ -40,6 +40,7 @@ REQUIRED = (
     "peak_object_store_bytes",
     "leaked_leases",
     "leaked_bytes",
+    "object_store_shared",
     "route_diff_fraction_no_replay",
     "token_diff_fraction_no_replay",
     "logprob_abs_diff_no_replay",
@@ -63,6 +64,8 @@ def _check_invariants(report: DemoReport) -> None:
     assert report.rows_compared > 0
     assert report.route_diff_fraction_no_replay < 0.1
     assert report.timeline[-1].leases == 0
+    # Alone on its Ray instance: Ray's object-store counters are the run's own.
+    assert (report.object_store_shared, report.other_runs, report.other_jobs) == (False, (), ())
     assert report.object_store_bytes_after == 0  # Ray freed every byte the run wrote
     assert report.ok
 

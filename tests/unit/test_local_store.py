@@ -78,6 +78,12 @@ def test_runs_are_isolated(store: RouteStore) -> None:
         other.acquire(handle, "intruder")
     with pytest.raises(RunMismatch):
         other.read(handle)
+    lease = store.acquire(handle, "owner")
+    with pytest.raises(RunMismatch):  # refused before the lease is marked released
+        other.release_many([lease])
+    assert not lease.released
+    lease.release()
+    assert store.leaks() == []
 
 
 def _on_two_shards(store: RouteStore) -> tuple[Any, Any]:

@@ -11,11 +11,15 @@ Each step, at the engine's weight version ``v``:
    releases them when the step ends, also on an exception, and marks its samples done);
 4. the trainer replays the engine's routing per micro-batch, steps, and pushes its
    float32 weights to the engine as version ``v + 1``.
+
+``should_stop(step, services)``, asked after each step, ends a run early: teardown and
+the report are the same as at the last step (the report's ``steps`` says how many ran).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from routeplay.pipeline.config import DemoConfig
 from routeplay.pipeline.metrics import ReplayTally
@@ -28,8 +32,22 @@ from routeplay.rollout import TrainingBatch
 __all__ = ["run_demo"]
 
 
-def run_demo(config: DemoConfig, progress: DemoProgress | None = None) -> DemoReport:
-    """Run ``config`` end to end and return its report (measured after teardown)."""
+def run_demo(
+    config: DemoConfig,
+    progress: DemoProgress | None = None,
+    *,
+    should_stop: Callable[[int, DemoServices], bool] | None = None,
+) -> DemoReport:
+    """Run ``config`` end to end and return its report (measured after teardown).
+
+    ``should_stop`` sees the live services after each step (to inspect them, or to
+    stop the run there by answering True).
+
+    Example:
+        >>> report = run_demo(recipe("smoke"), should_stop=lambda step, _: step == 0)
+        >>> report.steps, report.ok
+        (1, True)
+    """
     progress = progress or Silent()
     started = time.monotonic()
     with ray_session(config.address, config.num_cpus):
@@ -64,7 +82,9 @@ def run_demo(config: DemoConfig, progress: DemoProgress | None = None) -> DemoRe
 
                 steps.append(stats)
                 progress.step_done(step, _summary(version, stats, point.leases))
-            teardown = svc.teardown(config.steps)
+                if should_stop is not None and should_stop(step, svc):
+                    break
+            teardown = svc.teardown(len(steps))
         finally:
             svc.stop()
     return build_report(config, svc, tally, steps, teardown, time.monotonic() - started)

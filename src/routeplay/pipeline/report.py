@@ -6,6 +6,20 @@ real row), ``leaked_leases == 0`` and ``leaked_bytes == 0`` after teardown, and 
 one object-store write per payload (``writes_per_payload`` counts every object the run
 created, so a stray object of Ray's own is tolerated; the eager path writes each
 payload at least twice).
+
+Whose figures: the route store's (leases, bytes, payloads) and the engine-store keys a
+run claimed are the run's own, whoever else uses the cluster. Ray's object-store
+counters (bytes and objects written, bytes in use) are the cluster's: Ray cannot say
+which job wrote an object. When the meter saw other routeplay runs or other Ray jobs
+during the run (``object_store_shared``, named in ``other_runs`` / ``other_jobs``), the
+figures drawn from those counters (``object_store_bytes_written``,
+``object_store_objects_written``, ``writes_per_payload``, ``object_store_bytes_after``,
+``bytes.writes_per_payload``, ``bytes.written_per_stored_byte``) are ``None`` and the
+one-write invariant is not evaluated (``unchecked`` names it): neither a pass nor a
+failure is claimed for what the run cannot attribute. The object-store timeline and
+its peak stay cluster-wide, as labelled. Unclaimed engine keys count in
+``engine_keys_left`` only when the cluster was not shared (``engine_keys_unclaimed``
+reports them either way).
 """
 
 from __future__ import annotations
@@ -38,6 +52,9 @@ __all__ = [
 
 MAX_WRITES_PER_PAYLOAD: Final = 1.1
 """One write per payload, plus room for a few objects Ray creates for itself."""
+
+_SHARED: Final = "[yellow]shared[/]"
+"""Shown for a figure of Ray's cluster-wide counters when others shared the cluster."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,21 +128,22 @@ class ByteMetrics:
     """
 
     payload_bytes_mean: float
-    """Mean bytes of a payload the route store took (as stored). A shared prompt, a fresh
-    sample's own rows after it, and the rows a resume or a second turn adds are each a
-    payload, so this is far below a sample's routing (``sample_bytes_mean``)."""
-    writes_per_payload: float
+    """Mean bytes of a payload the route store took (as stored). A group's request round
+    is one payload (its prompt's rows once, then every member's own rows; for resumes and
+    second turns, the rows each member adds)."""
+    writes_per_payload: float | None
     """Object-store objects created per payload: 1 (a shard writes a payload Ray would
-    keep inline in its heap, under 100 KiB, to the object store once)."""
+    keep inline in its heap, under 100 KiB, to the object store once); None: the
+    cluster was shared."""
     prompt_bytes_saved: int
     """Bytes not written because a GRPO group's verified-equal prompt rows were stored
     once (0 when the store does not share prefixes)."""
     sample_bytes_mean: float
     """Mean routing bytes of a trained sample, ``[T, L, K]`` in the model's compact dtype
     (what replay reads)."""
-    written_per_stored_byte: float
+    written_per_stored_byte: float | None
     """Object-store bytes written per payload byte stored (at most 1.0: no byte is
-    written twice; the eager path writes each at least twice)."""
+    written twice; the eager path writes each at least twice); None: shared cluster."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,18 +180,28 @@ class DemoReport:
     """Routing payloads the route store took."""
     payload_bytes: int
     """Their bytes, as stored."""
-    object_store_bytes_written: int
-    """Bytes written into Ray's object store during the run (all nodes, all objects)."""
-    object_store_objects_written: int
-    """Objects created in Ray's object store during the run."""
-    writes_per_payload: float
+    object_store_bytes_written: int | None
+    """Bytes written into Ray's object store during the run (all nodes, all objects);
+    None when the cluster was shared (``object_store_shared``)."""
+    object_store_objects_written: int | None
+    """Objects created in Ray's object store during the run; None: shared cluster."""
+    writes_per_payload: float | None
     """Object-store objects created per routing payload (one-write path: 1, small
-    payloads included: the shard writes those to the object store itself)."""
+    payloads included: the shard writes those to the object store itself); None when
+    the cluster was shared (not evaluated)."""
     peak_object_store_bytes: int
-    """Most object-store bytes in use at any sampled point."""
-    object_store_bytes_after: int
+    """Most object-store bytes in use at any sampled point (cluster-wide)."""
+    object_store_bytes_after: int | None
     """Object-store bytes in use after teardown above the starting baseline, once Ray
-    freed what was released (it frees asynchronously; teardown waits up to 10 s)."""
+    freed what was released (it frees asynchronously; teardown waits up to 10 s);
+    None when the cluster was shared."""
+    object_store_shared: bool
+    """Other routeplay runs or Ray jobs used the cluster during this run: Ray's counters
+    were not this run's alone, so the figures drawn from them are None."""
+    other_runs: tuple[str, ...]
+    """Run ids of the other routeplay runs seen (their route stores were alive)."""
+    other_jobs: tuple[str, ...]
+    """Ids of the other Ray jobs (drivers) seen alive."""
     peak_routing_bytes: int
     """Most routing bytes the trainer's materializer held at once."""
     leaked_leases: int
@@ -183,7 +211,10 @@ class DemoReport:
     leak_holders: tuple[str, ...]
     """Holders of the leaked leases (empty when nothing leaked)."""
     engine_keys_left: int
-    """Engine-store keys nobody consumed (LMDeploy key mode)."""
+    """This run's engine-store keys nobody consumed (LMDeploy key mode): those it
+    claimed, plus the unclaimed ones when the cluster was not shared."""
+    engine_keys_unclaimed: int
+    """Live engine-store keys no run had claimed at teardown (cluster-wide)."""
     route_diff_fraction_no_replay: float
     """Fraction of (token, layer) routes where the trainer (float32, no replay) picks other
     experts than the engine (bf16), same weights."""
@@ -220,8 +251,9 @@ class DemoReport:
     """Payload sizes, writes, prompt sharing."""
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the timeline as a list of points)."""
+        """A JSON-ready dict (the timeline as a list of points; ``unchecked`` added)."""
         out = asdict(self)
+        out["unchecked"] = list(self.unchecked)
         out["timeline"] = [asdict(p) for p in self.timeline]
         out["object_store_usage"] = [list(sample) for sample in self.object_store_usage]
         out["r3"]["kl_k3_per_step"] = [list(step) for step in self.r3.kl_k3_per_step]
@@ -229,13 +261,19 @@ class DemoReport:
 
     @property
     def ok(self) -> bool:
-        """True when every invariant holds."""
+        """True when every invariant the run can attribute holds (see ``unchecked``)."""
+        writes = self.writes_per_payload
         return (
             self.routing_mismatches == 0
             and self.leaked_leases == 0
             and self.leaked_bytes == 0
-            and self.writes_per_payload <= MAX_WRITES_PER_PAYLOAD
+            and (writes is None or writes <= MAX_WRITES_PER_PAYLOAD)
         )
+
+    @property
+    def unchecked(self) -> tuple[str, ...]:
+        """Invariants not evaluated, because the figures behind them are not the run's."""
+        return ("writes_per_payload",) if self.writes_per_payload is None else ()
 
 
 def build_report(
@@ -254,7 +292,10 @@ def build_report(
         svc.meter.timeline,
     )
     effect = tally.summary()
-    writes = round(written.created_objects / max(1, teardown.payloads), 3)
+    sharing = teardown.sharing
+    own = not sharing.shared  # Ray's counters are this run's alone
+    writes = round(written.created_objects / max(1, teardown.payloads), 3) if own else None
+    per_byte = round(written.created_bytes / max(1, teardown.payload_bytes), 3) if own else None
     return DemoReport(
         trainer_dtype=config.trainer.dtype,
         r3=R3Metrics.from_tally(tally),
@@ -265,9 +306,7 @@ def build_report(
             sample_bytes_mean=round(
                 sum(s.routing_bytes for s in steps) / max(1, sum(s.samples for s in steps)), 1
             ),
-            written_per_stored_byte=round(
-                written.created_bytes / max(1, teardown.payload_bytes), 3
-            ),
+            written_per_stored_byte=per_byte,
         ),
         wire=config.wire,
         run=svc.run,
@@ -284,16 +323,20 @@ def build_report(
         layers=svc.trainer.spec.num_layers,
         payloads=teardown.payloads,
         payload_bytes=teardown.payload_bytes,
-        object_store_bytes_written=written.created_bytes,
-        object_store_objects_written=written.created_objects,
+        object_store_bytes_written=written.created_bytes if own else None,
+        object_store_objects_written=written.created_objects if own else None,
         writes_per_payload=writes,
         peak_object_store_bytes=timeline.peak_bytes(),
-        object_store_bytes_after=teardown.object_store_bytes_after,
+        object_store_bytes_after=teardown.object_store_bytes_after if own else None,
+        object_store_shared=sharing.shared,
+        other_runs=sharing.other_runs,
+        other_jobs=sharing.other_jobs,
         peak_routing_bytes=max((s.peak_routing_bytes for s in steps), default=0),
         leaked_leases=teardown.leaked_leases,
         leaked_bytes=teardown.leaked_bytes,
         leak_holders=teardown.leak_holders,
         engine_keys_left=teardown.engine_keys_left,
+        engine_keys_unclaimed=teardown.engine_keys_unclaimed,
         route_diff_fraction_no_replay=round(effect["route_diff_fraction_no_replay"], 6),
         token_diff_fraction_no_replay=round(effect["token_diff_fraction_no_replay"], 6),
         logprob_abs_diff_no_replay=effect["logprob_abs_diff_no_replay"],
@@ -329,14 +372,27 @@ def render(console: Console, report: DemoReport) -> None:
     )
     run.add_row("trace sessions", f"{r.sessions}", "", "")
 
-    replay = _r3_table(r)
+    for table in (run, _r3_table(r), _memory_table(r)):
+        console.print(table)
+    if r.leak_holders:
+        console.print(f"[red]leases still held by:[/] {', '.join(r.leak_holders)}")
+    console.print(_verdict(r))
 
+
+def _memory_table(r: DemoReport) -> Table:
+    """Payloads, writes and what was left; figures Ray cannot attribute to the run when
+    others shared the cluster read "shared"."""
     memory = _table("bytes and lifetimes", 4)
     # Counted by Ray's raylets, not by routeplay: every payload, small ones included, is
     # one object written once.
     memory.caption = "writes: objects created in Ray's object store, per payload"
+    if r.object_store_shared:
+        memory.caption += (
+            f"; the cluster was shared ({_others(r)}): Ray's object-store counters are "
+            "cluster-wide, so the figures marked shared are not this run's"
+        )
     payloads = f"{r.payloads} ({_size(r.payload_bytes)})"
-    memory.add_row("payloads", payloads, "writes per payload", f"{r.writes_per_payload:.2f}")
+    memory.add_row("payloads", payloads, "writes per payload", _ratio(r.writes_per_payload))
     memory.add_row(
         "mean payload",
         _size(int(r.bytes.payload_bytes_mean)),
@@ -347,27 +403,44 @@ def render(console: Console, report: DemoReport) -> None:
         "mean sample routing",
         _size(int(r.bytes.sample_bytes_mean)),
         "written / stored bytes",
-        f"{r.bytes.written_per_stored_byte:.2f}",
+        _ratio(r.bytes.written_per_stored_byte),
     )
+    written = r.object_store_bytes_written
     memory.add_row(
         "object store written",
-        _size(r.object_store_bytes_written),
+        _SHARED if written is None else _size(written),
         "peak object store",
         _size(r.peak_object_store_bytes),
     )
     memory.add_row("leaked leases", _flag(r.leaked_leases), "leaked bytes", _flag(r.leaked_bytes))
+    after = r.object_store_bytes_after
     memory.add_row(
         "engine keys left",
         _flag(r.engine_keys_left),
         "object store after",
-        _flag(r.object_store_bytes_after),
+        _SHARED if after is None else _flag(after),
     )
-    for table in (run, replay, memory):
-        console.print(table)
-    if r.leak_holders:
-        console.print(f"[red]leases still held by:[/] {', '.join(r.leak_holders)}")
-    verdict = "[green]all invariants hold[/]" if r.ok else "[red]an invariant failed[/]"
-    console.print(verdict)
+    return memory
+
+
+def _verdict(r: DemoReport) -> str:
+    if not r.ok:
+        return "[red]an invariant failed[/]"
+    if r.unchecked:
+        return (
+            "[green]every invariant this run can attribute holds[/]; [yellow]not evaluated "
+            f"on a shared cluster: {', '.join(r.unchecked)}[/]"
+        )
+    return "[green]all invariants hold[/]"
+
+
+def _others(r: DemoReport) -> str:
+    counts = ((len(r.other_runs), "other run"), (len(r.other_jobs), "other Ray job"))
+    return ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in counts if n)
+
+
+def _ratio(value: float | None) -> str:
+    return _SHARED if value is None else f"{value:.2f}"
 
 
 def _r3_table(r: DemoReport) -> Table:

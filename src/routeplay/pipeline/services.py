@@ -9,11 +9,18 @@ Teardown releases every holder the run created (buffer, samples waiting for thei
 or for a resume, trace sessions), waits for Ray to free the bytes, *then* reads the
 store's leaks and live bytes (both must be zero); ``stop`` then ends the actors, the
 server and the store (``ray_session`` the Ray instance it started).
+
+What teardown counts is the run's own where the parts are run-scoped: the route store's
+leases and bytes are the run's, and so are the engine-store keys it claimed
+(``keys(run)``). Keys no run claimed yet are the run's only when nobody else shared the
+cluster; Ray's object-store counters are cluster-wide, so ``Teardown.sharing`` says
+whether anyone else was seen (the report then leaves those figures out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ from routeplay.core.wires import wire as wire_format
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.server import EngineServer
 from routeplay.pipeline.config import DemoConfig
-from routeplay.pipeline.meter import Meter, StoreTotals
+from routeplay.pipeline.meter import Meter, Sharing, StoreTotals, cluster_users
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
 from routeplay.rollout import ReplayBuffer, SessionLedger
@@ -53,12 +60,19 @@ class Teardown:
     prompt_bytes_saved: int
     """Bytes never written because GRPO groups' verified-equal prompts were stored once."""
     engine_keys_left: int
-    """Engine-store keys never consumed (LMDeploy key mode; 0 otherwise)."""
+    """Engine-store keys of this run never consumed (LMDeploy key mode; 0 otherwise):
+    those it claimed, plus the unclaimed ones when nobody shared the cluster."""
+    engine_keys_unclaimed: int
+    """Live engine-store keys no run has claimed (any run's engine may have put them)."""
     written: StoreTotals
-    """Object-store bytes and objects created over the run."""
+    """Object-store bytes and objects created over the run (cluster-wide counters)."""
     object_store_bytes_after: int
     """Object-store bytes in use above the run's starting baseline once Ray settled
-    after the releases (0: every payload was freed)."""
+    after the releases (0: every payload was freed; cluster-wide, and not waited for
+    when the cluster was already seen shared)."""
+    sharing: Sharing
+    """Other runs and Ray jobs seen on the cluster during the run (the two counters
+    above are this run's alone only when there were none)."""
 
 
 @contextlib.contextmanager
@@ -91,6 +105,9 @@ class DemoServices:
         self._stack = contextlib.ExitStack()
         try:
             self.store: RouteStore = StoreConfig(run=self.run, shards=config.store_shards).build()
+            # Gone from the cluster's actor names before stop returns (Ray kills actors
+            # asynchronously): a run started next must not count this one as a neighbour.
+            self._stack.callback(_wait_until_gone, self.run, self.store.config.namespace)
             self._stack.callback(self.store.shutdown)
             self.engine_store = self._engine_store(config.wire)
             self.engine: ReferenceEngine = config.engine.build()
@@ -133,14 +150,14 @@ class DemoServices:
         self.groups.drop_incomplete()
         self.trace.release_all()
         self.meter.point(step, "teardown")
-        after = self.meter.settle()
+        # Waiting for Ray to free the run's bytes only tells something when the usage is
+        # the run's alone; on a shared cluster another run's bytes keep it up anyway.
+        shared = self.meter.sharing().shared
+        after = self.meter.settle(timeout_s=0.0 if shared else 10.0)
         leaks = self.store.leaks()
         stats = self.store.stats()
-        keys = 0
-        if self.engine_store is not None:
-            keys = ray.get(
-                self.engine_store.stats.remote(), timeout=self.store.config.timeout_s
-            ).live_keys
+        sharing = self.meter.sharing()
+        own, unclaimed = self._engine_keys()
         return Teardown(
             leaked_leases=len(leaks),
             leaked_bytes=stats.live_bytes,
@@ -148,10 +165,22 @@ class DemoServices:
             payloads=stats.live_payloads + stats.released_payloads + stats.expired_payloads,
             payload_bytes=stats.live_bytes + stats.released_bytes + stats.expired_bytes,
             prompt_bytes_saved=stats.shared_prefix_bytes_saved,
-            engine_keys_left=keys,
+            engine_keys_left=own + (0 if sharing.shared else unclaimed),
+            engine_keys_unclaimed=unclaimed,
             written=self.meter.written(),
             object_store_bytes_after=after,
+            sharing=sharing,
         )
+
+    def _engine_keys(self) -> tuple[int, int]:
+        """Live engine-store keys this run claimed, and those no run claimed."""
+        if self.engine_store is None:
+            return 0, 0
+        mine, nobodys = ray.get(
+            [self.engine_store.keys.remote(self.run), self.engine_store.keys.remote("")],
+            timeout=self.store.config.timeout_s,
+        )
+        return len(mine), len(nobodys)
 
     def _engine_store(self, wire: str) -> Any:
         if not wire_format(wire).key_store:
@@ -175,3 +204,10 @@ class DemoServices:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_until_gone(run: str, namespace: str, *, timeout_s: float = 10.0) -> None:
+    """Wait (up to ``timeout_s``) until no route store actor of ``run`` is listed."""
+    deadline = time.monotonic() + timeout_s
+    while run in cluster_users(namespace)[0] and time.monotonic() < deadline:
+        time.sleep(0.05)

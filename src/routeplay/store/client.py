@@ -455,6 +455,9 @@ class RouteStore:
         ``Lease.release`` waits instead, for holders that must know the outcome."""
         by_shard: dict[int, list[str]] = {}
         live = [lease for lease in leases if not lease.released]
+        for lease in live:  # another run's lease is refused before anything is marked
+            for lease_id in lease.parts.values():
+                _lease_shard(lease_id, self.run, self._backend.shard_count)
         for lease in live:
             for shard, lease_id in lease.parts.items():
                 by_shard.setdefault(shard, []).append(lease_id)
