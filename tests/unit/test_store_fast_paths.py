@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize
+from routeplay.core import EngineKey, Handle, InlineSource, Routes, RouteSpec, Segment, canonicalize
 from routeplay.errors import (
     MisuseError,
     ReleaseFailed,
@@ -289,3 +289,31 @@ def test_a_group_of_adopted_keys_stores_its_verified_prompt_once(store: RouteSto
         np.testing.assert_array_equal(store.read(handle), routes.array)
     store.release_many(leases)
     assert store.stats().live_payloads == 0
+
+
+def test_a_read_mixing_sources_lands_every_row_where_it_belongs() -> None:
+    """Stored runs are copied in one go (``np.concatenate``); an inline segment between
+    them, a payload of several blocks read in part, and several requests each break a
+    run where they must."""
+    store = RouteStore.local(StoreConfig(run="mixed", shards=2, block_rows=1))
+    parts = [routing(rows, seed=i) for i, rows in enumerate((5, 3, 70_000, 4, 7, 6))]
+    stored = [store.put(r, weight_version=i) for i, r in enumerate(parts)]
+    block_rows = stored[2].segments[0].source.block_rows  # type: ignore[union-attr]
+    assert 0 < block_rows < 70_000 // 2  # three blocks (raised to MIN_BLOCK_BYTES)
+    inline = Handle.of(
+        Segment(source=InlineSource(array=parts[3].array), start=0, stop=4, spec=SPEC)
+    )
+    joined = Handle.concat(SPEC, [stored[0], stored[1], stored[2], inline, stored[4], stored[5]])
+    whole = np.concatenate([r.array for r in parts])
+    lease = store.acquire(joined, "mixed")
+    requests = [
+        (joined, 0, joined.rows),
+        (joined, 6, 40_000),
+        (joined, 70_006, 70_014),
+        (stored[2], 30_000, 66_000),
+    ]
+    outs = store.read_many(requests)
+    for (handle, lo, hi), out in zip(requests, outs, strict=True):
+        expected = whole[lo:hi] if handle is joined else parts[2].array[lo:hi]
+        np.testing.assert_array_equal(out, expected)
+    lease.release()

@@ -57,6 +57,12 @@ class StoreRef:
     """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block.
     Stored payloads are always canonical: adopted engine keys are validated at adoption."""
 
+    def __hash__(self) -> int:
+        # The id alone: equal refs share it, and a str caches its hash, where the
+        # generated hash builds and hashes a field tuple on every call (a handle of
+        # 1,000 segments hashes its sources on every acquire and read).
+        return hash(self.payload_id)
+
     def blocks(self, start: int, stop: int) -> range:
         """Indices of the blocks holding rows ``[start, stop)``."""
         if self.block_rows <= 0 or stop <= start:
@@ -93,6 +99,9 @@ class EngineKey:
     """Run the key was issued to."""
     trailing_rows: int = 0
     """Rows the stored array may hold beyond ``rows`` (LMDeploy: 1, the trimmed stop token)."""
+
+    def __hash__(self) -> int:
+        return hash(self.key)  # as ``StoreRef.__hash__``: equal keys share it
 
     @property
     def payload_rows(self) -> range:
@@ -239,6 +248,16 @@ class Handle:
 
     def pieces(self, start: int = 0, stop: int | None = None) -> Iterator[Piece]:
         """The segments that hold rows ``[start, stop)``, trimmed, with output offsets."""
+        for segment, offset in self.spans(start, stop):
+            yield Piece(segment=segment, offset=offset)
+
+    def spans(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[Segment, int]]:
+        """``pieces`` as plain ``(segment, offset)`` pairs: what a read of many segments
+        iterates (a tuple per segment instead of a frozen dataclass).
+
+        Example:
+            [(segment, offset)] = Handle.of(seg).spans(0, 4)
+        """
         stop = self.rows if stop is None else stop
         if not 0 <= start <= stop <= self.rows:
             raise HandleError(
@@ -252,8 +271,7 @@ class Handle:
             lo, hi = max(start, row), min(stop, row + rows)
             if lo < hi:
                 whole = lo == row and hi == row + rows  # common case: no trimmed copy
-                part = seg if whole else seg.sub(lo - row, hi - row)
-                yield Piece(segment=part, offset=lo - start)
+                yield (seg if whole else seg.sub(lo - row, hi - row)), lo - start
             row += rows
             if row >= stop:
                 return

@@ -262,7 +262,7 @@ class RouteStore:
     def _lease_of(
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
     ) -> Lease:
-        pids = [s.payload_id for s in handle.sources() if isinstance(s, StoreRef)]
+        pids = self._payload_ids(handle)
         blocks = {pid: self._backend.borrow(grant.blocks[pid]) for pid in pids}
         return Lease(self, handle, holder, {shard: lease_id}, pinned=self._pins.pin(blocks))
 
@@ -416,10 +416,8 @@ class RouteStore:
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
             per_shard: dict[int, list[str]] = {}
-            for source in handle.sources():
-                if isinstance(source, StoreRef):
-                    self._check_run(source)
-                    per_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
+            for pid in self._payload_ids(handle):
+                per_shard.setdefault(shard_of(pid), []).append(pid)
             for shard, pids in per_shard.items():
                 wanted.setdefault(shard, []).append((index, pids))
         shards = sorted(wanted)
@@ -431,10 +429,14 @@ class RouteStore:
         grants: list[Grant] = self._grant_all(calls, f"acquire for {holders}")
         parts: list[dict[int, str]] = [{} for _ in items]
         blocks: list[dict[str, list[Any]]] = [{} for _ in items]
+        borrow = self._backend.borrow
         for shard, grant in zip(shards, grants, strict=True):
+            granted = grant.blocks
             for (at, pids), lease_id in zip(wanted[shard], grant.lease_ids, strict=True):
                 parts[at][shard] = lease_id
-                blocks[at].update((pid, self._backend.borrow(grant.blocks[pid])) for pid in pids)
+                pinned = blocks[at]
+                for pid in pids:
+                    pinned[pid] = borrow(granted[pid])
         return [
             Lease(self, handle, holder, parts[at], pinned=self._pins.pin(blocks[at]))
             for at, (handle, holder) in enumerate(items)
@@ -525,10 +527,12 @@ class RouteStore:
         per request, of its exact shape and dtype: reused memory is faster than fresh
         pages). ``holder`` only names the reader in errors."""
         for handle, _, _ in requests:
-            for source in handle.sources():
+            for segment in handle.segments:
+                source = segment.source
                 if isinstance(source, StoreRef):
-                    self._check_run(source)
-                elif isinstance(source, EngineKey):
+                    if source.run != self.run:
+                        self._check_run(source)
+                elif isinstance(source, EngineKey) and source.run != self.run:
                     self.scoped(source)
         self._releases.settle(wait=False)
         return self._reader.read_many(requests, holder=holder, out=out)
@@ -617,6 +621,16 @@ class RouteStore:
 
     def _pick_shard(self, key: str) -> int:
         return zlib.crc32(key.encode()) % self._backend.shard_count
+
+    def _payload_ids(self, handle: Handle) -> list[str]:
+        """The stored payloads of a handle, each once, in order; another run's refused."""
+        ids = []
+        for source in handle.sources():
+            if isinstance(source, StoreRef):
+                if source.run != self.run:
+                    self._check_run(source)
+                ids.append(source.payload_id)
+        return ids
 
     def _check_run(self, source: StoreRef) -> None:
         if source.run != self.run:

@@ -119,10 +119,7 @@ class Reader:
         blocks: dict[tuple[str, int], Any] = {}
         try:
             blocks = self._fetch_blocks(plan, holder)
-            for copy in plan.copies:
-                rows_out = outs[copy.request]
-                block = blocks[(copy.payload_id, copy.block)]
-                rows_out[copy.offset : copy.offset + (copy.hi - copy.lo)] = block[copy.lo : copy.hi]
+            _copy_blocks(plan, blocks, outs)
         finally:
             blocks.clear()  # drop the zero-copy views, also on errors: nothing stays pinned
         return outs
@@ -138,10 +135,13 @@ class Reader:
             for (pid, wanted), pinned in zip(requests, pins, strict=True):
                 if pinned is None:
                     missing.setdefault(shard, []).append((pid, wanted))
-                    continue
-                _check_blocks(pid, wanted, len(pinned))
-                keys.extend((pid, b) for b in wanted)
-                refs.extend(pinned[b] for b in wanted)
+                elif len(wanted) == 1 and wanted[0] == 0 and pinned:  # one block: the default
+                    keys.append((pid, 0))
+                    refs.append(pinned[0])
+                else:
+                    _check_blocks(pid, wanted, len(pinned))
+                    keys.extend([(pid, b) for b in wanted])
+                    refs.extend([pinned[b] for b in wanted])
         if missing:
             shards = sorted(missing)
             calls = [(i, "locate", (missing[i], self._run)) for i in shards]
@@ -216,6 +216,37 @@ def _outputs(
                 found=f"{buffer.shape} {buffer.dtype}",
             )
     return given
+
+
+def _copy_blocks(
+    plan: ReadPlan, blocks: Mapping[tuple[str, int], Any], outs: Sequence[npt.NDArray[Any]]
+) -> None:
+    """Copy every planned block range into its output. Ranges that follow each other in
+    one output (the segments of a handle, in order) go in one ``np.concatenate``: one C
+    loop for a run of 1,000 segments instead of 1,000 slice assignments."""
+    run: list[Any] = []  # the views of the current run: dropped before returning
+    start = end = request = -1
+    try:
+        for copy in plan.copies:
+            view = blocks[(copy.payload_id, copy.block)][copy.lo : copy.hi]
+            if copy.request != request or copy.offset != end:
+                _flush_run(outs, request, start, end, run)
+                request, start, end = copy.request, copy.offset, copy.offset
+            run.append(view)
+            end += copy.hi - copy.lo
+        _flush_run(outs, request, start, end, run)
+    finally:
+        run.clear()
+
+
+def _flush_run(
+    outs: Sequence[npt.NDArray[Any]], request: int, start: int, end: int, run: list[Any]
+) -> None:
+    if len(run) == 1:
+        outs[request][start:end] = run[0]
+    elif run:
+        np.concatenate(run, axis=0, out=outs[request][start:end])
+    run.clear()
 
 
 def _candidates(keys: Sequence[tuple[str, int]]) -> str:

@@ -136,8 +136,10 @@ class StoreShard:
             raise
         blocks: dict[str, list[Any]] = {}
         if with_blocks:
+            # The table's own lists: the grant is serialized on Ray, and a local reader
+            # borrows its own copy (``Backend.borrow``), so nobody can change them.
             wanted = dict.fromkeys(pid for ids, _ in requests for pid in ids)
-            blocks = {pid: list(refs) for pid, refs in self._table.refs(wanted, run=run).items()}
+            blocks = self._table.refs(wanted, run=run)
         return Grant(lease_ids=tuple(granted), blocks=blocks)
 
     def release_many(self, lease_ids: Sequence[str]) -> list[str]:
