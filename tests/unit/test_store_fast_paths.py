@@ -45,7 +45,7 @@ class CountingStore:
             real = getattr(backend, name)
 
             def counted(calls: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                self.calls.extend(method for _, method, _ in calls)
+                self.calls.extend(call.method for call in calls)
                 return _real(calls, *args, **kwargs)
 
             monkeypatch.setattr(backend, name, counted)

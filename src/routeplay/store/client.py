@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import numpy.typing as npt
 
@@ -30,17 +30,19 @@ from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, MisuseError, RouteplayError, RunMismatch
-from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
+from routeplay.store.backend import Backend, LocalBackend, RayBackend
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.reads import BlockPins, Reader
 from routeplay.store.releases import PendingReleases
 from routeplay.store.shard import Grant, StoredPayload, shard_of
+from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 # Ray returns values under 100 KiB inline to the caller instead of writing them to the
 # object store; blocks stay above that so payload bytes never travel through a shard.
@@ -213,8 +215,9 @@ class RouteStore:
             return [Handle(spec) for _ in batch]
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
-        call = (self._pick_shard(uuid.uuid4().hex), "adopt_many")
-        [stored] = self._call([(*call, (refs, payloads, layout.saved_bytes))], "adopt")
+        shard = self._pick_shard(uuid.uuid4().hex)
+        call = shard_call(shard, ShardApi.adopt_many, refs, payloads, layout.saved_bytes)
+        [stored] = self._call([call], "adopt a batch")
         return _handles(layout, stored, spec, weight_version)
 
     def put_leased(
@@ -251,8 +254,16 @@ class RouteStore:
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
         shard = self._pick_shard(uuid.uuid4().hex)
-        args = (refs, payloads, layout.saved_bytes, list(layout.samples), holder)
-        [(stored, grant)] = self._call([(shard, "adopt_leased", args)], f"put for {holder}")
+        call = shard_call(
+            shard,
+            ShardApi.adopt_leased,
+            refs,
+            payloads,
+            layout.saved_bytes,
+            list(layout.samples),
+            holder,
+        )
+        [(stored, grant)] = self._call([call], f"put for {holder}")
         handles = _handles(layout, stored, spec, weight_version)
         return [
             (handle, self._lease_of(handle, holder, shard, lease_id, grant))
@@ -299,13 +310,18 @@ class RouteStore:
     ) -> Handle:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
-        args = (producer, token, blocks, routes.rows, routes.nbytes, block_rows)
-        # The shard itself waits up to timeout_s for the producer; give its answer room.
-        [stored] = self._call(
-            [(self._pick_shard(token), "adopt_from", args)],
-            f"adopt {token}",
-            timeout_s=2 * self.config.timeout_s,
+        call = shard_call(
+            self._pick_shard(token),
+            ShardApi.adopt_from,
+            producer,
+            token,
+            blocks,
+            routes.rows,
+            routes.nbytes,
+            block_rows,
         )
+        # The shard itself waits up to timeout_s for the producer; give its answer room.
+        [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
         return self._handle(stored, routes.spec, weight_version)
 
     def put_staged_many(
@@ -319,12 +335,11 @@ class RouteStore:
     ) -> list[Handle]:
         """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
         _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
-        args = (producer, token, payloads, layout.saved_bytes)
-        [stored] = self._call(
-            [(self._pick_shard(token), "adopt_from_many", args)],
-            f"adopt {token}",
-            timeout_s=2 * self.config.timeout_s,
+        shard = self._pick_shard(token)
+        call = shard_call(
+            shard, ShardApi.adopt_from_many, producer, token, payloads, layout.saved_bytes
         )
+        [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
         return _handles(layout, stored, spec, weight_version)
 
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
@@ -378,7 +393,7 @@ class RouteStore:
         """Release one unread engine-store key of this run (idempotent); True if it was
         live. A key of another run is refused (``RunMismatch``) and stays live."""
         key = self.scoped(key)
-        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key, self.run))
+        return self._backend.free_key(key, self.run)
 
     def scoped(self, key: EngineKey) -> EngineKey:
         """``key`` carrying this run's id (a key read from a response carries none yet);
@@ -422,11 +437,13 @@ class RouteStore:
                 wanted.setdefault(shard, []).append((index, pids))
         shards = sorted(wanted)
         calls = [
-            (i, "lease_many", ([(pids, items[at][1]) for at, pids in wanted[i]], self.run))
+            shard_call(
+                i, ShardApi.lease_many, [(pids, items[at][1]) for at, pids in wanted[i]], self.run
+            )
             for i in shards
         ]
         holders = ", ".join(sorted({holder for _, holder in items})[:3])
-        grants: list[Grant] = self._grant_all(calls, f"acquire for {holders}")
+        grants = self._grant_all(calls, f"acquire for {holders}")
         parts: list[dict[int, str]] = [{} for _ in items]
         blocks: list[dict[str, list[Any]]] = [{} for _ in items]
         borrow = self._backend.borrow
@@ -452,7 +469,9 @@ class RouteStore:
         for lease in live:
             for shard, lease_id in lease.parts.items():
                 by_shard.setdefault(shard, []).append(lease_id)
-        self._releases.submit([(i, "release_many", (ids,)) for i, ids in by_shard.items()])
+        self._releases.submit(
+            [shard_call(i, ShardApi.release_many, ids) for i, ids in by_shard.items()]
+        )
         for lease in live:
             lease.mark_released()
 
@@ -460,43 +479,56 @@ class RouteStore:
         """Wait for every release in flight; raise ``ReleaseFailed`` if one failed."""
         self._releases.settle(wait=True)
 
-    def _release_parts(self, parts: dict[int, str]) -> None:
-        # One lease, waited for: a holder's lifecycle (buffer, session, sample state)
-        # must know whether its lease ended, to keep it or retry it if the shard failed.
-        self._call([(i, "release", (lid,)) for i, lid in parts.items()], "release")
+    # -- what a Lease calls (``routeplay.store.lease.LeaseOwner``) ----------------------
+    def release_lease(self, parts: Mapping[int, str]) -> None:
+        """End one lease's parts (its id per shard), waited for: a holder's lifecycle
+        (buffer, session, sample state) must know whether its lease ended, to keep it
+        or retry it if the shard failed. ``Lease.release`` calls it."""
+        calls = [shard_call(i, ShardApi.release, lid) for i, lid in parts.items()]
+        self._call(calls, "end a lease")
 
-    def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        calls = [(i, "clone", (lid, holder)) for i, lid in parts.items()]
-        clones: list[str] = self._grant_all(calls, f"clone for {holder}")
+    def clone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """A new lease of ``holder`` over the same payloads, on every shard or none;
+        returns its parts. ``Lease.clone`` calls it."""
+        calls = [shard_call(i, ShardApi.clone, lid, holder) for i, lid in parts.items()]
+        clones = self._grant_all(calls, f"clone for {holder}")
         return dict(zip(parts, clones, strict=True))
 
-    def _transfer_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        """Clone on every shard (all or nothing), then end the old parts."""
-        moved = self._clone_parts(parts, holder)
-        self._release_parts(parts)
+    def transfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Clone on every shard (all or nothing), then end the old parts: the payloads
+        never reach zero leases. ``Lease.transfer`` calls it."""
+        moved = self.clone_lease(parts, holder)
+        self.release_lease(parts)
         return moved
 
-    def _repin(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+    def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+        """Count one more local lease on block references pinned here (a clone's);
+        returns the payloads that were pinned."""
         return self._pins.repin(payload_ids)
 
-    def _unpin(self, payload_ids: Sequence[str]) -> None:
+    def unpin_blocks(self, payload_ids: Sequence[str]) -> None:
+        """One local lease less on these payloads' pinned block references (a lease
+        released, pickled or collected); the last one drops them."""
         self._pins.unpin(payload_ids)
 
-    def _grant_all(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def _grant_all(self, calls: Sequence[ShardCall[R]], what: str) -> list[R]:
         """Per-call grants, or none at all: a shard that fails rolls the others back,
         so a half-granted lease can never be left behind with nobody to release it."""
         self._releases.settle(wait=True)
         results = self._backend.call_each(calls, f"{self.run}: {what}")
-        failures = [result for result in results if isinstance(result, BaseException)]
+        granted: list[R] = []
+        failures: list[BaseException] = []
+        undo: list[ShardCall[list[str]]] = []
+        for call, result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(result)
+            else:
+                granted.append(result)
+                undo.append(shard_call(call.shard, ShardApi.revoke_many, _lease_ids(result)))
         if failures:
-            undo = [
-                (shard, "revoke_many", (_lease_ids(result),))
-                for (shard, _, _), result in zip(calls, results, strict=True)
-                if not isinstance(result, BaseException)
-            ]
             self._call(undo, "roll back")
             raise failures[0]
-        return results
+        return granted
 
     # -- reading ----------------------------------------------------------------------
     def resolve(
@@ -541,13 +573,13 @@ class RouteStore:
     def stats(self) -> StoreStats:
         """Sum of every live shard's snapshot (after the releases in flight have landed);
         a shard that does not answer is named in ``dead_shards``, not fatal."""
-        parts, dead = self._each_shard("stats")
+        parts, dead = self._each_shard(ShardApi.stats)
         return _merge_stats(parts, dead)
 
     def leaks(self) -> list[LeakRecord]:
         """Leases still held, oldest first, across the live shards (a dead shard's are
         gone with it: it is logged, and ``stats().dead_shards`` names it)."""
-        per_shard, dead = self._each_shard("leaks")
+        per_shard, dead = self._each_shard(ShardApi.leaks)
         for why in dead:
             log.warning("run %s: leaks() skipped %s", self.run, why)
         return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
@@ -569,8 +601,8 @@ class RouteStore:
             )
             for shard, lease_id in ids:
                 by_shard.setdefault(shard, []).append(lease_id)
-        calls = [(i, "revoke_leases", (ids,)) for i, ids in sorted(by_shard.items())]
-        ended = self._call(calls, "revoke")
+        calls = [shard_call(i, ShardApi.revoke_leases, ids) for i, ids in sorted(by_shard.items())]
+        ended = self._call(calls, "revoke leases")
         for item in leases:
             if isinstance(item, Lease):
                 item.mark_released()
@@ -584,16 +616,16 @@ class RouteStore:
             store.revoke_holder("rollout/worker-3")   # its samples' bytes can go now
         """
         shards = range(self._backend.shard_count)
-        ended = self._call([(i, "revoke_holder", (holder,)) for i in shards], f"revoke {holder}")
+        calls = [shard_call(i, ShardApi.revoke_holder, holder) for i in shards]
+        ended = self._call(calls, f"revoke {holder}")
         return sum(len(ids) for ids in ended)
 
-    def _each_shard(self, method: str) -> tuple[list[Any], list[str]]:
-        """Every shard's answer to ``method``; those that failed, named, apart."""
+    def _each_shard(self, op: Callable[[ShardApi], R]) -> tuple[list[R], list[str]]:
+        """Every shard's answer to ``op``; those that failed, named, apart."""
         self._releases.settle(wait=True)
         shards = range(self._backend.shard_count)
-        results = self._backend.call_each(
-            [(i, method, ()) for i in shards], f"{self.run}: {method}"
-        )
+        calls = [shard_call(i, op) for i in shards]
+        results = self._backend.call_each(calls, f"{self.run}: {op.__name__}")
         live = [r for r in results if not isinstance(r, BaseException)]
         dead = [
             f"shard {i} ({type(r).__name__}: {r.summary if isinstance(r, RouteplayError) else r})"
@@ -612,8 +644,8 @@ class RouteStore:
 
     # -- internals --------------------------------------------------------------------
     def _call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
-    ) -> list[Any]:
+        self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
+    ) -> list[R]:
         # Shard actors are threaded: wait for this client's releases first, so a call
         # never overtakes a release sent before it.
         self._releases.settle(wait=True)

@@ -16,8 +16,8 @@ pinned them is released, never later, so a reader never outlives a lease's seman
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -26,11 +26,20 @@ from routeplay.core.handle import EngineKey, Handle, InlineSource
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MisuseError, RoutesLost
-from routeplay.store.backend import Backend, ShardCall
+from routeplay.store.backend import Backend
 from routeplay.store.key_check import check_key_payload
 from routeplay.store.read_plan import ReadPlan, plan_reads
+from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 
-__all__ = ["BlockPins", "Reader"]
+__all__ = ["BlockPins", "MetadataCall", "Reader"]
+
+R = TypeVar("R")
+
+
+class MetadataCall(Protocol):
+    """The client's shard call (it settles releases in flight first)."""
+
+    def __call__(self, calls: Sequence[ShardCall[R]], what: str) -> list[R]: ...
 
 
 class BlockPins:
@@ -83,7 +92,7 @@ class Reader:
 
     def __init__(
         self,
-        call: Callable[[Sequence[ShardCall], str], list[Any]],
+        call: MetadataCall,
         backend: Backend,
         run: str,
         pins: BlockPins,
@@ -144,8 +153,8 @@ class Reader:
                     refs.extend([pinned[b] for b in wanted])
         if missing:
             shards = sorted(missing)
-            calls = [(i, "locate", (missing[i], self._run)) for i in shards]
-            located = self._call(calls, "locate")
+            calls = [shard_call(i, ShardApi.locate, missing[i], self._run) for i in shards]
+            located = self._call(calls, "locate blocks")
             for shard, per_shard in zip(shards, located, strict=True):
                 for (pid, wanted), block_refs in zip(missing[shard], per_shard, strict=True):
                     keys.extend((pid, b) for b in wanted)
@@ -186,7 +195,7 @@ class Reader:
         so a payload that is not an array, or not the rows the key claims, is refused
         without allocating for the claim."""
         where = f"engine key {key.key}"
-        wrapped = self._backend.engine_call(key.actor, key.namespace, "get_ref", key.key, self._run)
+        wrapped = self._backend.key_refs(key, self._run)
         [view] = self._backend.fetch(wrapped, where)
         del wrapped
         try:  # copy the counted rows out; the view goes, also on a refusal: nothing pinned
