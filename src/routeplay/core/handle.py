@@ -222,12 +222,32 @@ class Handle:
                 found=f"rows starting at {at_row}",
                 hint="A resumed or follow-up response must continue the history exactly.",
             )
-        return Handle(self.spec, (*self.segments, segment))
+        return self._extended(_normalize(self.spec, (segment,)))
 
     def __add__(self, other: Handle) -> Handle:
         if not isinstance(other, Handle):
             return NotImplemented
-        return Handle(self.spec, (*self.segments, *other.segments))
+        if other.spec is not self.spec and other.spec != self.spec:
+            return Handle(self.spec, (*self.segments, *other.segments))  # names the segment
+        return self._extended(other.segments)
+
+    def _extended(self, tail: tuple[Segment, ...]) -> Handle:
+        """These segments, then ``tail`` (normalized, of this spec). Both sides are
+        normalized already, so only the seam can merge: appending checks the new
+        segments only, where a full re-normalization made a session that appends every
+        turn quadratic in its turns."""
+        if not tail:
+            return self
+        head = self.segments
+        if head and head[-1].continued_by(tail[0]):
+            segments = (*head[:-1], _merged(head[-1], tail[0]), *tail[1:])
+        else:
+            segments = (*head, *tail)
+        extended = object.__new__(Handle)
+        object.__setattr__(extended, "spec", self.spec)
+        object.__setattr__(extended, "segments", segments)
+        object.__setattr__(extended, "_rows", self._rows + sum(s.stop - s.start for s in tail))
+        return extended
 
     @classmethod
     def concat(cls, spec: RouteSpec, handles: Sequence[Handle]) -> Handle:
@@ -307,13 +327,17 @@ def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, .
         if seg.rows == 0:
             continue
         if out and out[-1].continued_by(seg):
-            prev = out.pop()
-            seg = Segment(
-                source=prev.source,
-                start=prev.start,
-                stop=seg.stop,
-                spec=spec,
-                weight_version=seg.weight_version,
-            )
+            seg = _merged(out.pop(), seg)
         out.append(seg)
     return tuple(out)
+
+
+def _merged(first: Segment, then: Segment) -> Segment:
+    """``first`` and ``then`` (which continues it) as one segment."""
+    return Segment(
+        source=first.source,
+        start=first.start,
+        stop=then.stop,
+        spec=first.spec,
+        weight_version=then.weight_version,
+    )
