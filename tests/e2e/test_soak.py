@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from routeplay.cli.main import main
+from routeplay.pipeline.config import recipe
 from routeplay.pipeline.faults import FAULT_KINDS, FaultConfig
 from routeplay.pipeline.soak import SoakConfig, run_soak
 
@@ -35,6 +36,23 @@ def test_every_fault_fires_and_every_invariant_holds() -> None:
     assert (report.leaked_leases, report.leaked_bytes, report.engine_keys_left) == (0, 0, 0)
     # The dropped response's key and the corrupted answer's key both expire unread.
     assert report.engine_keys_expired >= report.dropped_responses + 1
+    assert report.object_store_excess_bytes == 0
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_group_writes_under_faults_lose_only_the_faulty_members() -> None:
+    # A wire that carries the rows: each group's members go to one worker call and one
+    # packed write; a corrupted answer, a killed worker or engine cost only their own
+    # members (or that call), and nothing leaks or is released early.
+    demo = recipe("smoke").replace(wire="sglang")
+    faults = FaultConfig(seed=11)
+    report = run_soak(SoakConfig(steps=len(FAULT_KINDS), faults=faults, demo=demo))
+    assert report.broken == ()
+    assert report.samples_trained > 0
+    assert report.samples_lost.get("MalformedPayload", 0) > 0, report.samples_lost
+    assert report.premature_releases == 0
+    assert report.untyped_errors == 0
+    assert (report.leaked_leases, report.leaked_bytes) == (0, 0)
     assert report.object_store_excess_bytes == 0
 
 

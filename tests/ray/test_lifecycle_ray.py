@@ -30,6 +30,7 @@ from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.fake_engines import FakeSglang
 from routeplay.store import RoutesProducer, RouteStore, StoreConfig, producer_actor
 from routeplay.store.shard import shard_of
+from routeplay.store.shard_api import ShardApi, shard_call
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -158,7 +159,7 @@ def _on_shard(store: RouteStore, shard: int, sid: str, group: str, seed: int) ->
 
 
 def _holders_on(store: RouteStore, shard: int) -> dict[str, int]:
-    [stats] = store.backend.call([(shard, "stats", ())], "stats")
+    [stats] = store.backend.call([shard_call(shard, ShardApi.stats)], "stats")
     return dict(stats.leases_by_holder)
 
 

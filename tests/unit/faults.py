@@ -15,9 +15,10 @@ from typing import Any
 from routeplay.core import EngineKey, RouteSpec
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend, Settled, ShardCall
+from routeplay.store.backend import LocalBackend, Settled
 from routeplay.store.lease import Lease
 from routeplay.store.shard import Grant
+from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 
 __all__ = ["FaultyBackend", "faulty_store"]
 
@@ -57,44 +58,45 @@ class FaultyBackend:
         return self.inner.shard_count
 
     def call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
+        self, calls: Sequence[ShardCall[Any]], what: str, *, timeout_s: float | None = None
     ) -> list[Any]:
-        lost = [args[0] for _, name, args in calls if name == "release" and args[0] in self.dead]
-        healthy = [c for c in calls if not (c[1] == "release" and c[2][0] in self.dead)]
+        lost = [c.args[0] for c in calls if _is(c, ShardApi.release) and c.args[0] in self.dead]
+        healthy = [c for c in calls if not (_is(c, ShardApi.release) and c.args[0] in self.dead)]
         results = self.inner.call(healthy, what, timeout_s=timeout_s)
         if lost:
             self.failed_releases += len(lost)
             raise RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
         return results
 
-    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def call_each(self, calls: Sequence[ShardCall[Any]], what: str) -> list[Any]:
         out: list[Any] = []
         for call in calls:
-            _, name, args = call
-            if name == "clone" and args[0] in self.unclonable:
+            args = call.args
+            if _is(call, ShardApi.clone) and args[0] in self.unclonable:
                 out.append(RoutesLost("the shard holding the lease died", where=f"{args[0]}"))
                 continue
             [result] = self.inner.call_each([call], what)
-            holder = args[1] if name in ("acquire", "clone") else None
+            granting = _is(call, ShardApi.acquire) or _is(call, ShardApi.clone)
+            holder = args[1] if granting else None
             if holder in self.dead_holders and isinstance(result, str):
                 self.dead.add(result)
-            if name == "lease_many" and isinstance(result, Grant):  # a batch of (ids, holder)
+            if _is(call, ShardApi.lease_many) and isinstance(result, Grant):  # (ids, holder)s
                 for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
                     if holder in self.dead_holders:
                         self.dead.add(lease_id)
             out.append(result)
         return out
 
-    def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
+    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Releases sent without waiting: a dead lease's outcome is a ``RoutesLost``."""
         out: list[Any] = []
         for call in calls:
-            _, name, args = call
-            lost = [lid for lid in args[0] if lid in self.dead] if name == "release_many" else []
+            releasing = _is(call, ShardApi.release_many)
+            lost = [lid for lid in call.args[0] if lid in self.dead] if releasing else []
             if lost:
                 self.failed_releases += len(lost)
-                healthy = [lid for lid in args[0] if lid not in self.dead]
-                self.inner.submit([(call[0], name, (healthy,))])
+                healthy = [lid for lid in call.args[0] if lid not in self.dead]
+                self.inner.submit([shard_call(call.shard, ShardApi.release_many, healthy)])
                 error = RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
                 out.append(Settled(error=error))
                 continue
@@ -121,11 +123,19 @@ class FaultyBackend:
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return self.inner.lost_index(refs, error)
 
-    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
-        return self.inner.engine_call(actor, namespace, method, *args)
+    def free_key(self, key: EngineKey, run: str) -> bool:
+        return self.inner.free_key(key, run)
+
+    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
+        return self.inner.key_refs(key, run)
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+def _is(call: ShardCall[Any], op: Any) -> bool:
+    """Whether ``call`` runs the ``ShardApi`` operation ``op``."""
+    return call.method == op.__name__
 
 
 def faulty_store(run: str = "faults", shards: int = 1) -> tuple[RouteStore, FaultyBackend]:

@@ -26,9 +26,16 @@ PAYLOADS = 100
 
 
 def _teardown(
-    sharing: Sharing, *, objects: int, leaked: int = 0, after: int = 0, keys: int = 0
+    sharing: Sharing,
+    *,
+    objects: int,
+    leaked: int = 0,
+    after: int = 0,
+    keys: int = 0,
+    engine_objects: int = 0,
 ) -> Teardown:
-    """A teardown of 100 payloads of 100 bytes, ``objects`` object-store writes."""
+    """A teardown of 100 payloads of 100 bytes, ``objects`` object-store writes (of
+    which ``engine_objects`` were the engine's)."""
     return Teardown(
         leaked_leases=leaked,
         leaked_bytes=100 * leaked,
@@ -39,6 +46,8 @@ def _teardown(
         engine_keys_left=keys,
         engine_keys_unclaimed=0,
         written=StoreTotals(used_bytes=0, created_bytes=100 * objects, created_objects=objects),
+        engine_objects=engine_objects,
+        engine_bytes=100 * engine_objects,
         object_store_bytes_after=after,
         sharing=sharing,
     )
@@ -136,3 +145,13 @@ def test_the_table_says_the_cluster_was_shared_and_what_was_not_evaluated() -> N
     alone = _rendered(_report(_teardown(ALONE, objects=PAYLOADS)))
     assert "all invariants hold" in alone
     assert "shared" not in alone
+
+
+def test_the_engines_own_writes_are_counted_apart() -> None:
+    # LMDeploy key mode: two engine objects per key (its array, the store's copy), then
+    # routeplay's one compact write per payload.
+    report = _report(_teardown(ALONE, objects=3 * PAYLOADS, engine_objects=2 * PAYLOADS))
+    assert report.engine_objects_written == 2 * PAYLOADS
+    assert report.writes_per_payload == 1.0
+    assert report.bytes.written_per_stored_byte == 1.0
+    assert report.ok

@@ -192,3 +192,29 @@ def test_engine_key_segments_round_trip_through_pickle() -> None:
     handle = Handle.of(Segment(source=key, start=0, stop=7, spec=spec))
     assert pickle.loads(pickle.dumps(handle)) == handle
     assert handle.sources() == (key,)
+
+
+@given(handles(max_segments=12), st.data())
+def test_appending_segment_by_segment_equals_the_handle_built_at_once(
+    whole: Handle, data: st.DataObject
+) -> None:
+    """``append`` and ``+`` check only the new segments and merge only at the seam (a
+    session appends every turn); the result is the handle normalized in one go."""
+    cut = data.draw(st.integers(0, len(whole.segments)))
+    grown = Handle(SPEC)
+    for segment in whole.segments[:cut]:
+        grown = grown.append(segment, at_row=grown.rows)
+    grown = grown + Handle(SPEC, whole.segments[cut:])
+    assert grown == whole
+    assert grown.segments == whole.segments
+    assert grown.rows == whole.rows
+
+
+def test_a_continuing_append_merges_into_the_last_segment() -> None:
+    source = _inline(10, seed=3)
+    first = Handle.of(Segment(source=source, start=0, stop=4, spec=SPEC))
+    grown = first.append(Segment(source=source, start=4, stop=9, spec=SPEC))
+    assert grown.segments == (Segment(source=source, start=0, stop=9, spec=SPEC),)
+    assert grown.rows == 9
+    with pytest.raises(SpecMismatch):
+        first + Handle.of(Segment(source=source, start=4, stop=9, spec=OTHER_SPEC))

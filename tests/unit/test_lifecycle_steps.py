@@ -31,8 +31,9 @@ from routeplay.rollout import (
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.rollout.lifecycle import borrow_prefix, prefix_holder, sample_holder
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend, ShardCall
+from routeplay.store.backend import LocalBackend
 from routeplay.store.lease_table import TableStats
+from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, FIRST, SECOND = 6, 5, 4  # prompt tokens, generated before and after a resume
@@ -47,7 +48,8 @@ class WatchedBackend:
 
     def _watch(self) -> None:
         shards = range(self.inner.shard_count)
-        self.snapshots.extend(self.inner.call([(i, "stats", ()) for i in shards], "watch"))
+        calls = [shard_call(i, ShardApi.stats) for i in shards]
+        self.snapshots.extend(self.inner.call(calls, "watch"))
 
     def most_released(self) -> int:
         """The most payloads any shard had dropped at any snapshot."""
@@ -58,14 +60,14 @@ class WatchedBackend:
         return self.inner.shard_count
 
     def call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
+        self, calls: Sequence[ShardCall[Any]], what: str, *, timeout_s: float | None = None
     ) -> list[Any]:
         try:
             return self.inner.call(calls, what, timeout_s=timeout_s)
         finally:
             self._watch()
 
-    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def call_each(self, calls: Sequence[ShardCall[Any]], what: str) -> list[Any]:
         try:
             return self.inner.call_each(calls, what)
         finally:
@@ -94,9 +96,6 @@ class WatchedBackend:
                 self._watch()
 
         return watched
-
-    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
-        return self.inner.engine_call(actor, namespace, method, *args)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

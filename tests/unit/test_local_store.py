@@ -114,7 +114,7 @@ def test_a_failed_release_can_be_retried(
     store: RouteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lease = store.acquire(store.put(routing(4, seed=5)), "buffer/retry")
-    real_release = store._release_parts
+    real_release = store.release_lease
     calls = {"n": 0}
 
     def flaky(parts: dict[int, str]) -> None:
@@ -123,7 +123,7 @@ def test_a_failed_release_can_be_retried(
             raise StoreTimeout("release timed out")
         real_release(parts)
 
-    monkeypatch.setattr(store, "_release_parts", flaky)
+    monkeypatch.setattr(store, "release_lease", flaky)
     with pytest.raises(StoreTimeout):
         lease.release()
     assert not lease.released

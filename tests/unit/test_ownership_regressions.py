@@ -60,6 +60,7 @@ from routeplay.rollout.trace_store import TraceEntry
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.backend import LocalBackend
 from routeplay.store.shard import shard_of
+from routeplay.store.shard_api import ShardApi, shard_call
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 TURN = tuple(range(100, 110))  # 10 tokens: prompt 6 + response 4 -> rows [0, 9)
@@ -162,7 +163,7 @@ def force_free(store: RouteStore, handle: Handle | None) -> None:
     for record in store.leaks():
         if payloads & set(record.payloads):
             shard = shard_of(record.payloads[0])
-            store.backend.call([(shard, "release", (record.lease_id,))], "naive free")
+            store.backend.call([shard_call(shard, ShardApi.release, record.lease_id)], "naive free")
 
 
 def unleased(state: RolloutState) -> RolloutState:

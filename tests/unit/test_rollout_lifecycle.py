@@ -33,6 +33,7 @@ from routeplay.rollout import (
     save_buffer,
 )
 from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.shard_api import ShardApi, shard_call
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 
@@ -394,7 +395,7 @@ def test_training_batch_takes_every_lease_or_none(store: RouteStore) -> None:
     # Lease object still looks live, but its shard refuses to clone it.
     late = groups[1].states[0].lease
     assert late is not None
-    store.backend.call([(0, "release", (late.lease_ids[0],))], "released elsewhere")
+    store.backend.call([shard_call(0, ShardApi.release, late.lease_ids[0])], "released elsewhere")
     with pytest.raises(AlreadyReleased):
         TrainingBatch(5, groups)
     assert holders(store) == {"buffer/g1": 2}  # nothing moved to train/step-5

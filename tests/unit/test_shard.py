@@ -9,7 +9,7 @@ import pytest
 
 from routeplay.core import StoreRef
 from routeplay.errors import MisuseError, RoutesExpired, RoutesLost, RunMismatch
-from routeplay.store.shard import StoreShard, shard_of
+from routeplay.store.shard import StoredPayload, StoreShard, shard_of
 
 RUN = "run-a"
 
@@ -116,6 +116,25 @@ def test_adopt_from_without_a_way_to_call_producers_is_refused() -> None:
     with pytest.raises(MisuseError, match="call producers"):
         shard.adopt_from("producer-actor", "tok", blocks=1, rows=1, nbytes=1, block_rows=0)
     assert shard.stats().live_payloads == 0
+
+
+def test_adopt_from_many_takes_a_batch_with_one_producer_call() -> None:
+    shard, producer, _ = _shard()
+    payloads = [
+        StoredPayload(blocks=2, rows=8, nbytes=48, block_rows=4),
+        StoredPayload(blocks=1, rows=3, nbytes=18, block_rows=0),
+    ]
+    first, second = shard.adopt_from_many("producer-actor", "tok-b", payloads, saved_bytes=7)
+    assert producer.calls == [("producer-actor", "tok-b", 3)]
+    located = shard.locate([(first.payload_id, [0, 1]), (second.payload_id, [0])], RUN)
+    assert [[block.name for block in blocks] for blocks in located] == [
+        ["tok-b#0", "tok-b#1"],
+        ["tok-b#2"],
+    ]
+    assert (first.rows, second.rows) == (8, 3)
+    assert shard.stats().shared_prefix_bytes_saved == 7
+    with pytest.raises(MisuseError, match="call producers"):
+        StoreShard(RUN, 0).adopt_from_many("producer-actor", "tok", payloads)
 
 
 # -- leases ------------------------------------------------------------------------------

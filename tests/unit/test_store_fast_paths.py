@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize
+from routeplay.core import EngineKey, Handle, InlineSource, Routes, RouteSpec, Segment, canonicalize
 from routeplay.errors import (
     MisuseError,
     ReleaseFailed,
@@ -45,7 +45,7 @@ class CountingStore:
             real = getattr(backend, name)
 
             def counted(calls: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                self.calls.extend(method for _, method, _ in calls)
+                self.calls.extend(call.method for call in calls)
                 return _real(calls, *args, **kwargs)
 
             monkeypatch.setattr(backend, name, counted)
@@ -190,9 +190,9 @@ def test_a_grpo_group_stores_its_prompt_once_and_each_sample_keeps_its_lease(
     group = _group(prompt, [7, 9, 11, 13], seed=200)
     other = routing(64 + 5, seed=300)  # same length, different prompt rows: not shared
     batch = [*group, other]
-    handles = store.put_many(batch, shared_prefix=64)
+    handles = store.put_many(batch, shared_prefix=64, pack=True)
     stats = store.stats()
-    assert stats.live_payloads == 1  # a group is one payload: one write, one record
+    assert stats.live_payloads == 1  # packed: one write, one record for the group
     assert stats.shared_prefix_bytes_saved == 3 * prompt.nbytes
     assert stats.live_bytes == prompt.nbytes + sum(n for n in (7, 9, 11, 13)) * SPEC.row_nbytes + (
         other.nbytes
@@ -298,3 +298,31 @@ def test_a_group_of_adopted_keys_stores_its_verified_prompt_once(store: RouteSto
         np.testing.assert_array_equal(store.read(handle), routes.array)
     store.release_many(leases)
     assert store.stats().live_payloads == 0
+
+
+def test_a_read_mixing_sources_lands_every_row_where_it_belongs() -> None:
+    """Stored runs are copied in one go (``np.concatenate``); an inline segment between
+    them, a payload of several blocks read in part, and several requests each break a
+    run where they must."""
+    store = RouteStore.local(StoreConfig(run="mixed", shards=2, block_rows=1))
+    parts = [routing(rows, seed=i) for i, rows in enumerate((5, 3, 70_000, 4, 7, 6))]
+    stored = [store.put(r, weight_version=i) for i, r in enumerate(parts)]
+    block_rows = stored[2].segments[0].source.block_rows  # type: ignore[union-attr]
+    assert 0 < block_rows < 70_000 // 2  # three blocks (raised to MIN_BLOCK_BYTES)
+    inline = Handle.of(
+        Segment(source=InlineSource(array=parts[3].array), start=0, stop=4, spec=SPEC)
+    )
+    joined = Handle.concat(SPEC, [stored[0], stored[1], stored[2], inline, stored[4], stored[5]])
+    whole = np.concatenate([r.array for r in parts])
+    lease = store.acquire(joined, "mixed")
+    requests = [
+        (joined, 0, joined.rows),
+        (joined, 6, 40_000),
+        (joined, 70_006, 70_014),
+        (stored[2], 30_000, 66_000),
+    ]
+    outs = store.read_many(requests)
+    for (handle, lo, hi), out in zip(requests, outs, strict=True):
+        expected = whole[lo:hi] if handle is joined else parts[2].array[lo:hi]
+        np.testing.assert_array_equal(out, expected)
+    lease.release()

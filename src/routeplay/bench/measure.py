@@ -26,7 +26,7 @@ from ray.cluster_utils import Cluster
 
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.workloads import BenchConfig, Workload
-from routeplay.core import Handle, canonicalize, preset
+from routeplay.core import Handle, Routes, RouteSpec, canonicalize, preset
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
 
@@ -294,8 +294,10 @@ def _point(
 def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, Any]:
     """Acquire + read of a handle of ``segments`` segments (32k rows of Qwen3-30B in all,
     one payload per segment), minus a warm copy of the same bytes. Measured on the Ray
-    store (Ray's per-object cost included) and on the in-process store (the same plain
-    classes: routeplay's own per-segment metadata cost)."""
+    store (Ray's per-object cost included), on the in-process store (the same plain
+    classes: routeplay's own per-segment metadata cost), and against Ray's floor for the
+    same number of objects in the same run (``ray_floor_ms``: an actor hands the
+    references out, one ``ray.get`` fetches them all, the views are dropped)."""
     spec = preset("qwen3-30b-a3b")
     rows = 32768
     full = canonicalize(sample_routing(spec, rows, seed=7), spec).array
@@ -303,30 +305,80 @@ def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, A
     parts = [canonicalize(full[a:b], spec) for a, b in itertools.pairwise(bounds)]
     out = np.empty_like(full)
     np.copyto(out, full)
-    figures: dict[str, Any] = {"segments": segments}
+    copies = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        np.copyto(out, full)
+        copies.append(time.perf_counter() - start)
+    copy = statistics.median(copies[1:])
+    figures: dict[str, Any] = {"segments": segments, "copy_ms": round(copy * 1e3, 2)}
     local = RouteStore.local(StoreConfig(run="bench-segments"))
-    for name, where in (("ray", store), ("local", local)):
-        handle = Handle.concat(spec, where.put_many(parts))
-        assert len(handle.segments) == segments  # one payload each: nothing merges
-        keep = where.acquire(handle, "bench/keep")  # the payloads outlive each timed lease
-        totals, copies = [], []
-        for _ in range(runs + 1):
-            start = time.perf_counter()
-            lease = where.acquire(handle, "bench/segments")
-            where.read_many([(handle, 0, rows)], out=[out])
-            totals.append(time.perf_counter() - start)
-            lease.release()
-            start = time.perf_counter()
-            np.copyto(out, full)
-            copies.append(time.perf_counter() - start)
-        keep.release()
-        where.flush()
-        total, copy = statistics.median(totals[1:]), statistics.median(copies[1:])
-        prefix = "" if name == "ray" else "local_"
-        figures[f"{prefix}acquire_read_ms"] = round(total * 1e3, 2)
-        figures[f"{prefix}overhead_ms"] = round((total - copy) * 1e3, 2)
-        figures["copy_ms"] = round(copy * 1e3, 2)
+    for prefix, where in (("", store), ("local_", local)):
+        acquire, read = _acquire_read_s(where, spec, parts, out, runs)
+        figures[f"{prefix}acquire_ms"] = round(acquire * 1e3, 2)
+        figures[f"{prefix}read_ms"] = round(read * 1e3, 2)
+        figures[f"{prefix}acquire_read_ms"] = round((acquire + read) * 1e3, 2)
+        figures[f"{prefix}overhead_ms"] = round((acquire + read - copy) * 1e3, 2)
+    floor = _ray_floor_s([part.array for part in parts], runs, dict(store.config.resources))
+    figures["ray_floor_ms"] = round(floor * 1e3, 2)
+    figures["overhead_beyond_ray_floor_ms"] = round(figures["overhead_ms"] - floor * 1e3, 2)
     return figures
+
+
+def _acquire_read_s(
+    where: RouteStore, spec: RouteSpec, parts: list[Routes], out: np.ndarray, runs: int
+) -> tuple[float, float]:
+    """Median seconds of a cold acquire and of the read of every row through it."""
+    # Separate puts, as the turns of a long session are: one payload per segment.
+    handle = Handle.concat(spec, [where.put(part) for part in parts])
+    assert len(handle.segments) == len(parts)  # one payload each: nothing merges
+    # The payloads outlive each timed lease through another client's lease; its pins
+    # do not serve the timed reader, whose grant carries every block reference (as a
+    # trainer rank's does).
+    keep = RouteStore(where.config, where.backend).acquire(handle, "bench/keep")
+    acquires, reads = [], []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        lease = where.acquire(handle, "bench/segments")
+        acquired = time.perf_counter()
+        where.read_many([(handle, 0, handle.rows)], out=[out])
+        reads.append(time.perf_counter() - acquired)
+        acquires.append(acquired - start)
+        lease.release()
+    keep.release()
+    where.flush()
+    return statistics.median(acquires[1:]), statistics.median(reads[1:])
+
+
+@ray.remote(num_cpus=0)
+class _RefHolder:
+    """Holds object references and hands them out (what a shard's grant carries)."""
+
+    def hold(self, refs: list[Any]) -> int:
+        self._refs = refs
+        return len(refs)
+
+    def give(self) -> list[Any]:
+        return self._refs
+
+
+def _ray_floor_s(arrays: list[np.ndarray], runs: int, resources: dict[str, float]) -> float:
+    """Median seconds Ray itself takes for ``len(arrays)`` objects: an actor placed like
+    the store shards returns their references, one ``ray.get`` fetches every value, and
+    the zero-copy views are dropped (as a read drops them)."""
+    refs = [ray.put(array) for array in arrays]
+    holder_class: Any = _RefHolder
+    holder = holder_class.options(resources=resources).remote()
+    ray.get(holder.hold.remote(refs), timeout=_DEADLINE_S)
+    times = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        given = ray.get(holder.give.remote(), timeout=_DEADLINE_S)
+        values = ray.get(given, timeout=_DEADLINE_S)
+        del values, given
+        times.append(time.perf_counter() - start)
+    kill_all([holder])
+    return statistics.median(times[1:])
 
 
 # -- many small samples ---------------------------------------------------------------------

@@ -148,7 +148,8 @@ def scaling_table(results: dict[str, Any]) -> Table:
             str(point["segments"]),
             "",
             f"{point['acquire_read_ms']:.1f} (copy {point['copy_ms']:.1f}, overhead: "
-            f"{point['overhead_ms']:.1f} on Ray, {point['local_overhead_ms']:.1f} in process)",
+            f"{point['overhead_ms']:.1f} on Ray, {point['local_overhead_ms']:.1f} in process; "
+            f"Ray's floor for as many objects {point['ray_floor_ms']:.1f})",
             "",
             "",
         )
@@ -183,6 +184,7 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
     thousand = [p for p in segments if p["segments"] == 1000]
     out["segments_1000_overhead_ms"] = thousand[0]["overhead_ms"] if thousand else None
     out["segments_1000_local_overhead_ms"] = thousand[0]["local_overhead_ms"] if thousand else None
+    out["segments_1000_ray_floor_ms"] = thousand[0]["ray_floor_ms"] if thousand else None
     small = results["small_puts"]
     out["small_puts_ratio_to_ray_put"] = round(small["put_many_per_s"] / small["ray_put_per_s"], 2)
     return out

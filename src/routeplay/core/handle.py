@@ -57,6 +57,12 @@ class StoreRef:
     """Rows per stored block (a reader fetches only the blocks it needs); 0 = one block.
     Stored payloads are always canonical: adopted engine keys are validated at adoption."""
 
+    def __hash__(self) -> int:
+        # The id alone: equal refs share it, and a str caches its hash, where the
+        # generated hash builds and hashes a field tuple on every call (a handle of
+        # 1,000 segments hashes its sources on every acquire and read).
+        return hash(self.payload_id)
+
     def blocks(self, start: int, stop: int) -> range:
         """Indices of the blocks holding rows ``[start, stop)``."""
         if self.block_rows <= 0 or stop <= start:
@@ -93,6 +99,9 @@ class EngineKey:
     """Run the key was issued to."""
     trailing_rows: int = 0
     """Rows the stored array may hold beyond ``rows`` (LMDeploy: 1, the trimmed stop token)."""
+
+    def __hash__(self) -> int:
+        return hash(self.key)  # as ``StoreRef.__hash__``: equal keys share it
 
     @property
     def payload_rows(self) -> range:
@@ -213,12 +222,32 @@ class Handle:
                 found=f"rows starting at {at_row}",
                 hint="A resumed or follow-up response must continue the history exactly.",
             )
-        return Handle(self.spec, (*self.segments, segment))
+        return self._extended(_normalize(self.spec, (segment,)))
 
     def __add__(self, other: Handle) -> Handle:
         if not isinstance(other, Handle):
             return NotImplemented
-        return Handle(self.spec, (*self.segments, *other.segments))
+        if other.spec is not self.spec and other.spec != self.spec:
+            return Handle(self.spec, (*self.segments, *other.segments))  # names the segment
+        return self._extended(other.segments)
+
+    def _extended(self, tail: tuple[Segment, ...]) -> Handle:
+        """These segments, then ``tail`` (normalized, of this spec). Both sides are
+        normalized already, so only the seam can merge: appending checks the new
+        segments only, where a full re-normalization made a session that appends every
+        turn quadratic in its turns."""
+        if not tail:
+            return self
+        head = self.segments
+        if head and head[-1].continued_by(tail[0]):
+            segments = (*head[:-1], _merged(head[-1], tail[0]), *tail[1:])
+        else:
+            segments = (*head, *tail)
+        extended = object.__new__(Handle)
+        object.__setattr__(extended, "spec", self.spec)
+        object.__setattr__(extended, "segments", segments)
+        object.__setattr__(extended, "_rows", self._rows + sum(s.stop - s.start for s in tail))
+        return extended
 
     @classmethod
     def concat(cls, spec: RouteSpec, handles: Sequence[Handle]) -> Handle:
@@ -239,6 +268,16 @@ class Handle:
 
     def pieces(self, start: int = 0, stop: int | None = None) -> Iterator[Piece]:
         """The segments that hold rows ``[start, stop)``, trimmed, with output offsets."""
+        for segment, offset in self.spans(start, stop):
+            yield Piece(segment=segment, offset=offset)
+
+    def spans(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[Segment, int]]:
+        """``pieces`` as plain ``(segment, offset)`` pairs: what a read of many segments
+        iterates (a tuple per segment instead of a frozen dataclass).
+
+        Example:
+            [(segment, offset)] = Handle.of(seg).spans(0, 4)
+        """
         stop = self.rows if stop is None else stop
         if not 0 <= start <= stop <= self.rows:
             raise HandleError(
@@ -252,8 +291,7 @@ class Handle:
             lo, hi = max(start, row), min(stop, row + rows)
             if lo < hi:
                 whole = lo == row and hi == row + rows  # common case: no trimmed copy
-                part = seg if whole else seg.sub(lo - row, hi - row)
-                yield Piece(segment=part, offset=lo - start)
+                yield (seg if whole else seg.sub(lo - row, hi - row)), lo - start
             row += rows
             if row >= stop:
                 return
@@ -289,13 +327,17 @@ def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, .
         if seg.rows == 0:
             continue
         if out and out[-1].continued_by(seg):
-            prev = out.pop()
-            seg = Segment(
-                source=prev.source,
-                start=prev.start,
-                stop=seg.stop,
-                spec=spec,
-                weight_version=seg.weight_version,
-            )
+            seg = _merged(out.pop(), seg)
         out.append(seg)
     return tuple(out)
+
+
+def _merged(first: Segment, then: Segment) -> Segment:
+    """``first`` and ``then`` (which continues it) as one segment."""
+    return Segment(
+        source=first.source,
+        start=first.start,
+        stop=then.stop,
+        spec=first.spec,
+        weight_version=then.weight_version,
+    )

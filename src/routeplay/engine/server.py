@@ -61,6 +61,12 @@ class ServerStats:
     """Requests refused as bad (400)."""
     keys_put: int
     """Payloads put into the engine store (key-store wires)."""
+    engine_objects: int = 0
+    """Object-store objects the engine side wrote for those payloads: its answer's array
+    and the engine store's copy of it (LMDeploy's ``shared_store.put`` re-puts its
+    argument), two per key, counted apart from what routeplay writes."""
+    engine_bytes: int = 0
+    """Their payload bytes (the engine's uint16 array, twice per key)."""
 
 
 class WireHandler:
@@ -98,6 +104,7 @@ class WireHandler:
         self._put_timeout_s = put_timeout_s
         self._lock = threading.Lock()
         self._requests = self._refused = self._keys = 0
+        self._engine_objects = self._engine_bytes = 0
 
     @property
     def wire(self) -> str:
@@ -147,7 +154,13 @@ class WireHandler:
     def stats(self) -> ServerStats:
         """Counters so far."""
         with self._lock:
-            return ServerStats(requests=self._requests, refused=self._refused, keys_put=self._keys)
+            return ServerStats(
+                requests=self._requests,
+                refused=self._refused,
+                keys_put=self._keys,
+                engine_objects=self._engine_objects,
+                engine_bytes=self._engine_bytes,
+            )
 
     def _answer(self, job: Job, gen: Generation) -> Any:
         answer = Answer(
@@ -168,11 +181,19 @@ class WireHandler:
         return self.format.protocol.build_body([answer], self.engine.spec, options)
 
     def _put(self, rows: npt.NDArray[np.uint16]) -> str:
-        answer = self._store.put.remote(rows)
-        if not isinstance(answer, str):  # an ObjectRef: resolve it as LMDeploy does
-            from routeplay.store import ray_calls  # Ray is needed only in this mode
+        import ray  # needed only for key-store wires
 
+        from routeplay.store import ray_calls
+
+        written = 0
+        if isinstance(self._store, ray.actor.ActorHandle):
+            # Written explicitly (Ray would do it only above 100 KiB), so the engine's own
+            # writes are known exactly: this one, and the store actor's copy of it.
+            answer = self._store.put.remote(ray.put(rows))
             answer = ray_calls.get(answer, timeout_s=self._put_timeout_s, what="shared_store.put")
+            written = 2
+        else:  # an in-process fake answers with the key itself
+            answer = self._store.put.remote(rows)
         if not key_format.is_key(answer):
             raise MisuseError(
                 "the engine store answered put with something other than a key",
@@ -182,6 +203,8 @@ class WireHandler:
             )
         with self._lock:
             self._keys += 1
+            self._engine_objects += written
+            self._engine_bytes += written * int(rows.nbytes)
         return str(answer)
 
 

@@ -132,9 +132,9 @@ class ByteMetrics:
     is one payload (its prompt's rows once, then every member's own rows; for resumes and
     second turns, the rows each member adds)."""
     writes_per_payload: float | None
-    """Object-store objects created per payload: 1 (a shard writes a payload Ray would
-    keep inline in its heap, under 100 KiB, to the object store once); None: the
-    cluster was shared."""
+    """Object-store objects routeplay created per payload (the engine's own writes of
+    its answers apart): 1 (a shard writes a payload Ray would keep inline in its heap,
+    under 100 KiB, to the object store once); None: the cluster was shared."""
     prompt_bytes_saved: int
     """Bytes not written because a GRPO group's verified-equal prompt rows were stored
     once (0 when the store does not share prefixes)."""
@@ -142,8 +142,9 @@ class ByteMetrics:
     """Mean routing bytes of a trained sample, ``[T, L, K]`` in the model's compact dtype
     (what replay reads)."""
     written_per_stored_byte: float | None
-    """Object-store bytes written per payload byte stored (at most 1.0: no byte is
-    written twice; the eager path writes each at least twice); None: shared cluster."""
+    """Object-store bytes routeplay wrote per payload byte stored (the engine's own
+    apart; about 1.0: no byte is written twice; the eager path writes each at least
+    twice); None: shared cluster."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,10 +186,14 @@ class DemoReport:
     None when the cluster was shared (``object_store_shared``)."""
     object_store_objects_written: int | None
     """Objects created in Ray's object store during the run; None: shared cluster."""
+    engine_objects_written: int
+    """Of those, what the engine side wrote (LMDeploy key mode: each answer's array and
+    the engine store's copy of it; 0 for wires that carry the rows)."""
     writes_per_payload: float | None
-    """Object-store objects created per routing payload (one-write path: 1, small
-    payloads included: the shard writes those to the object store itself); None when
-    the cluster was shared (not evaluated)."""
+    """Objects routeplay created per routing payload (the run's objects less the
+    engine's own): 1, small payloads included (a shard writes those to the object store
+    itself; an adopted key's compact copy under 100 KiB stays in its shard's heap: 0);
+    None when the cluster was shared (not evaluated)."""
     peak_object_store_bytes: int
     """Most object-store bytes in use at any sampled point (cluster-wide)."""
     object_store_bytes_after: int | None
@@ -294,8 +299,11 @@ def build_report(
     effect = tally.summary()
     sharing = teardown.sharing
     own = not sharing.shared  # Ray's counters are this run's alone
-    writes = round(written.created_objects / max(1, teardown.payloads), 3) if own else None
-    per_byte = round(written.created_bytes / max(1, teardown.payload_bytes), 3) if own else None
+    # routeplay's own writes: the engine's writes of its answers are counted apart
+    objects = written.created_objects - teardown.engine_objects
+    nbytes = written.created_bytes - teardown.engine_bytes
+    writes = round(objects / max(1, teardown.payloads), 3) if own else None
+    per_byte = round(nbytes / max(1, teardown.payload_bytes), 3) if own else None
     return DemoReport(
         trainer_dtype=config.trainer.dtype,
         r3=R3Metrics.from_tally(tally),
@@ -325,6 +333,7 @@ def build_report(
         payload_bytes=teardown.payload_bytes,
         object_store_bytes_written=written.created_bytes if own else None,
         object_store_objects_written=written.created_objects if own else None,
+        engine_objects_written=teardown.engine_objects,
         writes_per_payload=writes,
         peak_object_store_bytes=timeline.peak_bytes(),
         object_store_bytes_after=teardown.object_store_bytes_after if own else None,
@@ -386,6 +395,10 @@ def _memory_table(r: DemoReport) -> Table:
     # Counted by Ray's raylets, not by routeplay: every payload, small ones included, is
     # one object written once.
     memory.caption = "writes: objects created in Ray's object store, per payload"
+    if r.engine_objects_written:
+        memory.caption += (
+            f" (the engine's own {r.engine_objects_written} writes of its answers apart)"
+        )
     if r.object_store_shared:
         memory.caption += (
             f"; the cluster was shared ({_others(r)}): Ray's object-store counters are "

@@ -12,8 +12,12 @@ shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
   vLLM: the engine sends only those rows; LMDeploy sends all of them);
 - a turn of a trace session borrows the session's prefix rows (the sample's own lease)
   and appends the rest;
-- fresh members of one GRPO group (``rollout_group``, wires that carry the rows) are
-  stored in one batched put whose verified-equal prompt rows are written once.
+- the members of one group (``rollout_group``: fresh ones, resumes, retries or next
+  turns; ``converse_group``: both turns of a group's conversations) write their new rows
+  as one payload, fresh members' verified-equal prompt rows once (wires that carry the
+  rows; key-store wires adopt each member's key);
+- a member whose request or answer fails is set aside with its error in its place, and
+  the rest of its group goes on.
 
 Lease order (``Continuation.finish``): the new lease first, then the input's. If
 anything fails, the input state still holds its lease and the caller (who keeps a copy
@@ -23,6 +27,7 @@ of it) releases it.
 from __future__ import annotations
 
 import dataclasses
+import pickle  # only to test that our own errors can travel back (never unpickled here)
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +35,17 @@ from typing import Any
 import httpx
 
 from routeplay.core import read_response
+from routeplay.core.handle import Handle
 from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
+from routeplay.core.wires.base import Completion
 from routeplay.errors import EngineUnavailable, MalformedPayload
 from routeplay.rollout import ADAPTERS, RolloutState, Status
-from routeplay.rollout.adapters import ProducerWriter
+from routeplay.rollout.adapters import ProducerWriter, new_rows
 from routeplay.rollout.lifecycle import Continuation, continuation, ingest_group, store_turn
+from routeplay.rollout.releasing import attach_notes
+from routeplay.rollout.state import release_states
 from routeplay.rollout.trace_actor import TraceStoreClient
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
@@ -82,15 +91,7 @@ class WorkerShell(RoutesProducer):
         where = f"sample {state.sample_id}"
         with continuation(state, self._traces) as cont:
             start = self._wire.routing_start(cont.rows)
-            path, body = self._wire.request(
-                state.prompt_ids + state.response_ids,
-                max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
-                temperature=sampling.temperature,
-                seed=sampling.seed,
-                stop_after=sampling.stop_after,
-                start_row=start,
-            )
-            answer = self._post(path, body, where)
+            answer = self._post(*self._request(state, sampling, start), where)
             completion = self._wire.read_completion(answer, where=where)
             handle = cont.ingest(
                 self._adapter,
@@ -102,9 +103,7 @@ class WorkerShell(RoutesProducer):
                 where=where,
             )
             routed = cont.finish(self._store, handle)
-        return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
-            _status(completion.finish_reason), completion.finish_reason
-        )
+        return _finished(routed, completion, version)
 
     def rollout_group(
         self, states: list[RolloutState], samplings: list[Sampling], version: int
@@ -114,63 +113,86 @@ class WorkerShell(RoutesProducer):
         equal prompt rows once). Key-store wires (the engine stores whole arrays) run
         the members one by one.
 
-        A member whose request or answer fails is set aside with its error in its place
-        (its input keeps its lease for the caller to release); the others go on."""
+        A member whose continuation, request or answer fails is set aside with its error
+        in its place (its input keeps its lease for the caller to release); the others
+        go on. If the call fails as a whole, members already finished end their new
+        leases first (nobody else will ever see those states).
+
+        Example:
+            >>> out = ray.get(worker.rollout_group.remote(states, samplings, 3))  # doctest: +SKIP
+            >>> [type(s).__name__ for s in out]
+            ['RolloutState', 'RolloutState', 'MalformedPayload', 'RolloutState']
+        """
         if self._wire.key_store:
             return [self._settled(s, m, version) for s, m in zip(states, samplings, strict=True)]
-        out: list[RolloutState | Exception] = []
         with ExitStack() as stack:
-            conts = [stack.enter_context(continuation(s, self._traces)) for s in states]
-            asked = [self._ask(c, m) for c, m in zip(conts, samplings, strict=True)]
-            good = [i for i, answer in enumerate(asked) if not isinstance(answer, Exception)]
+            opened = [self._open(stack, state) for state in states]
+            asked = [
+                self._ask(cont, sampling) if isinstance(cont, Continuation) else cont
+                for cont, sampling in zip(opened, samplings, strict=True)
+            ]
+            good = [i for i, answer in enumerate(asked) if isinstance(answer, _Answered)]
             handles = ingest_group(
-                [conts[i] for i in good],
-                [_routing(asked[i]) for i in good],
+                [_cont(opened[i]) for i in good],
+                [_answered(asked[i]).routing for i in good],
                 writer=self._writer,
                 weight_version=version,
             )
-            finished = dict(zip(good, handles, strict=True))
-            for index, (cont, answer) in enumerate(zip(conts, asked, strict=True)):
-                if isinstance(answer, Exception):
-                    cont.abandon()
-                    out.append(answer)
-                    continue
-                out.append(self._finish(cont, finished[index], answer[0], version))
-        return out
+            return self._finish_all(opened, asked, dict(zip(good, handles, strict=True)), version)
 
-    def _ask(self, cont: Continuation, sampling: Sampling) -> tuple[Any, EngineRouting] | Exception:
-        """One member's request and its decoded answer, or the error that refused it."""
+    def _open(self, stack: ExitStack, state: RolloutState) -> Continuation | Exception:
+        try:
+            return stack.enter_context(continuation(state, self._traces))
+        except Exception as exc:  # e.g. the session's prefix could not be borrowed
+            return _portable(exc)
+
+    def _ask(self, cont: Continuation, sampling: Sampling) -> _Answered | Exception:
+        """One member's request and its answer, decoded and checked against the member's
+        history (``new_rows``), or the error that refused it."""
         state = cont.state
         where = f"sample {state.sample_id}"
         start = self._wire.routing_start(cont.rows)
         try:
-            path, body = self._wire.request(
-                state.prompt_ids + state.response_ids,
-                max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
-                temperature=sampling.temperature,
-                seed=sampling.seed,
-                stop_after=sampling.stop_after,
-                start_row=start,
-            )
-            answer = self._post(path, body, where)
+            answer = self._post(*self._request(state, sampling, start), where)
             completion = self._wire.read_completion(answer, where=where)
             routing = read_response(
                 self._wire.engine, answer, self._spec, where=where, start_row=start
             )
+            new_rows(routing, cont.history)  # refuses it here, not for the whole group
         except Exception as exc:  # this member is set aside; the group goes on
-            return exc
-        return completion, routing
+            return _portable(exc)
+        return _Answered(completion=completion, routing=routing)
+
+    def _finish_all(
+        self,
+        opened: list[Continuation | Exception],
+        asked: list[_Answered | Exception],
+        handles: dict[int, Handle],
+        version: int,
+    ) -> list[RolloutState | Exception]:
+        out: list[RolloutState | Exception] = []
+        try:
+            for index, (cont, answer) in enumerate(zip(opened, asked, strict=True)):
+                if isinstance(cont, Exception):
+                    out.append(cont)
+                elif isinstance(answer, Exception):
+                    out.append(_abandoned(cont, answer))
+                else:
+                    out.append(self._finish(cont, handles[index], answer.completion, version))
+        except BaseException as exc:
+            _, errors = release_states([s for s in out if isinstance(s, RolloutState)])
+            attach_notes(exc, errors, "releasing the group's finished members")
+            raise
+        return out
 
     def _finish(
-        self, cont: Continuation, handle: Any, completion: Any, version: int
+        self, cont: Continuation, handle: Handle, completion: Completion, version: int
     ) -> RolloutState | Exception:
         try:
             routed = cont.finish(self._store, handle)
         except Exception as exc:
-            return exc
-        return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
-            _status(completion.finish_reason), completion.finish_reason
-        )
+            return _portable(exc)
+        return _finished(routed, completion, version)
 
     def _settled(
         self, state: RolloutState, sampling: Sampling, version: int
@@ -178,7 +200,19 @@ class WorkerShell(RoutesProducer):
         try:
             return self.rollout(state, sampling, version)
         except Exception as exc:  # this member is set aside; the group goes on
-            return exc
+            return _portable(exc)
+
+    def _request(
+        self, state: RolloutState, sampling: Sampling, start: int
+    ) -> tuple[str, dict[str, Any]]:
+        return self._wire.request(
+            state.prompt_ids + state.response_ids,
+            max_new_tokens=sampling.max_new_tokens - len(state.response_ids),
+            temperature=sampling.temperature,
+            seed=sampling.seed,
+            stop_after=sampling.stop_after,
+            start_row=start,
+        )
 
     def converse_group(
         self,
@@ -191,7 +225,13 @@ class WorkerShell(RoutesProducer):
         members is one group write (their shared prompt once) and goes to the sessions;
         turn 2 (prompt = turn 1 + the member's user turn) borrows each session's rows,
         and the members' new rows are one more write. Returns the turn-2 samples (or
-        each failed member's error)."""
+        each failed member's error).
+
+        Example:
+            >>> out = ray.get(worker.converse_group.remote(states, turns, ms, 0))  # doctest: +SKIP
+            >>> out[0].session_id == states[0].session_id
+            True
+        """
         assert all(s.session_id is not None for s in states), "a conversation needs a session"
         openings = [dataclasses.replace(s, session_id=None) for s in states]  # nothing to borrow
         whole = [dataclasses.replace(m, stop_after=None) for m in samplings]
@@ -253,9 +293,49 @@ class WorkerShell(RoutesProducer):
             ) from exc
 
 
-def _routing(asked: tuple[Any, EngineRouting] | Exception) -> EngineRouting:
-    assert not isinstance(asked, Exception)
-    return asked[1]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Answered:
+    """One member's engine answer, decoded and checked."""
+
+    completion: Completion
+    """Its tokens, log-probs and finish reason."""
+    routing: EngineRouting
+    """Its routing rows (checked against the member's history)."""
+
+
+def _cont(opened: Continuation | Exception) -> Continuation:
+    assert isinstance(opened, Continuation)
+    return opened
+
+
+def _answered(asked: _Answered | Exception) -> _Answered:
+    assert isinstance(asked, _Answered)
+    return asked
+
+
+def _abandoned(cont: Continuation, error: Exception) -> Exception:
+    """End a set-aside member's borrowed lease; a failure to is noted on its error."""
+    try:
+        cont.abandon()
+    except Exception as failure:
+        attach_notes(error, [failure], f"releasing {cont.state.sample_id}'s borrowed prefix")
+    return error
+
+
+def _portable(error: Exception) -> Exception:
+    """``error``, or a plain stand-in naming it when it cannot be pickled: a member's
+    error goes back to the driver inside the group's answer, which must not fail."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {str(error)[:500]}")
+    return error
+
+
+def _finished(routed: RolloutState, completion: Completion, version: int) -> RolloutState:
+    return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
+        _status(completion.finish_reason), completion.finish_reason
+    )
 
 
 def _status(finish_reason: str) -> Status:

@@ -176,7 +176,9 @@ class RolloutPool:
         failed: list[Job],
         on_failed: Callable[[Job, Exception], object],
     ) -> None:
-        job.state.release()
+        _, release_error = job.state.try_release()  # never aborts the run's other jobs
+        if release_error is not None:
+            self.stats.errors.append(f"{job.state.sample_id}: {release_error}"[:500])
         if isinstance(error, ray.exceptions.RayActorError):
             self._revoke_orphans(job)
         self.stats.failed += 1

@@ -66,6 +66,11 @@ class Teardown:
     """Live engine-store keys no run has claimed (any run's engine may have put them)."""
     written: StoreTotals
     """Object-store bytes and objects created over the run (cluster-wide counters)."""
+    engine_objects: int
+    """Of those, the objects the engine side wrote (LMDeploy key mode: its answers'
+    arrays and the engine store's copies; 0 for wires that carry the rows)."""
+    engine_bytes: int
+    """Their payload bytes."""
     object_store_bytes_after: int
     """Object-store bytes in use above the run's starting baseline once Ray settled
     after the releases (0: every payload was freed; cluster-wide, and not waited for
@@ -158,6 +163,7 @@ class DemoServices:
         stats = self.store.stats()
         sharing = self.meter.sharing()
         own, unclaimed = self._engine_keys()
+        engine = self.server.stats()
         return Teardown(
             leaked_leases=len(leaks),
             leaked_bytes=stats.live_bytes,
@@ -168,6 +174,8 @@ class DemoServices:
             engine_keys_left=own + (0 if sharing.shared else unclaimed),
             engine_keys_unclaimed=unclaimed,
             written=self.meter.written(),
+            engine_objects=engine.engine_objects,
+            engine_bytes=engine.engine_bytes,
             object_store_bytes_after=after,
             sharing=sharing,
         )

@@ -84,9 +84,13 @@ class ProducerWriter:
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
-        pack: bool | None = None,
+        pack: bool = False,
     ) -> list[Handle]:
-        """Stage a batch in the producer, adopted by a shard in one call."""
+        """Stage a batch in the producer, adopted by a shard in one call.
+
+        Example:
+            >>> handles = writer.put_many(group, shared_prefix=600, pack=True)  # doctest: +SKIP
+        """
         return self.producer.put_routes_many(
             self.store, batch, weight_version=weight_version, shared_prefix=shared_prefix, pack=pack
         )

@@ -90,7 +90,7 @@ class BatchWriter(Protocol):
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
-        pack: bool | None = None,
+        pack: bool = False,
     ) -> list[Handle]: ...
 
 

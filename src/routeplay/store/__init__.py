@@ -8,7 +8,8 @@ Where to read: the write path is ``client.RouteStore.put_many`` / ``put_staged_m
 ``adopt_keys`` with ``writes`` (batch layout, shared prompt prefixes) and ``key_check``
 (adopted keys validated once, near the engine); the read path is ``reads`` (leased
 block references, one fetch per read) over ``read_plan``; leases are ``lease`` and
-``lease_table``, releases in flight ``releases``.
+``lease_table``, releases in flight ``releases``. Every call to a shard is typed: built
+from a ``shard_api.ShardApi`` operation (``shard_call``), never from a method name.
 
 Names are resolved on first use (PEP 562), so the plain modules (``lease``,
 ``lease_table``, ``shard``, ``engine_store``) import without Ray; ``RouteStore`` and the

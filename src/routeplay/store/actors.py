@@ -25,6 +25,7 @@ from routeplay.store.key_check import canonical_routes, canonical_rows, take_che
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
+from routeplay.store.shard_api import ShardApi
 from routeplay.store.writes import Part, plan_batch
 
 __all__ = [
@@ -396,3 +397,11 @@ _remote: Any = ray.remote  # its overloads do not list actor options such as max
 StoreShardActor: Any = _remote(num_cpus=0, max_concurrency=8)(StoreShardShell)
 EngineStoreActor: Any = _remote(num_cpus=0, max_concurrency=8)(EngineStoreShell)
 KeyValidator: Any = _remote(num_cpus=0, max_concurrency=4)(KeyValidatorShell)
+
+
+def _implement_the_shard_api(
+    shell: StoreShardShell, shard: StoreShard
+) -> tuple[ShardApi, ShardApi]:
+    """Never called: here mypy checks that the Ray actor and the plain shard both
+    implement every typed shard operation (``routeplay.store.shard_api``)."""
+    return shell, shard

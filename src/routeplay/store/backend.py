@@ -4,6 +4,8 @@
 ``EngineStore`` classes in the calling process (the "fake for actors" of our tests and
 of single-process tools); its block references are the arrays themselves. Both speak
 in batches: ``call`` takes every shard call of one step and answers them together.
+Shard calls are typed ``ShardCall``s (``routeplay.store.shard_api``); engine-store
+calls are typed methods here (``free_key``, ``key_refs``): no caller names a method.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import ray
 
@@ -24,12 +26,12 @@ from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
 from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
 from routeplay.store.shard import StoredPayload, StoreShard
+from routeplay.store.shard_api import ShardCall
 from routeplay.store.writes import plan_batch
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "Settled", "ShardCall"]
+__all__ = ["Backend", "LocalBackend", "RayBackend", "Settled"]
 
-# (shard index, method name, positional arguments)
-ShardCall = tuple[int, str, tuple[Any, ...]]
+R = TypeVar("R")
 
 
 class Settled:
@@ -49,8 +51,8 @@ class Backend(Protocol):
     def shard_count(self) -> int: ...
 
     def call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
-    ) -> list[Any]: ...
+        self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
+    ) -> list[R]: ...
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]: ...
 
@@ -60,11 +62,17 @@ class Backend(Protocol):
         """What a reader keeps of block references granted with a lease."""
         ...
 
-    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]: ...
+    def call_each(self, calls: Sequence[ShardCall[R]], what: str) -> list[R | RouteplayError]: ...
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None: ...
 
-    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any: ...
+    def free_key(self, key: EngineKey, run: str) -> bool:
+        """Free an unread engine-store key of ``run``; True if it was live."""
+        ...
+
+    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
+        """The key's payload, consumed (one reference, wrapped so it is not resolved)."""
+        ...
 
     def adopt_keys(
         self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
@@ -73,7 +81,7 @@ class Backend(Protocol):
         or the error that refused it."""
         ...
 
-    def submit(self, calls: Sequence[ShardCall]) -> list[Any]: ...
+    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]: ...
 
     def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
         """Outcomes of the submitted calls that are done (all of them when ``wait``),
@@ -119,9 +127,9 @@ class RayBackend:
         return len(self._shards)
 
     def call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
-    ) -> list[Any]:
-        pending = [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
+        self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
+    ) -> list[R]:
+        pending = [call.send_to(self._shards[call.shard]) for call in calls]
         deadline = self._timeout_s if timeout_s is None else timeout_s
         return list(ray_calls.get(pending, timeout_s=deadline, what=what))
 
@@ -136,9 +144,9 @@ class RayBackend:
         client drops them (when the lease that pinned them is released)."""
         return list(refs)
 
-    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def call_each(self, calls: Sequence[ShardCall[R]], what: str) -> list[R | RouteplayError]:
         """Like ``call``, but each result is a value or the RouteplayError it raised."""
-        pending = [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
+        pending = [call.send_to(self._shards[call.shard]) for call in calls]
         return [
             _outcome(lambda ref=ref: ray_calls.get(ref, timeout_s=self._timeout_s, what=what))
             for ref in pending
@@ -147,14 +155,24 @@ class RayBackend:
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return ray_calls.lost_index(list(refs), error)
 
-    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
-        if (actor, namespace) not in self._engines:
-            self._engines[(actor, namespace)] = ray_calls.get_actor(actor, namespace)
-        store = self._engines[(actor, namespace)]
-        what = f"{namespace}/{actor}.{method}"
-        return ray_calls.get(
-            getattr(store, method).remote(*args), timeout_s=self._timeout_s, what=what
-        )
+    def free_key(self, key: EngineKey, run: str) -> bool:
+        pending = self._engine(key).free.remote(key.key, run)
+        return bool(self._engine_get(pending, key, "free"))
+
+    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
+        pending = self._engine(key).get_ref.remote(key.key, run)
+        return list(self._engine_get(pending, key, "get_ref"))
+
+    def _engine(self, key: EngineKey) -> Any:
+        """The engine store actor of ``key`` (looked up once: a look-up is a GCS call)."""
+        where = (key.actor, key.namespace)
+        if where not in self._engines:
+            self._engines[where] = ray_calls.get_actor(key.actor, key.namespace)
+        return self._engines[where]
+
+    def _engine_get(self, pending: Any, key: EngineKey, step: str) -> Any:
+        what = f"{key.namespace}/{key.actor}.{step}"
+        return ray_calls.get(pending, timeout_s=self._timeout_s, what=what)
 
     def adopt_keys(
         self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
@@ -165,8 +183,8 @@ class RayBackend:
         what = f"adopt {len(keys)} engine keys"
         return list(ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what))
 
-    def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
-        return [getattr(self._shards[i], name).remote(*args) for i, name, args in calls]
+    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
+        return [call.send_to(self._shards[call.shard]) for call in calls]
 
     def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
         if not pending:
@@ -221,10 +239,10 @@ class LocalBackend:
         return len(self._shards)
 
     def call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
-    ) -> list[Any]:
+        self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
+    ) -> list[R]:
         with self._lock:
-            return [getattr(self._shards[i], name)(*args) for i, name, args in calls]
+            return [call.run_on(self._shards[call.shard]) for call in calls]
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return [_LocalBlock(block.copy()) for block in blocks]  # the store owns its bytes
@@ -238,9 +256,9 @@ class LocalBackend:
         every reader, as an object freed in a real object store would be."""
         return [weakref.ref(ref) if isinstance(ref, _LocalBlock) else ref for ref in refs]
 
-    def call_each(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def call_each(self, calls: Sequence[ShardCall[R]], what: str) -> list[R | RouteplayError]:
         with self._lock:
-            return [_outcome(getattr(self._shards[i], name), *args) for i, name, args in calls]
+            return [_outcome(call.run_on, self._shards[call.shard]) for call in calls]
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return None
@@ -259,12 +277,14 @@ class LocalBackend:
             )
         return self._engine_stores[key]
 
-    def engine_call(self, actor: str, namespace: str, method: str, *args: Any) -> Any:
+    def free_key(self, key: EngineKey, run: str) -> bool:
         with self._lock:
-            result = getattr(self.engine_store(actor, namespace), method)(*args)
-        if method == "get_ref":  # unwrap to what a block reference is here: the value
-            return [ref.value() for ref in result]
-        return result
+            return self.engine_store(key.actor, key.namespace).free(key.key, run)
+
+    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
+        with self._lock:
+            wrapped = self.engine_store(key.actor, key.namespace).get_ref(key.key, run)
+        return [ref.value() for ref in wrapped]  # what a block reference is here: the value
 
     def adopt_keys(
         self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
@@ -313,10 +333,10 @@ class LocalBackend:
             stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
         return [tuple(stored[p.array] for p in parts) for parts in layout.samples]
 
-    def submit(self, calls: Sequence[ShardCall]) -> list[Any]:
+    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""
         with self._lock:
-            return [_settled(getattr(self._shards[i], name), *args) for i, name, args in calls]
+            return [_settled(call.run_on, self._shards[call.shard]) for call in calls]
 
     def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
         return list(pending), []

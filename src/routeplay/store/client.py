@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import numpy.typing as npt
 
@@ -30,17 +30,19 @@ from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, MisuseError, RouteplayError, RunMismatch
-from routeplay.store.backend import Backend, LocalBackend, RayBackend, ShardCall
+from routeplay.store.backend import Backend, LocalBackend, RayBackend
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.reads import BlockPins, Reader
 from routeplay.store.releases import PendingReleases
 from routeplay.store.shard import Grant, StoredPayload, shard_of
-from routeplay.store.writes import BatchLayout, batch_spec, packs, plan_batch, split_blocks
+from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
+from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 # Ray returns values under 100 KiB inline to the caller instead of writing them to the
 # object store; blocks stay above that so payload bytes never travel through a shard.
@@ -198,14 +200,14 @@ class RouteStore:
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
-        pack: bool | None = None,
+        pack: bool = False,
     ) -> list[Handle]:
         """Write many samples with one adopt call (many small samples: one round trip).
 
         ``shared_prefix=P``: samples whose first ``P`` rows are verified equal (a GRPO
         group's prompt) store them once and point at the shared rows; each still gets
         its own handle and its own leases (see ``routeplay.store.writes``). ``pack``
-        (default: when ``shared_prefix`` is set) writes the whole batch as one payload.
+        writes the whole batch as one payload (one write; readers fetch all of it).
 
         Example:
             handles = store.put_many(group, shared_prefix=prompt_tokens)
@@ -214,13 +216,14 @@ class RouteStore:
         spec = batch_spec(batch)
         if spec is None:
             return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=packs(pack, shared_prefix))
+        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
         if not layout.arrays:
             return [Handle(spec) for _ in batch]
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
-        call = (self._pick_shard(uuid.uuid4().hex), "adopt_many")
-        [stored] = self._call([(*call, (refs, payloads, layout.saved_bytes))], "adopt")
+        shard = self._pick_shard(uuid.uuid4().hex)
+        call = shard_call(shard, ShardApi.adopt_many, refs, payloads, layout.saved_bytes)
+        [stored] = self._call([call], "adopt a batch")
         return _handles(layout, stored, spec, weight_version)
 
     def put_leased(
@@ -242,7 +245,7 @@ class RouteStore:
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
-        pack: bool | None = None,
+        pack: bool = False,
     ) -> list[tuple[Handle, Lease]]:
         """``put_many`` with a lease of ``holder`` per sample, granted by the same call.
 
@@ -252,15 +255,17 @@ class RouteStore:
         spec = batch_spec(batch)
         if spec is None:
             return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=packs(pack, shared_prefix))
+        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
         if not layout.arrays:
             return [(h, self.acquire(h, holder)) for h in (Handle(spec) for _ in batch)]
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
         shard = self._pick_shard(uuid.uuid4().hex)
         per_sample = [layout.payloads_of(i) for i in range(len(layout.samples))]
-        args = (refs, payloads, layout.saved_bytes, per_sample, holder)
-        [(stored, grant)] = self._call([(shard, "adopt_leased", args)], f"put for {holder}")
+        call = shard_call(
+            shard, ShardApi.adopt_leased, refs, payloads, layout.saved_bytes, per_sample, holder
+        )
+        [(stored, grant)] = self._call([call], f"put for {holder}")
         handles = _handles(layout, stored, spec, weight_version)
         return [
             (handle, self._lease_of(handle, holder, shard, lease_id, grant))
@@ -270,7 +275,7 @@ class RouteStore:
     def _lease_of(
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
     ) -> Lease:
-        pids = [s.payload_id for s in handle.sources() if isinstance(s, StoreRef)]
+        pids = self._payload_ids(handle)
         blocks = {pid: self._backend.borrow(grant.blocks[pid]) for pid in pids}
         return Lease(self, handle, holder, {shard: lease_id}, pinned=self._pins.pin(blocks))
 
@@ -307,13 +312,18 @@ class RouteStore:
     ) -> Handle:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
-        args = (producer, token, blocks, routes.rows, routes.nbytes, block_rows)
-        # The shard itself waits up to timeout_s for the producer; give its answer room.
-        [stored] = self._call(
-            [(self._pick_shard(token), "adopt_from", args)],
-            f"adopt {token}",
-            timeout_s=2 * self.config.timeout_s,
+        call = shard_call(
+            self._pick_shard(token),
+            ShardApi.adopt_from,
+            producer,
+            token,
+            blocks,
+            routes.rows,
+            routes.nbytes,
+            block_rows,
         )
+        # The shard itself waits up to timeout_s for the producer; give its answer room.
+        [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
         return self._handle(stored, routes.spec, weight_version)
 
     def put_staged_many(
@@ -327,12 +337,11 @@ class RouteStore:
     ) -> list[Handle]:
         """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
         _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
-        args = (producer, token, payloads, layout.saved_bytes)
-        [stored] = self._call(
-            [(self._pick_shard(token), "adopt_from_many", args)],
-            f"adopt {token}",
-            timeout_s=2 * self.config.timeout_s,
+        shard = self._pick_shard(token)
+        call = shard_call(
+            shard, ShardApi.adopt_from_many, producer, token, payloads, layout.saved_bytes
         )
+        [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
         return _handles(layout, stored, spec, weight_version)
 
     def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
@@ -386,7 +395,7 @@ class RouteStore:
         """Release one unread engine-store key of this run (idempotent); True if it was
         live. A key of another run is refused (``RunMismatch``) and stays live."""
         key = self.scoped(key)
-        return bool(self._backend.engine_call(key.actor, key.namespace, "free", key.key, self.run))
+        return self._backend.free_key(key, self.run)
 
     def scoped(self, key: EngineKey) -> EngineKey:
         """``key`` carrying this run's id (a key read from a response carries none yet);
@@ -424,25 +433,29 @@ class RouteStore:
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
             per_shard: dict[int, list[str]] = {}
-            for source in handle.sources():
-                if isinstance(source, StoreRef):
-                    self._check_run(source)
-                    per_shard.setdefault(shard_of(source.payload_id), []).append(source.payload_id)
+            for pid in self._payload_ids(handle):
+                per_shard.setdefault(shard_of(pid), []).append(pid)
             for shard, pids in per_shard.items():
                 wanted.setdefault(shard, []).append((index, pids))
         shards = sorted(wanted)
         calls = [
-            (i, "lease_many", ([(pids, items[at][1]) for at, pids in wanted[i]], self.run))
+            shard_call(
+                i, ShardApi.lease_many, [(pids, items[at][1]) for at, pids in wanted[i]], self.run
+            )
             for i in shards
         ]
         holders = ", ".join(sorted({holder for _, holder in items})[:3])
-        grants: list[Grant] = self._grant_all(calls, f"acquire for {holders}")
+        grants = self._grant_all(calls, f"acquire for {holders}")
         parts: list[dict[int, str]] = [{} for _ in items]
         blocks: list[dict[str, list[Any]]] = [{} for _ in items]
+        borrow = self._backend.borrow
         for shard, grant in zip(shards, grants, strict=True):
+            granted = grant.blocks
             for (at, pids), lease_id in zip(wanted[shard], grant.lease_ids, strict=True):
                 parts[at][shard] = lease_id
-                blocks[at].update((pid, self._backend.borrow(grant.blocks[pid])) for pid in pids)
+                pinned = blocks[at]
+                for pid in pids:
+                    pinned[pid] = borrow(granted[pid])
         return [
             Lease(self, handle, holder, parts[at], pinned=self._pins.pin(blocks[at]))
             for at, (handle, holder) in enumerate(items)
@@ -461,7 +474,9 @@ class RouteStore:
         for lease in live:
             for shard, lease_id in lease.parts.items():
                 by_shard.setdefault(shard, []).append(lease_id)
-        self._releases.submit([(i, "release_many", (ids,)) for i, ids in by_shard.items()])
+        self._releases.submit(
+            [shard_call(i, ShardApi.release_many, ids) for i, ids in by_shard.items()]
+        )
         for lease in live:
             lease.mark_released()
 
@@ -469,43 +484,56 @@ class RouteStore:
         """Wait for every release in flight; raise ``ReleaseFailed`` if one failed."""
         self._releases.settle(wait=True)
 
-    def _release_parts(self, parts: dict[int, str]) -> None:
-        # One lease, waited for: a holder's lifecycle (buffer, session, sample state)
-        # must know whether its lease ended, to keep it or retry it if the shard failed.
-        self._call([(i, "release", (lid,)) for i, lid in parts.items()], "release")
+    # -- what a Lease calls (``routeplay.store.lease.LeaseOwner``) ----------------------
+    def release_lease(self, parts: Mapping[int, str]) -> None:
+        """End one lease's parts (its id per shard), waited for: a holder's lifecycle
+        (buffer, session, sample state) must know whether its lease ended, to keep it
+        or retry it if the shard failed. ``Lease.release`` calls it."""
+        calls = [shard_call(i, ShardApi.release, lid) for i, lid in parts.items()]
+        self._call(calls, "end a lease")
 
-    def _clone_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        calls = [(i, "clone", (lid, holder)) for i, lid in parts.items()]
-        clones: list[str] = self._grant_all(calls, f"clone for {holder}")
+    def clone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """A new lease of ``holder`` over the same payloads, on every shard or none;
+        returns its parts. ``Lease.clone`` calls it."""
+        calls = [shard_call(i, ShardApi.clone, lid, holder) for i, lid in parts.items()]
+        clones = self._grant_all(calls, f"clone for {holder}")
         return dict(zip(parts, clones, strict=True))
 
-    def _transfer_parts(self, parts: dict[int, str], holder: str) -> dict[int, str]:
-        """Clone on every shard (all or nothing), then end the old parts."""
-        moved = self._clone_parts(parts, holder)
-        self._release_parts(parts)
+    def transfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Clone on every shard (all or nothing), then end the old parts: the payloads
+        never reach zero leases. ``Lease.transfer`` calls it."""
+        moved = self.clone_lease(parts, holder)
+        self.release_lease(parts)
         return moved
 
-    def _repin(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+    def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+        """Count one more local lease on block references pinned here (a clone's);
+        returns the payloads that were pinned."""
         return self._pins.repin(payload_ids)
 
-    def _unpin(self, payload_ids: Sequence[str]) -> None:
+    def unpin_blocks(self, payload_ids: Sequence[str]) -> None:
+        """One local lease less on these payloads' pinned block references (a lease
+        released, pickled or collected); the last one drops them."""
         self._pins.unpin(payload_ids)
 
-    def _grant_all(self, calls: Sequence[ShardCall], what: str) -> list[Any]:
+    def _grant_all(self, calls: Sequence[ShardCall[R]], what: str) -> list[R]:
         """Per-call grants, or none at all: a shard that fails rolls the others back,
         so a half-granted lease can never be left behind with nobody to release it."""
         self._releases.settle(wait=True)
         results = self._backend.call_each(calls, f"{self.run}: {what}")
-        failures = [result for result in results if isinstance(result, BaseException)]
+        granted: list[R] = []
+        failures: list[BaseException] = []
+        undo: list[ShardCall[list[str]]] = []
+        for call, result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(result)
+            else:
+                granted.append(result)
+                undo.append(shard_call(call.shard, ShardApi.revoke_many, _lease_ids(result)))
         if failures:
-            undo = [
-                (shard, "revoke_many", (_lease_ids(result),))
-                for (shard, _, _), result in zip(calls, results, strict=True)
-                if not isinstance(result, BaseException)
-            ]
             self._call(undo, "roll back")
             raise failures[0]
-        return results
+        return granted
 
     # -- reading ----------------------------------------------------------------------
     def resolve(
@@ -536,10 +564,12 @@ class RouteStore:
         per request, of its exact shape and dtype: reused memory is faster than fresh
         pages). ``holder`` only names the reader in errors."""
         for handle, _, _ in requests:
-            for source in handle.sources():
+            for segment in handle.segments:
+                source = segment.source
                 if isinstance(source, StoreRef):
-                    self._check_run(source)
-                elif isinstance(source, EngineKey):
+                    if source.run != self.run:
+                        self._check_run(source)
+                elif isinstance(source, EngineKey) and source.run != self.run:
                     self.scoped(source)
         self._releases.settle(wait=False)
         return self._reader.read_many(requests, holder=holder, out=out)
@@ -548,13 +578,13 @@ class RouteStore:
     def stats(self) -> StoreStats:
         """Sum of every live shard's snapshot (after the releases in flight have landed);
         a shard that does not answer is named in ``dead_shards``, not fatal."""
-        parts, dead = self._each_shard("stats")
+        parts, dead = self._each_shard(ShardApi.stats)
         return _merge_stats(parts, dead)
 
     def leaks(self) -> list[LeakRecord]:
         """Leases still held, oldest first, across the live shards (a dead shard's are
         gone with it: it is logged, and ``stats().dead_shards`` names it)."""
-        per_shard, dead = self._each_shard("leaks")
+        per_shard, dead = self._each_shard(ShardApi.leaks)
         for why in dead:
             log.warning("run %s: leaks() skipped %s", self.run, why)
         return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
@@ -576,8 +606,8 @@ class RouteStore:
             )
             for shard, lease_id in ids:
                 by_shard.setdefault(shard, []).append(lease_id)
-        calls = [(i, "revoke_leases", (ids,)) for i, ids in sorted(by_shard.items())]
-        ended = self._call(calls, "revoke")
+        calls = [shard_call(i, ShardApi.revoke_leases, ids) for i, ids in sorted(by_shard.items())]
+        ended = self._call(calls, "revoke leases")
         for item in leases:
             if isinstance(item, Lease):
                 item.mark_released()
@@ -591,16 +621,16 @@ class RouteStore:
             store.revoke_holder("rollout/worker-3")   # its samples' bytes can go now
         """
         shards = range(self._backend.shard_count)
-        ended = self._call([(i, "revoke_holder", (holder,)) for i in shards], f"revoke {holder}")
+        calls = [shard_call(i, ShardApi.revoke_holder, holder) for i in shards]
+        ended = self._call(calls, f"revoke {holder}")
         return sum(len(ids) for ids in ended)
 
-    def _each_shard(self, method: str) -> tuple[list[Any], list[str]]:
-        """Every shard's answer to ``method``; those that failed, named, apart."""
+    def _each_shard(self, op: Callable[[ShardApi], R]) -> tuple[list[R], list[str]]:
+        """Every shard's answer to ``op``; those that failed, named, apart."""
         self._releases.settle(wait=True)
         shards = range(self._backend.shard_count)
-        results = self._backend.call_each(
-            [(i, method, ()) for i in shards], f"{self.run}: {method}"
-        )
+        calls = [shard_call(i, op) for i in shards]
+        results = self._backend.call_each(calls, f"{self.run}: {op.__name__}")
         live = [r for r in results if not isinstance(r, BaseException)]
         dead = [
             f"shard {i} ({type(r).__name__}: {r.summary if isinstance(r, RouteplayError) else r})"
@@ -619,8 +649,8 @@ class RouteStore:
 
     # -- internals --------------------------------------------------------------------
     def _call(
-        self, calls: Sequence[ShardCall], what: str, *, timeout_s: float | None = None
-    ) -> list[Any]:
+        self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
+    ) -> list[R]:
         # Shard actors are threaded: wait for this client's releases first, so a call
         # never overtakes a release sent before it.
         self._releases.settle(wait=True)
@@ -628,6 +658,16 @@ class RouteStore:
 
     def _pick_shard(self, key: str) -> int:
         return zlib.crc32(key.encode()) % self._backend.shard_count
+
+    def _payload_ids(self, handle: Handle) -> list[str]:
+        """The stored payloads of a handle, each once, in order; another run's refused."""
+        ids = []
+        for source in handle.sources():
+            if isinstance(source, StoreRef):
+                if source.run != self.run:
+                    self._check_run(source)
+                ids.append(source.payload_id)
+        return ids
 
     def _check_run(self, source: StoreRef) -> None:
         if source.run != self.run:

@@ -15,24 +15,62 @@ lifetime could be in doubt: when the lease is pickled (its copy elsewhere may be
 released) and when the lease object is garbage collected. A pickled copy carries no
 references: it locates what it reads. So no reference handed out with a lease keeps an
 object alive past its release.
+
+A lease talks to the client that granted it only through ``LeaseOwner``, the client's
+public lease methods (``RouteStore`` implements it): never through its internals.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy.typing as npt
 
 from routeplay.core.handle import Handle
 from routeplay.errors import AlreadyReleased
 
-if TYPE_CHECKING:
-    from routeplay.store.client import RouteStore
+__all__ = ["Lease", "LeaseOwner"]
 
-__all__ = ["Lease"]
+
+class LeaseOwner(Protocol):
+    """What a lease needs from the client that granted it (``RouteStore`` is one).
+
+    ``parts`` are a lease's ids per store shard; ``payload_ids`` name the payloads whose
+    block references the client pinned for the lease in this process.
+    """
+
+    def read(
+        self, handle: Handle, start: int = 0, stop: int | None = None, *, holder: str = ""
+    ) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of a handle, copied out."""
+        ...
+
+    def release_lease(self, parts: Mapping[int, str]) -> None:
+        """End one lease, waited for (raises if a shard failed: a retry may succeed)."""
+        ...
+
+    def release_many(self, leases: Sequence[Lease]) -> None:
+        """End many leases with one call per shard, not waited for."""
+        ...
+
+    def clone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """A new lease over the same payloads for ``holder``; returns its parts."""
+        ...
+
+    def transfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Move a lease to ``holder`` (the payloads never reach zero leases)."""
+        ...
+
+    def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+        """One more local lease on pinned block references; returns those pinned."""
+        ...
+
+    def unpin_blocks(self, payload_ids: Sequence[str]) -> None:
+        """One local lease less on pinned block references."""
+        ...
 
 
 class Lease:
@@ -51,7 +89,7 @@ class Lease:
 
     def __init__(
         self,
-        store: RouteStore,
+        store: LeaseOwner,
         handle: Handle,
         holder: str,
         parts: dict[int, str],
@@ -65,7 +103,7 @@ class Lease:
         self._pinned = pinned
         self._released = False
         # Runs once: on release, pickling, or when this object is collected unreleased.
-        self._unpin_once = weakref.finalize(self, store._unpin, pinned)
+        self._unpin_once = weakref.finalize(self, store.unpin_blocks, pinned)
 
     def __reduce__(self) -> tuple[object, ...]:
         self._unpin()  # the copy may be the one that gets released: pin nothing here
@@ -102,7 +140,7 @@ class Lease:
         """End this lease (idempotent). Payloads whose last lease this was are dropped."""
         if self._released:
             return
-        self._store._release_parts(self._parts)  # may raise: then a retry releases for real
+        self._store.release_lease(self._parts)  # may raise: then a retry releases for real
         self.mark_released()
 
     @staticmethod
@@ -113,7 +151,7 @@ class Lease:
         Example:
             Lease.release_all(finished.values())
         """
-        by_store: dict[int, tuple[RouteStore, list[Lease]]] = {}
+        by_store: dict[int, tuple[LeaseOwner, list[Lease]]] = {}
         for lease in leases:
             by_store.setdefault(id(lease._store), (lease._store, []))[1].append(lease)
         for store, group in by_store.values():
@@ -122,14 +160,14 @@ class Lease:
     def clone(self, holder: str) -> Lease:
         """A new lease over the same payloads for ``holder``; this one stays valid."""
         self._check_live("clone")
-        parts = self._store._clone_parts(self._parts, holder)
-        pinned = self._store._repin(self._pinned)
+        parts = self._store.clone_lease(self._parts, holder)
+        pinned = self._store.repin_blocks(self._pinned)
         return Lease(self._store, self.handle, holder, parts, pinned=pinned)
 
     def transfer(self, holder: str) -> Lease:
         """Hand this lease to ``holder`` (no data moves; payloads never reach zero leases)."""
         self._check_live("transfer")
-        moved = self._store._transfer_parts(self._parts, holder)
+        moved = self._store.transfer_lease(self._parts, holder)
         pinned, self._pinned = self._pinned, ()  # the pins move with the lease
         self._unpin_once.detach()
         self._released = True
@@ -164,7 +202,7 @@ class Lease:
 
 
 def _restored(
-    store: RouteStore, handle: Handle, holder: str, parts: dict[int, str], released: bool
+    store: LeaseOwner, handle: Handle, holder: str, parts: dict[int, str], released: bool
 ) -> Lease:
     lease = Lease(store, handle, holder, parts)
     lease._released = released

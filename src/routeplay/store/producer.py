@@ -23,7 +23,7 @@ from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore
 from routeplay.store.outbox import PayloadOutbox
-from routeplay.store.writes import batch_spec, packs, plan_batch
+from routeplay.store.writes import batch_spec, plan_batch
 
 __all__ = ["PRODUCER_CONCURRENCY", "TAKE_GROUP", "RoutesProducer", "producer_actor"]
 
@@ -67,11 +67,11 @@ class RoutesProducer:
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
-        pack: bool | None = None,
+        pack: bool = False,
     ) -> list[Handle]:
         """Store many samples with one shard call (and one call back to this actor);
         ``shared_prefix`` and ``pack`` as in ``RouteStore.put_many`` (a GRPO group's
-        prompt once, the whole group one payload).
+        prompt once; the whole batch one payload).
 
         Example:
             handles = self.put_routes_many(store, group, shared_prefix=prompt_rows)
@@ -79,7 +79,7 @@ class RoutesProducer:
         spec = batch_spec(batch)
         if spec is None:
             return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=packs(pack, shared_prefix))
+        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
         if not layout.arrays:
             return [Handle(spec) for _ in batch]
         blocks, _ = store.layout_blocks(layout, spec)

@@ -3,7 +3,7 @@ exceptions translated into routeplay's (``raise ... from``) so callers see one t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import ray
 from ray import exceptions as rex
@@ -16,7 +16,7 @@ from routeplay.errors import (
     StoreTimeout,
 )
 
-__all__ = ["get", "get_actor", "in_object_store", "lost_index"]
+__all__ = ["INLINE_LIMIT", "get", "get_actor", "in_object_store", "lost_index"]
 
 _LOST = (
     rex.OwnerDiedError,
@@ -79,6 +79,11 @@ def lost_index(refs: list[Any], error: BaseException) -> int | None:
     return hexes.index(lost_hex) if lost_hex in hexes else None
 
 
+INLINE_LIMIT: Final = 100 * 1024
+"""Ray's ``max_direct_call_object_size`` default: task results up to this many
+serialized bytes stay in their owner's heap instead of the object store."""
+
+
 def in_object_store(refs: list[Any], *, timeout_s: float, what: str) -> list[Any]:
     """``refs`` (task results this process owns), each living in the object store.
 
@@ -86,12 +91,12 @@ def in_object_store(refs: list[Any], *, timeout_s: float, what: str) -> list[Any
     shard that is unaccounted, unspillable memory growing with every small payload, and
     a reader's fetch is an RPC to the shard. Such a result is written to the object
     store once here (``ray.put``: the shard owns it, as it owned the result) and the
-    inlined copy goes with its last reference. Results already there are kept as they
-    are: no second write.
+    inlined copy goes with its last reference. Only results known to be inlined (small,
+    on no node, never spilled) are rewritten: anything else is kept as it is, so nothing
+    is written twice.
     """
-    timeout_ms = int(timeout_s * 1000)
-    places = ray.experimental.get_object_locations(refs, timeout_ms=timeout_ms)
-    inlined = [i for i, ref in enumerate(refs) if not places.get(ref, {}).get("node_ids")]
+    places = ray.experimental.get_local_object_locations(refs)  # owner-side: no RPC
+    inlined = [i for i, ref in enumerate(refs) if _is_inlined(places.get(ref))]
     if not inlined:
         return refs
     values = get([refs[i] for i in inlined], timeout_s=timeout_s, what=what)
@@ -99,3 +104,10 @@ def in_object_store(refs: list[Any], *, timeout_s: float, what: str) -> list[Any
     for i, value in zip(inlined, values, strict=True):
         out[i] = ray.put(value)
     return out
+
+
+def _is_inlined(place: dict[str, Any] | None) -> bool:
+    if not place or place.get("node_ids") or place.get("did_spill"):
+        return False
+    size = place.get("object_size")
+    return size is not None and size <= INLINE_LIMIT

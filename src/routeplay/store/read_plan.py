@@ -59,19 +59,28 @@ class DirectCopy:
 class ReadPlan:
     """Everything a batched read needs: one locate list per shard, then copies.
 
-    Mutable while ``plan_reads`` builds it; callers only read it.
+    Mutable while ``plan_reads`` builds it; callers only read it. Every step is done once
+    per payload (its shard, its block list) and once per segment (its copy), never per
+    pair: a 1,000-segment handle plans in one linear pass.
     """
 
     rows: list[int] = field(default_factory=list)
     wanted: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    """Per shard, per payload, the blocks to fetch (each once, in first-use order)."""
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    """The same block lists by payload id alone (found without its shard)."""
     seen: set[tuple[str, int]] = field(default_factory=set)
-    """``(payload, block)`` already listed: O(1) membership for many-segment handles."""
+    """``(payload, block)`` already listed, for payloads of several blocks (a payload
+    of one block is listed once its list is not empty)."""
     copies: list[BlockCopy] = field(default_factory=list)
     direct: list[DirectCopy] = field(default_factory=list)
 
     def locate_requests(self, shard: int) -> list[tuple[str, list[int]]]:
         """``(payload_id, sorted blocks)`` for one shard, in a stable order."""
-        return [(pid, sorted(blocks)) for pid, blocks in self.wanted[shard].items()]
+        return [
+            (pid, blocks if len(blocks) == 1 else sorted(blocks))
+            for pid, blocks in self.wanted[shard].items()
+        ]
 
 
 def plan_reads(requests: Sequence[tuple[Handle, int, int]]) -> ReadPlan:
@@ -79,41 +88,39 @@ def plan_reads(requests: Sequence[tuple[Handle, int, int]]) -> ReadPlan:
     plan = ReadPlan()
     for index, (handle, start, stop) in enumerate(requests):
         plan.rows.append(stop - start)
-        for piece in handle.pieces(start, stop):
-            source = piece.segment.source
+        for segment, offset in handle.spans(start, stop):
+            source = segment.source
             if isinstance(source, StoreRef):
-                _plan_stored(plan, index, piece.offset, piece.segment, source)
+                _plan_stored(plan, index, offset, segment, source)
             else:
                 assert isinstance(source, (InlineSource, EngineKey))
-                plan.direct.append(
-                    DirectCopy(request=index, offset=piece.offset, segment=piece.segment)
-                )
+                plan.direct.append(DirectCopy(request=index, offset=offset, segment=segment))
     return plan
 
 
 def _plan_stored(plan: ReadPlan, request: int, offset: int, seg: Segment, ref: StoreRef) -> None:
-    wanted = plan.wanted.setdefault(shard_of(ref.payload_id), {})
-    blocks = wanted.setdefault(ref.payload_id, [])
+    pid = ref.payload_id
+    blocks = plan.blocks.get(pid)
+    if blocks is None:  # first use of this payload: its shard is looked up once
+        blocks = plan.blocks[pid] = []
+        plan.wanted.setdefault(shard_of(pid), {})[pid] = blocks
     if ref.block_rows <= 0:  # one block (the default): no block arithmetic
-        if (ref.payload_id, 0) not in plan.seen:
-            plan.seen.add((ref.payload_id, 0))
+        if not blocks:
             blocks.append(0)
-        plan.copies.append(
-            BlockCopy(request, offset, ref.payload_id, 0, seg.start, seg.stop, seg.start, seg)
-        )
+        plan.copies.append(BlockCopy(request, offset, pid, 0, seg.start, seg.stop, seg.start, seg))
         return
     for block in ref.blocks(seg.start, seg.stop):
-        if (ref.payload_id, block) not in plan.seen:
-            plan.seen.add((ref.payload_id, block))
+        if (pid, block) not in plan.seen:
+            plan.seen.add((pid, block))
             blocks.append(block)
         base = block * ref.block_rows
         lo = max(seg.start, base)
-        hi = min(seg.stop, base + ref.block_rows) if ref.block_rows else seg.stop
+        hi = min(seg.stop, base + ref.block_rows)
         plan.copies.append(
             BlockCopy(
                 request=request,
                 offset=offset + lo - seg.start,
-                payload_id=ref.payload_id,
+                payload_id=pid,
                 block=block,
                 lo=lo - base,
                 hi=hi - base,

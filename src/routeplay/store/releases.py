@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from routeplay.errors import ReleaseFailed
-from routeplay.store.backend import Backend, ShardCall
+from routeplay.store.backend import Backend
+from routeplay.store.shard_api import ShardCall
 
 __all__ = ["PendingReleases"]
 
@@ -28,7 +29,7 @@ class PendingReleases:
         self._lock = threading.Lock()
         self._pending: list[Any] = []
 
-    def submit(self, calls: Sequence[ShardCall]) -> None:
+    def submit(self, calls: Sequence[ShardCall[Any]]) -> None:
         """Send the calls; their outcome is collected by a later call, never here."""
         futures = self._backend.submit(calls)
         with self._lock:

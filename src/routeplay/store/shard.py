@@ -93,13 +93,24 @@ class StoreShard:
         self, producer: Any, token: str, blocks: int, rows: int, nbytes: int, block_rows: int
     ) -> StoreRef:
         """Call the producer for its staged blocks, so this shard owns them (one write)."""
+        refs = self._producer_call()(producer, token, blocks)
+        return self.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
+
+    def _producer_call(self) -> CallProducer:
         if self._call_producer is None:
             raise MisuseError(
                 "this shard was built without a way to call producers",
                 hint="Pass call_producer= (the Ray actor shell does) or use adopt().",
             )
-        refs = self._call_producer(producer, token, blocks)
-        return self.adopt(refs, rows=rows, nbytes=nbytes, block_rows=block_rows)
+        return self._call_producer
+
+    def adopt_from_many(
+        self, producer: Any, token: str, payloads: Sequence[StoredPayload], saved_bytes: int = 0
+    ) -> list[StoreRef]:
+        """``adopt_from`` for every staged block of a batch, with one producer call."""
+        call = self._producer_call()
+        refs = call(producer, token, sum(payload.blocks for payload in payloads))
+        return self.adopt_many(refs, payloads, saved_bytes)
 
     def adopt_many(
         self, refs: Sequence[Any], payloads: Sequence[StoredPayload], saved_bytes: int = 0
@@ -136,8 +147,10 @@ class StoreShard:
             raise
         blocks: dict[str, list[Any]] = {}
         if with_blocks:
+            # The table's own lists: the grant is serialized on Ray, and a local reader
+            # borrows its own copy (``Backend.borrow``), so nobody can change them.
             wanted = dict.fromkeys(pid for ids, _ in requests for pid in ids)
-            blocks = {pid: list(refs) for pid, refs in self._table.refs(wanted, run=run).items()}
+            blocks = self._table.refs(wanted, run=run)
         return Grant(lease_ids=tuple(granted), blocks=blocks)
 
     def release_many(self, lease_ids: Sequence[str]) -> list[str]:

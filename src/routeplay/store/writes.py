@@ -11,13 +11,15 @@ bytes sharing saved, for the store's stats.
 ``pack=True`` lays the whole batch out as *one* array (the shared prefix once, then every
 sample's own rows): one payload, one object-store write and one record for a GRPO group
 or for the resumes of one, and each handle is row ranges of it. The payload lives while
-any member holds a lease (the members of a group are trained together, so that costs
-little); unpacked, every piece is a payload of its own with its own lifetime.
+any member holds a lease, and a reader of one member fetches all of it (one block): right
+when a group is trained together on one node (the rollout lifecycle's group writes), not
+when its members go to trainer ranks on different nodes. Unpacked (the store's default),
+every piece is a payload of its own with its own lifetime and reads.
 
 Example:
     layout = plan_batch([a, b, c], prefix_rows=4096)   # a GRPO group of 3
     layout.arrays   # (prefix, a_suffix, b_suffix, c_suffix) when all prefixes match
-    layout.samples  # per sample: Part(0, 0, 4096), then its own suffix's Part
+    layout.samples  # per sample: Part(array=0, start=0, stop=4096), then its suffix's
     plan_batch([a, b, c], prefix_rows=4096, pack=True).arrays  # one array: all of it
 """
 
@@ -35,7 +37,7 @@ from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import SpecMismatch
 
-__all__ = ["BatchLayout", "Part", "batch_spec", "packs", "plan_batch", "split_blocks"]
+__all__ = ["BatchLayout", "Part", "batch_spec", "plan_batch", "split_blocks"]
 
 
 def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
@@ -45,7 +47,7 @@ def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[
     return tuple(array[i : i + block_rows] for i in range(0, array.shape[0], block_rows))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Part:
     """Rows ``[start, stop)`` of one of a layout's arrays."""
 
@@ -90,12 +92,6 @@ def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
     return spec
 
 
-def packs(pack: bool | None, shared_prefix: int) -> bool:
-    """Whether a batched put packs: a group (``shared_prefix`` set) is one payload
-    unless the caller says otherwise (``pack`` None: the default)."""
-    return shared_prefix > 0 if pack is None else pack
-
-
 def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0, pack: bool = False) -> BatchLayout:
     """Lay out ``batch`` for storing; samples share their first ``prefix_rows`` rows
     where those are verified equal to another sample's, and ``pack`` makes the whole
@@ -121,7 +117,8 @@ def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0, pack: bool = Fa
     return BatchLayout(
         arrays=tuple(arrays),
         samples=tuple(
-            tuple(Part(i, 0, int(arrays[i].shape[0])) for i in pieces) for pieces in samples
+            tuple(Part(array=i, start=0, stop=int(arrays[i].shape[0])) for i in pieces)
+            for pieces in samples
         ),
         saved_bytes=saved,
     )
@@ -136,7 +133,8 @@ def _packed(
     return BatchLayout(
         arrays=(np.concatenate(arrays),),
         samples=tuple(
-            tuple(Part(0, int(bounds[i]), int(bounds[i + 1])) for i in pieces) for pieces in samples
+            tuple(Part(array=0, start=int(bounds[i]), stop=int(bounds[i + 1])) for i in pieces)
+            for pieces in samples
         ),
         saved_bytes=saved,
     )
