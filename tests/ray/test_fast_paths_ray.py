@@ -123,7 +123,9 @@ def test_a_release_that_fails_at_its_shard_is_raised_by_the_next_call() -> None:
     lease = doomed.acquire(handle, "train/x")
     backend: Any = doomed.backend
     for shard in backend._shards:
-        ray.kill(shard)
+        ray.kill(shard)  # asynchronous: wait until the shard is really gone
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(shard.__ray_ready__.remote(), timeout=30)
     doomed.release_many([lease])  # returns at once: nothing waits for the dead shard
     assert lease.released
     with pytest.raises(ReleaseFailed, match="release failed"):
