@@ -22,7 +22,7 @@ from routeplay.core.wires import WIRE_NAMES
 EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
 
 
-def _wire_name(value: str) -> str:
+def parse_wire_name(value: str) -> str:
     # The names come from the wire registry, so the CLI never lists them itself.
     if value not in WIRE_NAMES:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(WIRE_NAMES)}")
@@ -48,7 +48,7 @@ def demo_command(
         str | None,
         typer.Option(
             "--engine-format",
-            parser=_wire_name,
+            parser=parse_wire_name,
             metavar="[" + "|".join(WIRE_NAMES) + "]",
             help="Wire format the engine speaks (recipe default: lmdeploy-key).",
         ),

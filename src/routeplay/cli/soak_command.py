@@ -14,6 +14,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from routeplay.cli.demo_command import parse_wire_name
+from routeplay.core.wires import WIRE_NAMES
+
 EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
 
 
@@ -37,6 +40,16 @@ def soak_command(
     num_cpus: Annotated[
         int | None, typer.Option("--num-cpus", min=1, help="CPUs of the local Ray instance.")
     ] = None,
+    engine_format: Annotated[
+        str | None,
+        typer.Option(
+            "--engine-format",
+            parser=parse_wire_name,
+            metavar="[" + "|".join(WIRE_NAMES) + "]",
+            help="Wire format the engine speaks (default: the smoke recipe's lmdeploy-key; "
+            "vllm or sglang run the group writes).",
+        ),
+    ] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the report as JSON here.")
     ] = None,
@@ -58,7 +71,10 @@ def soak_command(
         if rate is not None:
             faults = faults.replace(**dict.fromkeys(FAULT_KINDS, rate))
         config = SoakConfig(steps=steps, faults=faults, key_ttl_s=key_ttl)
-        config = config.replace(demo=config.demo.replace(seed=seed, num_cpus=num_cpus))
+        demo = config.demo.replace(seed=seed, num_cpus=num_cpus)
+        if engine_format is not None:
+            demo = demo.replace(wire=engine_format)
+        config = config.replace(demo=demo)
     except MisuseError as exc:
         Console(stderr=True).print(f"usage error: {exc}", markup=False)
         raise typer.Exit(EXIT_USAGE) from exc
