@@ -400,3 +400,22 @@ def test_the_server_binds_loopback_only_and_checks_its_wire(engine: ReferenceEng
     server.close()  # idempotent
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=2.0)
+
+
+def test_a_repeated_prompt_reuses_its_prefill_exactly_and_new_weights_do_not() -> None:
+    cached, fresh = ReferenceEngine(DEEPER), ReferenceEngine(DEEPER)
+    prompt = list(range(3, 40))
+    first = cached.generate(prompt, max_new_tokens=5, seed=1)
+    again = cached.generate(prompt, max_new_tokens=5, seed=2)  # served from the prefix cache
+    alone = fresh.generate(prompt, max_new_tokens=5, seed=2)  # the same request, computed
+    assert again.token_ids == alone.token_ids
+    assert again.logprobs == pytest.approx(alone.logprobs, abs=0.0)
+    np.testing.assert_array_equal(again.routing, alone.routing)
+    np.testing.assert_array_equal(again.routing[: len(prompt)], first.routing[: len(prompt)])
+    # New weights: the cached prefill is gone, the prompt's rows are recomputed by them.
+    weights = {k: v * 1.5 for k, v in build_model(DEEPER, dtype="float32").state_dict().items()}
+    cached.load_weights(weights, version=1)
+    fresh.load_weights(weights, version=1)
+    after, expected = (e.generate(prompt, max_new_tokens=2, seed=3) for e in (cached, fresh))
+    np.testing.assert_array_equal(after.routing, expected.routing)
+    assert not np.array_equal(after.routing[: len(prompt)], first.routing[: len(prompt)])

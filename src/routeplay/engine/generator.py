@@ -14,12 +14,20 @@ therefore sees other experts on a few rows even in engine precision, which is wh
 is for. As a diagnostic, ``ReferenceEngine(config, compare_full_forward=True)`` also runs
 one full forward per request and counts the (token, layer) pairs where it chose otherwise
 in ``EngineStats.full_forward_divergent_rows``; the reported routing never comes from it.
+
+Prefix caching, as vLLM and SGLang do it: the prefill of a prompt seen again under the
+same weights (the members of a GRPO group, a retried sample) is not recomputed. Its KV
+cache, last logits and routing rows are kept for the last few prompts, so a repeated
+prompt's routing rows are the first request's, exactly, as an engine with a prefix cache
+returns them.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -35,6 +43,9 @@ from routeplay.errors import MisuseError
 from routeplay.train.hf import model_spec, record
 
 __all__ = ["FINISH_REASONS", "EngineStats", "Generation", "ReferenceEngine"]
+
+_PREFIXES_KEPT: Final = 4
+"""Prompts whose prefill the engine keeps (a group's members arrive close together)."""
 
 FINISH_REASONS = ("stop", "length", "abort")
 """``stop``: the stop token was sampled (and is the last token); ``length``: ``max_new_tokens``
@@ -101,6 +112,8 @@ class ReferenceEngine:
         self._weight_version = 0
         self._generations = self._prompt_tokens = self._completion_tokens = 0
         self._divergent: int | None = 0 if compare_full_forward else None
+        # (weight version, prompt) -> the prefill's KV cache, last logits, routing rows
+        self._prefills: OrderedDict[tuple[int, tuple[int, ...]], _Prefill] = OrderedDict()
 
     @property
     def config(self) -> EngineConfig:
@@ -189,6 +202,7 @@ class ReferenceEngine:
                     where="ReferenceEngine.load_weights",
                 ) from exc
             self._weight_version = version
+            self._prefills.clear()  # cached prefills belong to the old weights
 
     def stats(self) -> EngineStats:
         """Counters so far."""
@@ -218,26 +232,47 @@ class ReferenceEngine:
         tokens: list[int] = []
         logprobs: list[float] = []
         finish = "length"
-        with torch.inference_mode(), record(model) as recorder:
+        with torch.inference_mode():
+            prefill = self._prefill(prompt)
+            cache, logits = copy.deepcopy(prefill.cache), prefill.logits
+            with record(model) as recorder:
+                while True:
+                    token = _sample(logits, temperature, generator)
+                    tokens.append(token)
+                    logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+                    if token in stops:
+                        finish = "stop"
+                        break
+                    if len(tokens) >= limit:
+                        finish = "length" if len(tokens) >= max_new_tokens else "abort"
+                        break
+                    step_input = torch.tensor([[token]], dtype=torch.long)
+                    out = model(input_ids=step_input, cache=cache, use_cache=True)
+                    logits = out.logits[0, -1].float()
+                # One row per token fed back; the last sampled token never was: with the
+                # prefill's P rows, P + C - 1 rows.
+                decoded = recorder.routes() if len(tokens) > 1 else prefill.routing[:0]
+        return tokens, logprobs, finish, np.concatenate([prefill.routing, decoded])
+
+    def _prefill(self, prompt: list[int]) -> _Prefill:
+        """The prompt's prefill, from the prefix cache or computed (and kept)."""
+        key = (self._weight_version, tuple(prompt))
+        kept = self._prefills.get(key)
+        if kept is not None:
+            self._prefills.move_to_end(key)
+            return kept
+        model = self._model
+        with record(model) as recorder:
             cache = DynamicCache(config=model.config)
-            step_input = torch.tensor([prompt], dtype=torch.long)
-            while True:
-                out = model(input_ids=step_input, cache=cache, use_cache=True, logits_to_keep=1)
-                logits = out.logits[0, -1].float()
-                token = _sample(logits, temperature, generator)
-                tokens.append(token)
-                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-                if token in stops:
-                    finish = "stop"
-                    break
-                if len(tokens) >= limit:
-                    finish = "length" if len(tokens) >= max_new_tokens else "abort"
-                    break
-                step_input = torch.tensor([[token]], dtype=torch.long)
-            # One recorded forward per pass: the prefill's P rows, then one row for each
-            # token fed back; the last sampled token never was, so P + C - 1 rows.
-            decoded = recorder.routes()
-        return tokens, logprobs, finish, decoded
+            prompt_ids = torch.tensor([prompt], dtype=torch.long)
+            out = model(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            routing = recorder.routes()
+        routing.setflags(write=False)
+        kept = _Prefill(cache=cache, logits=out.logits[0, -1].float(), routing=routing)
+        self._prefills[key] = kept
+        while len(self._prefills) > _PREFIXES_KEPT:
+            self._prefills.popitem(last=False)
+        return kept
 
     def _full_forward_routing(self, ids: list[int]) -> npt.NDArray[np.unsignedinteger]:
         with torch.inference_mode(), record(self._model) as recorder:
@@ -314,6 +349,18 @@ class ReferenceEngine:
                 where="ReferenceEngine.generate",
             )
         return ids
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Prefill:
+    """A prompt's prefill: what decoding continues from (the cache is copied per use)."""
+
+    cache: DynamicCache
+    """KV cache after the prompt."""
+    logits: torch.Tensor
+    """Logits of the prompt's last position (the first sampled token's)."""
+    routing: npt.NDArray[np.unsignedinteger]
+    """The prompt's ``P`` routing rows."""
 
 
 def _count_divergent(a: npt.NDArray[np.unsignedinteger], b: npt.NDArray[np.unsignedinteger]) -> int:
