@@ -5,13 +5,12 @@ one trailing row is adopted, and every byte still goes when the last lease does.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
-from store_probe import created_bytes, used_bytes, wait_until
+from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize, preset
@@ -118,25 +117,13 @@ def test_small_payloads_live_in_the_object_store_written_once(store: RouteStore)
     assert store.stats().live_payloads == 0
 
 
-def _wait_until_dead(actor: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"actor still alive {timeout_s}s after ray.kill")
-
-
 def test_a_release_that_fails_at_its_shard_is_raised_by_the_next_call() -> None:
     doomed = StoreConfig(run="run-doomed", timeout_s=5).build()
     [handle] = doomed.put_many([routing(100, seed=3)])
     lease = doomed.acquire(handle, "train/x")
     backend: Any = doomed.backend
     for shard in backend._shards:
-        ray.kill(shard)  # asynchronous: calls may still be served for a moment
-        _wait_until_dead(shard)
+        kill_and_wait(shard)
     doomed.release_many([lease])  # returns at once: nothing waits for the dead shard
     assert lease.released
     with pytest.raises(ReleaseFailed, match="release failed"):

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+from store_probe import kill_and_wait
 
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, Segment, canonicalize
 from routeplay.errors import LifetimeError, RoutesLost, RunMismatch
@@ -64,7 +65,7 @@ def test_a_producer_dead_before_the_hand_over_fails_the_put_naming_it() -> None:
 def test_a_dead_engine_store_is_a_typed_lifetime_error() -> None:
     engine = start_engine_store(name="dying_store", namespace="lmdeploy")
     key = ray.get(engine.put.remote(routing(8, 2).array), timeout=20)
-    ray.kill(engine)
+    kill_and_wait(engine)
     store = StoreConfig(run="dead-engine", timeout_s=20).build()
     try:
         lazy = EngineKey(key=key, rows=8, actor="dying_store")
@@ -85,7 +86,7 @@ def test_stats_and_leaks_report_live_shards_and_name_the_dead_one() -> None:
     try:
         handle = store.put(routing(16, 3))
         store.acquire(handle, "buffer/g-1")
-        ray.kill(ray.get_actor("routeplay.store.dead-shard.1", namespace="routeplay"))
+        kill_and_wait(ray.get_actor("routeplay.store.dead-shard.1", namespace="routeplay"))
         stats = store.stats()
         assert stats.shards == 1
         assert len(stats.dead_shards) == 1
