@@ -131,14 +131,19 @@ class WorkerShell(RoutesProducer):
                 self._ask(cont, sampling) if isinstance(cont, Continuation) else cont
                 for cont, sampling in zip(opened, samplings, strict=True)
             ]
-            good = [i for i, answer in enumerate(asked) if isinstance(answer, _Answered)]
+            good = [
+                (i, cont, answer)
+                for i, (cont, answer) in enumerate(zip(opened, asked, strict=True))
+                if isinstance(cont, Continuation) and isinstance(answer, _Answered)
+            ]
             handles = ingest_group(
-                [_cont(opened[i]) for i in good],
-                [_answered(asked[i]).routing for i in good],
+                [cont for _, cont, _ in good],
+                [answer.routing for _, _, answer in good],
                 writer=self._writer,
                 weight_version=version,
             )
-            return self._finish_all(opened, asked, dict(zip(good, handles, strict=True)), version)
+            written = {i: handle for (i, _, _), handle in zip(good, handles, strict=True)}
+            return self._finish_all(opened, asked, written, version)
 
     def _open(self, stack: ExitStack, state: RolloutState) -> Continuation | Exception:
         try:
@@ -301,16 +306,6 @@ class _Answered:
     """Its tokens, log-probs and finish reason."""
     routing: EngineRouting
     """Its routing rows (checked against the member's history)."""
-
-
-def _cont(opened: Continuation | Exception) -> Continuation:
-    assert isinstance(opened, Continuation)
-    return opened
-
-
-def _answered(asked: _Answered | Exception) -> _Answered:
-    assert isinstance(asked, _Answered)
-    return asked
 
 
 def _abandoned(cont: Continuation, error: Exception) -> Exception:
