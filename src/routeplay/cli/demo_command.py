@@ -17,16 +17,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from routeplay.core.wires import WIRE_NAMES
+from routeplay.cli.options import engine_format_option
 
 EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
-
-
-def parse_wire_name(value: str) -> str:
-    # The names come from the wire registry, so the CLI never lists them itself.
-    if value not in WIRE_NAMES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(WIRE_NAMES)}")
-    return value
 
 
 _TRAINER_DTYPES = {
@@ -46,14 +39,13 @@ def _trainer_dtype(value: str) -> str:
 def demo_command(
     engine_format: Annotated[
         str | None,
-        typer.Option(
-            "--engine-format",
-            parser=parse_wire_name,
-            metavar="[" + "|".join(WIRE_NAMES) + "]",
-            help="Wire format the engine speaks (recipe default: lmdeploy-key).",
+        engine_format_option(
+            "Wire format the engine speaks (default recipe: vllm; smoke: lmdeploy-key)."
         ),
     ] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="RL steps (recipe default: 16).")] = None,
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="RL steps (recipe default: 3; smoke: 2).")
+    ] = None,
     address: Annotated[
         str | None,
         typer.Option(help="Ray cluster to join (e.g. auto); default: start a local instance."),

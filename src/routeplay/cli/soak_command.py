@@ -14,8 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from routeplay.cli.demo_command import parse_wire_name
-from routeplay.core.wires import WIRE_NAMES
+from routeplay.cli.options import engine_format_option
 
 EXIT_OK, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2
 
@@ -42,12 +41,9 @@ def soak_command(
     ] = None,
     engine_format: Annotated[
         str | None,
-        typer.Option(
-            "--engine-format",
-            parser=parse_wire_name,
-            metavar="[" + "|".join(WIRE_NAMES) + "]",
-            help="Wire format the engine speaks (default: the smoke recipe's lmdeploy-key; "
-            "vllm or sglang run the group writes).",
+        engine_format_option(
+            "Wire format the engine speaks (default: the smoke recipe's lmdeploy-key; "
+            "vllm or sglang run the group writes)."
         ),
     ] = None,
     json_path: Annotated[
