@@ -49,7 +49,10 @@ def test_group_writes_under_faults_lose_only_the_faulty_members() -> None:
     report = run_soak(SoakConfig(steps=len(FAULT_KINDS), faults=faults, demo=demo))
     assert report.broken == ()
     assert report.samples_trained > 0
-    assert report.samples_lost.get("MalformedPayload", 0) > 0, report.samples_lost
+    # One sample per corrupted answer: a whole-group failure would lose the group.
+    malformed = report.faults_fired["malformed_payload"]
+    assert malformed > 0
+    assert report.samples_lost.get("MalformedPayload", 0) == malformed, report.samples_lost
     assert report.premature_releases == 0
     assert report.untyped_errors == 0
     assert (report.leaked_leases, report.leaked_bytes) == (0, 0)
