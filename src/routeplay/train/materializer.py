@@ -24,6 +24,24 @@ How the bytes move (what this module owns):
   for the next one (or closes); then the leases of samples that appear in no later
   micro-batch of this rank are released. ``close()`` (also on exceptions, via ``with``)
   stops the thread and releases every lease left; it is idempotent.
+
+Several passes over one step (XTuner's old log-probs, reference and update passes; R2's
+record then replay): ``passes=N`` reads every micro-batch of the rank ``N`` times, pass
+after pass, each read copied fresh from the store, so memory stays at ``(prefetch + 1)``
+micro-batch shards per pass, never the whole step. The leases are held through every
+pass and each ends once, when the last pass moves past that sample's last micro-batch
+(or at ``close()``, also on exceptions). ``next_pass()`` hands out one pass at a time::
+
+    with Materializer(store, plan, coords, leases=leases, passes=3) as m:
+        old = [old_logprobs(mb) for mb in m.next_pass()]
+        ref = [ref_logprobs(mb) for mb in m.next_pass()]
+        for mb in m.next_pass():
+            update(mb)
+
+Iterating the materializer itself yields every pass in a row (``item.pass_index`` tells
+them apart). The alternative, one materializer per pass with the step's own leases kept
+outside (a leaseless materializer reads without ending anything), works too; then the
+caller ends the step's leases after the last pass.
 """
 
 from __future__ import annotations
@@ -81,6 +99,8 @@ class MicroBatchRoutes:
     """``[local_tokens, L, K]`` expert ids in the canonical dtype."""
     mask: npt.NDArray[np.bool_]
     """``[local_tokens]``: True where a row is a sample's routing, False on padding."""
+    pass_index: int = 0
+    """Pass over the step this read belongs to (``Materializer(passes=...)``)."""
 
     @property
     def nbytes(self) -> int:
@@ -93,11 +113,13 @@ class MaterializerStats:
     """A snapshot of one materializer's reads, memory and leases."""
 
     micro_batches: int
-    """Micro-batches this rank trains in the step."""
+    """Micro-batches this rank trains in the step (per pass)."""
+    passes: int
+    """Passes over the step (each reads every micro-batch once)."""
     micro_batches_done: int
-    """Micro-batches consumed so far."""
+    """Micro-batches consumed so far, summed over passes."""
     reads: int
-    """``read_many`` calls made (one per micro-batch read)."""
+    """``read_many`` calls made (one per micro-batch read, per pass)."""
     bytes_read: int
     """Sample routing bytes copied out of the store (padding excluded)."""
     block_bytes: int
@@ -176,6 +198,15 @@ class Materializer:
     raises: the caller never gets an object to release them through, and ``with`` cannot
     help. ``order`` lists the micro-batch indices in the order the trainer consumes
     them (default: the plan's micro-batches of ``coords.dp_rank``, in plan order).
+    ``passes`` is how many times the trainer goes over them, in that order each time
+    (see the module docstring): leases end after the last pass.
+
+    Example:
+        >>> with Materializer(store, plan, coords, leases=leases, passes=2) as m:
+        ...     for mb in m.next_pass():
+        ...         old_logprobs(mb.routes)
+        ...     for mb in m.next_pass():
+        ...         update(mb.routes)
     """
 
     def __init__(
@@ -187,13 +218,16 @@ class Materializer:
         leases: Mapping[str, Lease] | None = None,
         prefetch: int = 1,
         order: Sequence[int] | None = None,
+        passes: int = 1,
         name: str = "",
     ) -> None:
         # The leases are ours from this call on: a refusal below releases them (the
         # caller has no object left to release them through).
         self._leases: dict[str, Lease] = dict(leases or {})
         try:
-            self._setup(store, plan, coords, prefetch=prefetch, order=order, name=name)
+            self._setup(
+                store, plan, coords, prefetch=prefetch, order=order, passes=passes, name=name
+            )
         except BaseException as exc:
             self._release_refused(exc)
             raise
@@ -206,21 +240,29 @@ class Materializer:
         *,
         prefetch: int,
         order: Sequence[int] | None,
+        passes: int,
         name: str,
     ) -> None:
         if prefetch < 0:
             raise MisuseError("prefetch must be non-negative", found=prefetch)
+        if passes < 1:
+            raise MisuseError("passes must be at least 1", found=passes)
         self._store = store
         self._plan = plan
         self._coords = coords
         self._prefetch = prefetch
         self.name = name or f"materializer {coords.describe()}"
         self._order = self._check_order(order)
+        self._passes = passes
+        # Every read the rank makes, in consumption order: (pass, micro-batch).
+        self._stream = tuple((p, mb) for p in range(passes) for mb in self._order)
+        self._passes_begun = 0
         # This rank's positions of every pack, computed (and checked) before any read.
         self._ranges = [local_ranges(pack, coords) for pack in plan.packs]
         self._check_sources()
         self._release_after = self._lease_schedule()
-        longest = max((p.length for p in plan.packs), default=0)
+        # The longest padding run is one range (SP zero-padding may run past a pack's end).
+        longest = max((b - a for ranges in self._ranges for a, b in ranges), default=0)
         self._padding = InlineSource(array=padding_rows(plan.spec, longest))
         self._buffers = _Buffers(plan.spec, keep=prefetch + 2)
         # The local store backend is plain Python without locks: this rank's reads (the
@@ -280,9 +322,10 @@ class Materializer:
                     )
 
     def _lease_schedule(self) -> dict[int, list[str]]:
-        """Position in ``order`` after whose consumption each leased sample is released."""
+        """Position in the read stream after whose consumption each leased sample is
+        released: its last micro-batch of the last pass."""
         last: dict[str, int] = {}
-        for position, mb in enumerate(self._order):
+        for position, (_, mb) in enumerate(self._stream):
             for sample in self._plan.samples_of(mb):
                 last[sample.sample_id] = position
         stray = sorted(set(self._leases) - set(last))
@@ -331,7 +374,7 @@ class Materializer:
             mask[lo:hi] = True
         return Handle(spec, segments), mask, sum(hi - lo for lo, hi in spans)
 
-    def _build(self, mb: int) -> MicroBatchRoutes:
+    def _build(self, pass_index: int, mb: int) -> MicroBatchRoutes:
         packs = self._plan.micro_batches[mb]
         handle, mask, real_rows = self._rows_handle(packs)
         buffer = self._buffers.take(handle.rows)
@@ -340,7 +383,9 @@ class Materializer:
                 [(handle, 0, handle.rows)], holder=self.name, out=[buffer]
             )
         del buffer
-        item = MicroBatchRoutes(index=mb, packs=packs, routes=routes, mask=mask)
+        item = MicroBatchRoutes(
+            index=mb, packs=packs, routes=routes, mask=mask, pass_index=pass_index
+        )
         with self._stats_lock:
             c = self._counts
             c["reads"] += 1
@@ -354,11 +399,11 @@ class Materializer:
     # -- the prefetch thread -----------------------------------------------------------------
     def _produce(self) -> None:
         try:
-            for mb in self._order:
+            for pass_index, mb in self._stream:
                 self._slots.acquire()  # a slot frees when the consumer moves past an item
                 if self._stop.is_set():
                     return
-                self._ready.put(self._build(mb))
+                self._ready.put(self._build(pass_index, mb))
             self._ready.put(_DONE)
         except BaseException as exc:  # handed to the consumer, who re-raises it
             self._ready.put(_Failed(exc))
@@ -376,10 +421,10 @@ class Materializer:
     def _next_ready(self) -> object:
         if self._thread is not None:
             return self._ready.get()
-        if self._position >= len(self._order):
+        if self._position >= len(self._stream):
             return _DONE
         try:
-            return self._build(self._order[self._position])
+            return self._build(*self._stream[self._position])
         except BaseException as exc:
             return _Failed(exc)
 
@@ -403,6 +448,44 @@ class Materializer:
         self._current = item
         self._position += 1
         return item
+
+    def next_pass(self) -> Iterator[MicroBatchRoutes]:
+        """The next pass over this rank's micro-batches, in ``order``; the one before
+        must be finished. Leases end as the last pass moves past their samples.
+
+        Example:
+            >>> for mb in m.next_pass():               # old log-probs
+            ...     old.append(forward(mb.routes))
+        """
+        size = len(self._order)
+        begun = self._passes_begun
+        if begun >= self._passes:
+            raise MisuseError(
+                "every pass of this materializer was begun",
+                expected=f"at most {self._passes} calls of next_pass()",
+                where=self.name,
+                hint="Pass passes= to the Materializer for as many passes as the step makes.",
+            )
+        if self._closed and size:
+            raise MisuseError(
+                "the materializer is closed",
+                where=self.name,
+                hint="A closed materializer (an exception, or close()) released its leases.",
+            )
+        if self._position != begun * size:
+            unfinished = self._position < begun * size
+            raise MisuseError(
+                f"pass {begun - 1} is not finished"
+                if unfinished
+                else "micro-batches were read past the passes begun (next() mixed with "
+                "next_pass())",
+                expected=f"{begun * size} micro-batches consumed",
+                found=self._position,
+                where=self.name,
+                hint="Consume every micro-batch of a pass before the next one, or close().",
+            )
+        self._passes_begun += 1
+        return _Pass(self, stop=(begun + 1) * size)
 
     def _consume_current(self) -> None:
         """The consumer moved on: drop the item, free its slot, end finished leases."""
@@ -467,6 +550,7 @@ class Materializer:
             c = dict(self._counts)
         return MaterializerStats(
             micro_batches=len(self._order),
+            passes=self._passes,
             micro_batches_done=c["done"],
             reads=c["reads"],
             bytes_read=c["bytes_read"],
@@ -479,8 +563,30 @@ class Materializer:
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self._position}/{len(self._order)}"
+        state = "closed" if self._closed else f"{self._position}/{len(self._stream)}"
         return f"Materializer({self.name}, {state})"
+
+
+class _Pass:
+    """One pass of a materializer: its items, then StopIteration at the pass's end."""
+
+    def __init__(self, owner: Materializer, *, stop: int) -> None:
+        self._owner = owner
+        self._stop = stop  # stream position one past this pass's last item
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> MicroBatchRoutes:
+        owner = self._owner
+        if owner._position >= self._stop:
+            # The consumer moved past the pass's last item: it counts as consumed now (its
+            # slot frees, finished leases end), not when the next pass begins.
+            owner._consume_current()
+            if self._stop >= len(owner._stream):
+                owner.close()
+            raise StopIteration
+        return next(owner)
 
 
 def _overlapping(pack: Pack, start: int, stop: int) -> Iterator[PackedSample]:

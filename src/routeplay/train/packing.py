@@ -23,11 +23,27 @@ CP splits (``RankCoords.cp_split``), each named for the trainers that lay tokens
 - ``contiguous``: rank ``r`` holds the r-th of ``cp`` equal chunks of the pack (slime's
   all-gather CP for sparse attention, llama3-style ring attention).
 
+SP splits (``RankCoords.sp_split``):
+
+- ``even``: the CP-local stream must split into ``sp_size`` equal parts (refused
+  otherwise: choose the pack length as a multiple of ``2 * cp * sp``).
+- ``pad_to_multiple``: XTuner's ``SequenceContext.split`` (SP without CP): the pack is
+  zero-padded at its end to a multiple of ``sp_size``, then cut into ``sp_size``
+  contiguous equal parts. The padded positions ``[length, ceil(length / sp) * sp)`` lie
+  past the pack's end: ``local_ranges`` names them like pack positions, and the
+  materializer fills them with padding rows (distinct ids, mask False), never zeros.
+
+A trainer that decides its own packs (XTuner's ``TrainingController._packing``: samples
+back to back, a padded tail, and whole padding packs so every DP rank trains as many
+micro-batches) describes them with ``PackingPlan.from_packs``; ``pack_samples`` is
+routeplay's own greedy packer.
+
 Invariants kept by construction: a sample's handle has exactly ``tokens - 1`` rows (a
 ``RowCountMismatch`` otherwise, raised when the plan is built, before any read); samples
 of a pack do not overlap and fit in its length; every pack belongs to exactly one
 micro-batch; sample ids are unique in a plan; all handles share the plan's spec; over all
-``cp_size * sp_size`` ranks, ``local_ranges`` covers each pack position exactly once.
+``cp_size * sp_size`` ranks, ``local_ranges`` covers each pack position exactly once
+(and, with ``pad_to_multiple``, each SP padding position past the pack's end once).
 """
 
 from __future__ import annotations
@@ -43,17 +59,29 @@ from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch
 __all__ = [
     "CpSplit",
     "Pack",
+    "PackItem",
     "PackedSample",
     "PackingPlan",
     "RankCoords",
+    "SpSplit",
     "local_ranges",
     "local_tokens",
     "pack_samples",
     "seq_alignment",
 ]
 
+PackItem: TypeAlias = (
+    "tuple[str, Handle, int] | tuple[str, Handle, int, tuple[int, int]] | PackedSample"
+)
+"""One entry of a trainer's pack (``PackingPlan.from_packs``): ``(sample_id, handle,
+tokens)`` places the sample's rows right after the previous entry; ``(sample_id, handle,
+tokens, (start, stop))`` places only its routing rows ``[start, stop)`` (a trainable
+segment); a ``PackedSample`` keeps the trainer's own offset and span."""
+
 CpSplit: TypeAlias = Literal["per_sequence", "pack_zigzag", "contiguous"]
 _CP_SPLITS: tuple[CpSplit, ...] = ("per_sequence", "pack_zigzag", "contiguous")
+SpSplit: TypeAlias = Literal["even", "pad_to_multiple"]
+_SP_SPLITS: tuple[SpSplit, ...] = ("even", "pad_to_multiple")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,6 +231,85 @@ class PackingPlan:
                 found=self.dp_ranks,
             )
 
+    @classmethod
+    def from_packs(
+        cls,
+        packs: Iterable[Iterable[PackItem]],
+        *,
+        pack_max_length: int | None = None,
+        dp_size: int = 1,
+        packs_per_micro_batch: int = 1,
+        pad_dp: bool = True,
+        spec: RouteSpec | None = None,
+    ) -> PackingPlan:
+        """A plan from packs the trainer decided itself (XTuner's ``_packing``).
+
+        Each pack lists its entries (``PackItem``) in position order: a tuple entry goes
+        right after the previous entry's sequence, from position 0, as XTuner concatenates
+        its samples' ``input_ids``. Every pack is ``pack_max_length`` long (the tail past its
+        last entry is padding), or, when ``pack_max_length`` is None, ends at its last entry.
+        An empty pack is a whole padding pack. Consecutive packs form micro-batches of
+        ``packs_per_micro_batch``, dealt round-robin over ``dp_size`` data-parallel ranks
+        (XTuner: pack ``i`` to DP rank ``i % dp_size``). With ``pad_dp`` the micro-batches
+        are padded up to a multiple of ``dp_size`` with micro-batches of one empty pack
+        (``pack_max_length`` long, or as long as the longest pack), as XTuner pads DP, so every
+        rank trains as many micro-batches. Row counts are checked here, before any read:
+        a handle must hold ``tokens - 1`` rows (``RowCountMismatch``), a row range must lie
+        inside them. ``spec`` defaults to the first entry's.
+
+        Example:
+            >>> plan = PackingPlan.from_packs(
+            ...     [[("a", ha, 9), ("b", hb, 5)], [("c", hc, 12, (4, 11))]],
+            ...     pack_max_length=16, dp_size=4)          # 2 packs + 2 DP padding packs
+            >>> plan.schedule(3)                        # DP rank 3 trains padding only
+            (3,)
+        """
+        if min(dp_size, packs_per_micro_batch, pack_max_length or 1) < 1:
+            raise MisuseError(
+                "pack_max_length, dp_size and packs_per_micro_batch must be positive",
+                found=(pack_max_length, dp_size, packs_per_micro_batch),
+            )
+        placed = [_place(index, pack) for index, pack in enumerate(packs)]
+        if spec is None:
+            spec = next((s.handle.spec for pack in placed for s in pack), None)
+        if spec is None:
+            raise MisuseError(
+                "a plan without samples needs a spec", hint="Pass spec= to from_packs."
+            )
+
+        def length(index: int, samples: tuple[PackedSample, ...]) -> int:
+            end = samples[-1].end if samples else 0
+            if pack_max_length is None:
+                if not samples:
+                    raise MisuseError(
+                        "an empty pack needs a length",
+                        where=f"pack {index}",
+                        hint="Pass pack_max_length= (XTuner: pack_max_length).",
+                    )
+                return end
+            if end > pack_max_length:
+                raise MisuseError(
+                    "pack is longer than pack_max_length",
+                    expected=f"at most {pack_max_length} positions",
+                    found=f"{end} positions",
+                    where=f"pack {index}",
+                )
+            return pack_max_length
+
+        built = [Pack(samples=p, length=length(i, p)) for i, p in enumerate(placed)]
+        groups = list(_chunks(range(len(built)), packs_per_micro_batch))
+        if pad_dp and groups and len(groups) % dp_size:
+            pad = pack_max_length or max(p.length for p in built)
+            for _ in range(dp_size - len(groups) % dp_size):
+                groups.append((len(built),))
+                built.append(Pack(samples=(), length=pad))
+        return cls(
+            spec=spec,
+            packs=tuple(built),
+            micro_batches=tuple(groups),
+            dp_ranks=tuple(i % dp_size for i in range(len(groups))),
+        )
+
     def schedule(self, dp_rank: int = 0) -> tuple[int, ...]:
         """Indices of the micro-batches ``dp_rank`` trains, in plan order."""
         if self.dp_ranks is None:
@@ -232,6 +339,10 @@ class RankCoords:
     """How CP cuts a pack (see the module docstring): ``per_sequence`` (Megatron THD,
     verl, slime, NeMo-RL), ``pack_zigzag`` (Megatron BSHD) or ``contiguous``. All agree
     when ``cp_size == 1``."""
+    sp_split: SpSplit = "even"
+    """How SP cuts the CP-local stream (see the module docstring): ``even`` (refuses a
+    stream that does not split evenly) or ``pad_to_multiple`` (XTuner: zero-pad the pack
+    to a multiple of ``sp_size``, SP without CP only)."""
 
     def __post_init__(self) -> None:
         for rank, size, label in (
@@ -248,6 +359,16 @@ class RankCoords:
             raise MisuseError("dp_rank must be non-negative", found=self.dp_rank)
         if self.cp_split not in _CP_SPLITS:
             raise MisuseError("unknown cp_split", expected=_CP_SPLITS, found=self.cp_split)
+        if self.sp_split not in _SP_SPLITS:
+            raise MisuseError("unknown sp_split", expected=_SP_SPLITS, found=self.sp_split)
+        if self.sp_split == "pad_to_multiple" and self.cp_size > 1:
+            raise MisuseError(
+                "SP zero-padding is defined for SP without CP",
+                expected="cp_size=1 with sp_split='pad_to_multiple'",
+                found=f"cp_size={self.cp_size}",
+                hint="XTuner pads a pack to a multiple of sp_size and has no CP; with CP, "
+                "pad each sequence instead (pack_samples(..., seq_align=seq_alignment(...))).",
+            )
 
     def describe(self) -> str:
         """Short label for holders and logs, e.g. ``dp0/cp1/sp3``."""
@@ -276,11 +397,15 @@ def local_ranges(pack: Pack | int, coords: RankCoords) -> list[tuple[int, int]]:
     CP cuts the pack first (``coords.cp_split``), SP then splits the CP-local stream into
     ``sp_size`` contiguous equal parts. Adjacent ranges are merged; an SP part may straddle
     CP chunks and then has several ranges. ``per_sequence`` needs the ``Pack`` (its
-    sequences); the other splits need only its length.
+    sequences); the other splits need only its length. With
+    ``sp_split="pad_to_multiple"`` a range may run past the pack's length: those
+    positions are XTuner's SP zero-padding (padding rows).
 
     Example:
         >>> local_ranges(16, RankCoords(cp_size=2, cp_rank=1, cp_split="pack_zigzag"))
         [(4, 12)]
+        >>> local_ranges(10, RankCoords(sp_size=4, sp_rank=3, sp_split="pad_to_multiple"))
+        [(9, 12)]
     """
     length = pack if isinstance(pack, int) else pack.length
     cp, sp = coords.cp_size, coords.sp_size
@@ -295,13 +420,19 @@ def local_ranges(pack: Pack | int, coords: RankCoords) -> list[tuple[int, int]]:
     else:
         cp_local = _whole_pack_chunks(length, coords)
     local = sum(stop - start for start, stop in cp_local)
+    if local % sp and coords.sp_split == "pad_to_multiple":
+        # SP without CP (RankCoords refuses CP here): the stream is the pack itself, so
+        # stream positions are pack positions, the padded ones past its end.
+        part = -(-local // sp)
+        return [(coords.sp_rank * part, (coords.sp_rank + 1) * part)]
     if local % sp:
         raise MisuseError(
             "the CP-local tokens do not split evenly over the SP ranks",
             expected=f"a multiple of {sp} tokens per CP rank",
             found=f"{local} tokens (pack of {length})",
             where=f"cp_size={cp} ({coords.cp_split}), sp_size={sp}",
-            hint="Choose pack_max_length as a multiple of 2 * cp_size * sp_size.",
+            hint="Choose pack_max_length as a multiple of 2 * cp_size * sp_size, or "
+            "zero-pad each pack as XTuner does (RankCoords(sp_split='pad_to_multiple')).",
         )
     part = local // sp
     return _slice_stream(cp_local, coords.sp_rank * part, (coords.sp_rank + 1) * part)
@@ -461,6 +592,39 @@ def pack_samples(
         micro_batches=groups,
         dp_ranks=tuple(i % dp_size for i in range(len(groups))),
     )
+
+
+def _place(index: int, entries: Iterable[PackItem]) -> tuple[PackedSample, ...]:
+    """A trainer's pack entries as packed samples, tuples back to back from position 0."""
+    out: list[PackedSample] = []
+    for entry in entries:
+        if isinstance(entry, PackedSample):
+            out.append(entry)
+            continue
+        end = out[-1].end if out else 0
+        if len(entry) == 3:
+            sample_id, handle, tokens = entry
+            out.append(PackedSample(sample_id=sample_id, handle=handle, tokens=tokens, offset=end))
+            continue
+        sample_id, handle, tokens, (start, stop) = entry
+        # The whole sample's rows first (the rollout's contract), then the range in them.
+        PackedSample(sample_id=sample_id, handle=handle, tokens=tokens, offset=0)
+        if not 0 <= start < stop <= tokens - 1:
+            raise MisuseError(
+                "a packed row range must lie inside the sample's routing rows",
+                expected=f"0 <= start < stop <= {tokens - 1}",
+                found=(start, stop),
+                where=f"sample {sample_id} (pack {index})",
+            )
+        out.append(
+            PackedSample(
+                sample_id=sample_id,
+                handle=handle.slice(start, stop),
+                tokens=stop - start + 1,
+                offset=end,
+            )
+        )
+    return tuple(out)
 
 
 def _chunks(items: Sequence[int], size: int) -> tuple[tuple[int, ...], ...]:

@@ -189,7 +189,9 @@ class ReplaySource:
     many tokens it flattened. A repeated id would run that expert twice for the token and
     drop one of its K experts (zero padding rows do exactly this), so it is refused, never
     replayed. ``check_ids=False`` skips the id checks for routes already validated
-    (canonical ``Routes`` are never re-checked).
+    (canonical ``Routes`` are never re-checked). ``ids`` takes a MoE layer index,
+    ``decoder_ids`` a decoder layer index (for routers a framework indexes over every
+    decoder layer, as XTuner's do).
 
     Example:
         >>> source = ReplaySource(mb.routes, spec)
@@ -203,6 +205,7 @@ class ReplaySource:
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
         self._columns = tuple(range(spec.num_layers))
+        self._moe_of = {d: m for m, d in enumerate(spec.moe_layer_indices())}
         self._lock = threading.Lock()
         self._calls = self._recomputes = self._rows = self._peak = 0
         if isinstance(routes, Routes):
@@ -285,6 +288,60 @@ class ReplaySource:
             self._rows += rows
             self._peak = max(self._peak, ids.numel() * ids.element_size())
         return ids
+
+    def moe_layer(self, decoder_layer: int) -> int | None:
+        """MoE layer index of decoder layer ``decoder_layer`` (the spec's layer map);
+        None for a dense decoder layer. Refuses an index outside the model's decoder
+        layers (``SpecMismatch``).
+
+        Example:
+            >>> [source.moe_layer(i) for i in range(3)]   # layer_map=(1, 2)
+            [None, 0, 1]
+        """
+        total = self._spec.decoder_layers
+        if not 0 <= decoder_layer < total:
+            raise SpecMismatch(
+                "decoder layer index out of range",
+                expected=f"0 <= decoder layer < {total}",
+                found=decoder_layer,
+                hint="Index routers by decoder layer over every decoder layer, dense ones "
+                "included (XTuner's layer_idx over num_hidden_layers).",
+            )
+        return self._moe_of.get(decoder_layer)
+
+    def decoder_ids(
+        self, decoder_layer: int, *, device: torch.device, rows: int, where: str = ""
+    ) -> torch.Tensor:
+        """Decoder layer ``decoder_layer``'s expert ids as int64 ``[rows, K]`` on ``device``.
+
+        The accessor for routers a framework owns and indexes by decoder layer (XTuner's
+        ``GreedyRouter`` / ``NoAuxRouter``, called with ``rollout_routed_experts`` by each
+        ``MoEDecoderLayer`` over all ``num_hidden_layers``): the spec's layer map picks the
+        MoE column, then ``ids`` widens it on the device with every replay check (rows,
+        shape, and for a provider range and distinct ids; arrays were checked when the
+        source was built). A dense decoder layer has no routing: ``SpecMismatch``.
+
+        Example:
+            >>> source = ReplaySource(mb.routes, spec)
+            >>> # in MoEDecoderLayer.forward, before self.gate(hidden_states, ids):
+            >>> ids = source.decoder_ids(self.layer_idx, device=h.device, rows=h.shape[0])
+        """
+        moe = self.moe_layer(decoder_layer)
+        if moe is None:
+            raise SpecMismatch(
+                "decoder layer is dense in the spec: it has no routing to replay",
+                expected=f"a MoE decoder layer of {self._spec.moe_layer_indices()}",
+                found=decoder_layer,
+                where=where or f"decoder layer {decoder_layer}",
+                hint="Check the spec's layer_map against the model (XTuner: "
+                "first_k_dense_replace dense layers come first).",
+            )
+        return self.ids(
+            moe,
+            device=device,
+            rows=rows,
+            where=where or f"decoder layer {decoder_layer} (MoE layer {moe})",
+        )
 
     def stats(self) -> ReplayStats:
         """Calls, recomputes and widened bytes so far."""
