@@ -67,6 +67,13 @@ def test_qwen_mlp_only_layers_and_sparse_step_become_a_layer_map() -> None:
     spec = spec_from_hf_config(config)
     assert spec.layer_map == (1, 5)
     assert spec.decoder_layers == 6
+    # Decoder layer -> payload column, as routers indexed by decoder layer ask for it.
+    assert [spec.moe_layer(d) for d in range(6)] == [None, 0, None, None, None, 1]
+    assert [preset("deepseek-v3").moe_layer(d) for d in (0, 2, 3, 60)] == [None, None, 0, 57]
+    with pytest.raises(SpecMismatch, match="out of range"):
+        spec.moe_layer(6)
+    plain = RouteSpec(num_layers=3, top_k=1, num_experts=4)
+    assert [plain.moe_layer(d) for d in range(3)] == [0, 1, 2]
 
 
 @pytest.mark.parametrize(

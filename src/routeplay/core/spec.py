@@ -7,6 +7,7 @@ payload of a model has one dtype and one byte size per row.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 from typing import Final
@@ -121,6 +122,26 @@ class RouteSpec:
     def moe_layer_indices(self) -> tuple[int, ...]:
         """Decoder-layer index of every MoE layer, in order."""
         return self.layer_map if self.layer_map is not None else tuple(range(self.num_layers))
+
+    def moe_layer(self, decoder_layer: int) -> int | None:
+        """MoE layer index (the payload's layer column) of a decoder layer; None when that
+        decoder layer is dense. Refuses an index outside the model's decoder layers.
+
+        Example:
+            >>> spec = RouteSpec(num_layers=2, top_k=2, num_experts=8, layer_map=(1, 3))
+            >>> [spec.moe_layer(d) for d in range(4)]
+            [None, 0, None, 1]
+        """
+        if not 0 <= decoder_layer < self.decoder_layers:
+            raise SpecMismatch(
+                "decoder layer index out of range",
+                expected=f"0 <= decoder layer < {self.decoder_layers}",
+                found=decoder_layer,
+                hint="Index by decoder layer over every decoder layer, dense ones included.",
+            )
+        layers = self.moe_layer_indices()
+        column = bisect.bisect_left(layers, decoder_layer)  # the layer map is increasing
+        return column if column < len(layers) and layers[column] == decoder_layer else None
 
     def __repr__(self) -> str:
         return f"RouteSpec({self.describe()})"

@@ -205,7 +205,6 @@ class ReplaySource:
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
         self._columns = tuple(range(spec.num_layers))
-        self._moe_of = {d: m for m, d in enumerate(spec.moe_layer_indices())}
         self._lock = threading.Lock()
         self._calls = self._recomputes = self._rows = self._peak = 0
         if isinstance(routes, Routes):
@@ -290,24 +289,15 @@ class ReplaySource:
         return ids
 
     def moe_layer(self, decoder_layer: int) -> int | None:
-        """MoE layer index of decoder layer ``decoder_layer`` (the spec's layer map);
-        None for a dense decoder layer. Refuses an index outside the model's decoder
-        layers (``SpecMismatch``).
+        """MoE layer index of decoder layer ``decoder_layer`` (``RouteSpec.moe_layer``:
+        the spec's layer map); None for a dense decoder layer. Refuses an index outside
+        the model's decoder layers (``SpecMismatch``).
 
         Example:
             >>> [source.moe_layer(i) for i in range(3)]   # layer_map=(1, 2)
             [None, 0, 1]
         """
-        total = self._spec.decoder_layers
-        if not 0 <= decoder_layer < total:
-            raise SpecMismatch(
-                "decoder layer index out of range",
-                expected=f"0 <= decoder layer < {total}",
-                found=decoder_layer,
-                hint="Index routers by decoder layer over every decoder layer, dense ones "
-                "included (XTuner's layer_idx over num_hidden_layers).",
-            )
-        return self._moe_of.get(decoder_layer)
+        return self._spec.moe_layer(decoder_layer)
 
     def decoder_ids(
         self, decoder_layer: int, *, device: torch.device, rows: int, where: str = ""
