@@ -2,6 +2,13 @@
 (``Materializer`` over a ``PackingPlan``) and router replay inside torch / HF
 transformers MoE models (``replay``, ``record``).
 
+Trainers that decide for themselves fit too (``docs/replay.md``, XTuner's flow): their own
+packs (``PackingPlan.from_packs``, whole padding packs for DP included), their SP split
+(``RankCoords(sp_split="pad_to_multiple")``: XTuner's zero-padding to a multiple of
+``sp``), several passes over one step with the leases ended once after the last
+(``Materializer(passes=3)`` and ``next_pass()``), and routers they own, indexed by decoder
+layer (``ReplaySource.decoder_ids``: layer map, int64 on the device, replay's checks).
+
 Names are resolved on first use (PEP 562), so ``import routeplay.train.packing`` or the
 materializer loads neither torch nor Ray: a trainer process pays only for what it uses.
 The torch primitives of replay live in ``routeplay.train.replay_core``; ``replay`` here is
