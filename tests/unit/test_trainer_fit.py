@@ -14,6 +14,7 @@ ids) and mask False, which is all the reference changes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -366,3 +367,27 @@ def test_passes_are_taken_in_turn() -> None:
     # A DP rank without micro-batches goes through its passes without reading anything.
     with Materializer(store, plan, RankCoords(dp_rank=1), passes=2) as idle:
         assert [list(idle.next_pass()) for _ in range(2)] == [[], []]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_memory_per_pass_is_bounded_by_micro_batches_not_the_step(prefetch: int) -> None:
+    store = new_store(f"passes-memory-{prefetch}")
+    packs, _ = xtuner_step(store, SPEC, [[9, 8]] * 10, seed=13)  # 10 packs of 15 rows
+    plan = PackingPlan.from_packs(packs, pack_max_length=16)
+    coords = RankCoords(sp_rank=1, sp_size=2)
+    shard = 8 * (SPEC.row_nbytes + 1)  # half a pack: routes and mask
+    leases = leases_of(store, plan, 0, "r")
+    with Materializer(store, plan, coords, leases=leases, prefetch=prefetch, passes=3) as m:
+        for _ in range(3):
+            for _ in m.next_pass():
+                # A trainer slower than the reads: let the read-ahead fill before moving on.
+                done = m.stats().micro_batches_done
+                want = min(prefetch + 1, 30 - done) * shard
+                deadline = time.monotonic() + 5
+                while m.stats().resident_bytes < want and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert m.stats().resident_bytes == want
+        stats = m.stats()
+    assert stats.peak_resident_bytes == (prefetch + 1) * shard  # of 30 reads in the step
+    assert stats.bytes_read == 3 * 10 * 7 * SPEC.row_nbytes  # each pass reads its rows again
+    assert holder_leases(store, "r") == 0
