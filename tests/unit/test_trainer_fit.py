@@ -256,6 +256,8 @@ def test_packs_of_token_ranges_and_placed_samples() -> None:
         PackingPlan.from_packs([[("a", whole, 12)]], pack_max_length=10)
     with pytest.raises(MisuseError, match="needs a length"):
         PackingPlan.from_packs([[("a", whole, 12)], []])
+    with pytest.raises(MisuseError, match="must be positive"):
+        PackingPlan.from_packs([[("a", whole, 12)]], pack_max_length=0)
     with pytest.raises(MisuseError, match="needs a spec"):
         PackingPlan.from_packs([[]], pack_max_length=4)
 

@@ -264,7 +264,8 @@ class PackingPlan:
             >>> plan.schedule(3)                        # DP rank 3 trains padding only
             (3,)
         """
-        if min(dp_size, packs_per_micro_batch, pack_max_length or 1) < 1:
+        lengths = () if pack_max_length is None else (pack_max_length,)
+        if min(dp_size, packs_per_micro_batch, *lengths) < 1:
             raise MisuseError(
                 "pack_max_length, dp_size and packs_per_micro_batch must be positive",
                 found=(pack_max_length, dp_size, packs_per_micro_batch),
@@ -284,7 +285,7 @@ class PackingPlan:
                     raise MisuseError(
                         "an empty pack needs a length",
                         where=f"pack {index}",
-                        hint="Pass pack_max_length= (XTuner: pack_max_length).",
+                        hint="Pass pack_max_length= (XTuner's padding packs are that long).",
                     )
                 return end
             if end > pack_max_length:
