@@ -166,9 +166,7 @@ class SessionSink(Protocol):
 class RowReader(Protocol):
     """What ``record`` needs: ``RouteStore.read_many``."""
 
-    def read_many(
-        self, requests: Sequence[tuple[Handle, int, int | None]]
-    ) -> list[npt.NDArray[Any]]: ...
+    def read_many(self, requests: Sequence[tuple[Handle, int, int]]) -> list[npt.NDArray[Any]]: ...
 
 
 class RoutesPutter(LeaseSource, Protocol):
@@ -182,8 +180,9 @@ _S = TypeVar("_S", bound="RoutedSample")
 
 class RoutedSample(Protocol):
     """Any sample the containers can hold: it exposes its ``SampleRouting`` and returns
-    itself (or a copy) carrying a new one. A mutable sample sets its field and returns
-    ``self``; a frozen one returns a replaced copy. ``SampleRouting`` is one itself.
+    itself (or a copy) carrying a new one; for a retry, with its response dropped too. A
+    mutable sample sets its fields and returns ``self``; a frozen one returns a replaced
+    copy. ``SampleRouting`` is one itself.
 
     Example:
         >>> class Sample(pydantic.BaseModel):  # doctest: +SKIP
@@ -196,6 +195,9 @@ class RoutedSample(Protocol):
         ...     def with_sample_routing(self, routing: SampleRouting) -> "Sample":
         ...         self.routing = routing
         ...         return self
+        ...     def reset_for_retry(self, routing: SampleRouting) -> "Sample":
+        ...         self.response_ids, self.status = [], Status.INIT
+        ...         return self.with_sample_routing(routing)
     """
 
     @property
@@ -205,6 +207,11 @@ class RoutedSample(Protocol):
 
     def with_sample_routing(self: _S, routing: SampleRouting) -> _S:
         """The sample carrying ``routing`` instead."""
+        ...
+
+    def reset_for_retry(self: _S, routing: SampleRouting) -> _S:
+        """The sample with its response dropped (pending regeneration), carrying
+        ``routing`` (already reset: ``expire_retryably().retry``)."""
         ...
 
 
@@ -264,6 +271,10 @@ class SampleRouting:
 
     def with_sample_routing(self, routing: SampleRouting) -> SampleRouting:
         """``routing`` (the ``RoutedSample`` protocol for a bare ``SampleRouting``)."""
+        return routing
+
+    def reset_for_retry(self, routing: SampleRouting) -> SampleRouting:
+        """``routing`` (a bare ``SampleRouting`` has no response of its own)."""
         return routing
 
     @property
@@ -719,7 +730,7 @@ class RoutingRecord:
             retries=self.retries,
             response_versions=self.response_versions,
         )
-        if self.array is None or not self.segments:
+        if self.array is None:
             return base
         where = f"checkpoint sample {self.sample_id}"
         routes = canonicalize(self.array, spec, where=where)
@@ -743,12 +754,11 @@ def record_routings(routings: Sequence[SampleRouting], store: RowReader) -> list
     Example:
         >>> records = record_routings([s.routing for s in samples], store)  # doctest: +SKIP
     """
-    routed = [r.handle for r in routings if r.handle is not None and r.handle.rows]
+    routed = [r.handle for r in routings if r.handle is not None]
     arrays = iter(store.read_many([(handle, 0, handle.rows) for handle in routed]))
     records = []
     for routing in routings:
         handle = routing.handle
-        has_rows = handle is not None and handle.rows > 0
         records.append(
             RoutingRecord(
                 sample_id=routing.sample_id,
@@ -760,7 +770,7 @@ def record_routings(routings: Sequence[SampleRouting], store: RowReader) -> list
                 segments=tuple((seg.rows, seg.weight_version) for seg in handle.segments)
                 if handle is not None
                 else (),
-                array=np.asarray(next(arrays)) if has_rows else None,
+                array=np.asarray(next(arrays)) if handle is not None else None,
             )
         )
     return records

@@ -193,6 +193,18 @@ class RolloutState:
             retries=routing.retries,
         )
 
+    def reset_for_retry(self, routing: SampleRouting) -> RolloutState:
+        """This state pending regeneration (no response, ``PENDING``), carrying
+        ``routing`` (already reset; the ``RoutedSample`` protocol the buffer calls)."""
+        return dataclasses.replace(
+            self.with_sample_routing(routing),
+            response_ids=(),
+            logprobs=(),
+            weight_versions=(),
+            status=Status.PENDING,
+            finish_reason=None,
+        )
+
     def oldest_version(self) -> int | None:
         """The oldest weight version among the response tokens and the routing rows
         (prompt rows included); None when the sample has neither yet."""
@@ -288,14 +300,7 @@ class RolloutState:
         """Drop the response and its routing for regeneration (pure: releases nothing;
         stuck leases in ``unreleased`` are kept, to be released later)."""
         self._check_no_live_lease("reset the response")
-        return dataclasses.replace(
-            self._step(self._routing_step().reset()),
-            response_ids=(),
-            logprobs=(),
-            weight_versions=(),
-            status=Status.PENDING,
-            finish_reason=None,
-        )
+        return self.reset_for_retry(self._routing_step().reset())
 
     def _routing_step(self) -> SampleRouting:
         return self.sample_routing
