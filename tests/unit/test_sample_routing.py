@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pydantic
 import pytest
+from faults import faulty_store
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -33,11 +34,13 @@ from routeplay.rollout import (
     Group,
     Origin,
     ReplayBuffer,
+    RolloutState,
     RoutingContinuation,
     RoutingRecord,
     SampleRouting,
     SessionLedger,
     StalenessBasis,
+    Status,
     TraceStore,
     TrainingBatch,
     load_buffer,
@@ -229,6 +232,20 @@ def test_complete_refuses_rows_that_disagree_with_the_tokens(store: RouteStore) 
     done.release()
 
 
+def test_rolloutstate_completes_through_its_routing(store: RouteStore) -> None:
+    state = RolloutState(sample_id="a", group_id="g", prompt_ids=tuple(range(PROMPT)))
+    routing = request(store, state.sample_routing, truth(8), PROMPT, FIRST, 2)
+    state = state.with_sample_routing(routing).extend((9,) * FIRST, (0.0,) * FIRST, 2)
+    assert state.complete("stop").status is Status.COMPLETED
+    with pytest.raises(RowCountMismatch):
+        state.extend((9,), (0.0,), 2).complete("stop")
+    assert state.staleness(5, StalenessBasis.RESPONSE_TOKENS) == 3
+    with pytest.raises(MisuseError, match="routing of sample a"):
+        state.with_sample_routing(SampleRouting(sample_id="b"))
+    state.release()
+    assert store.leaks() == []
+
+
 # -- stale values -----------------------------------------------------------------------
 def test_a_stale_value_or_copy_never_releases_a_later_holders_lease(store: RouteStore) -> None:
     first = request(store, SampleRouting(sample_id="a"), truth(8), PROMPT, FIRST, 0)
@@ -313,15 +330,17 @@ def test_one_routing_records_and_restores_by_value(store: RouteStore) -> None:
 
 # -- the state machine --------------------------------------------------------------------
 class RoutingMachine(RuleBasedStateMachine):
-    """Random steps on one sample, and releases of every stale value it left behind.
+    """Random steps on one sample, dead-shard releases, and releases of every stale value
+    it left behind.
 
-    Invariant: the store's live leases are exactly the current value's own lease (under
-    its holder), whatever stale values released; at the end, one release leaves none.
+    Invariant: the store's live leases are exactly those the current value names (its own
+    lease under its holder, and its stuck leases), whatever stale values released; at the
+    end, after the shard heals, one release leaves none.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = RouteStore.local(StoreConfig(run="machine"))
+        self.store, self.faults = faulty_store("machine")
         self.current = SampleRouting(sample_id="m")
         self.stale: list[SampleRouting] = []
         self.holder = ""
@@ -353,42 +372,56 @@ class RoutingMachine(RuleBasedStateMachine):
         self._step(self.current.take_over(holder))
         self.holder = holder
 
+    @precondition(lambda self: self.current.holds_lease)
+    @rule()
+    def the_shard_of_the_own_lease_dies(self) -> None:
+        assert self.current.lease is not None
+        self.faults.lose_releases(self.current.lease)
+
+    @rule()
+    def the_shard_heals(self) -> None:
+        self.faults.heal()
+
     @precondition(lambda self: self.current.handle is not None)
     @rule()
     def expire_retryably(self) -> None:
         retry, stuck, error = self.current.expire_retryably()
-        assert stuck is None
-        assert error is None
+        assert (stuck is None) == (error is None)
         assert retry.retries == self.current.retries + 1
+        assert not retry.holds_lease
+        assert retry.unreleased == ()
+        if stuck is not None:  # the stuck leases stay visible: keep them on the value
+            retry = dataclasses.replace(retry, unreleased=stuck.unreleased)
         self._step(retry)
-        self.holder = ""
 
     @rule()
     def discard(self) -> None:
-        after, error = self.current.discard()
-        assert error is None
+        after, _ = self.current.discard()
         self._step(after)
-        self.holder = ""
 
     @rule(data=st.data())
     def release_a_stale_value(self, data: st.DataObject) -> None:
         if self.stale:
-            data.draw(st.sampled_from(self.stale)).release()
+            data.draw(st.sampled_from(self.stale)).try_release()
 
     @rule()
     def bump_version(self) -> None:
         self.version += 1
 
     @invariant()
-    def only_the_current_lease_is_live(self) -> None:
-        expected = {self.holder: 1} if self.current.holds_lease else {}
-        assert holders(self.store) == expected
+    def the_store_holds_exactly_what_the_value_names(self) -> None:
+        named: dict[str, int] = {}
+        for lease in (self.current.lease, *self.current.unreleased):
+            if lease is not None and not lease.released:
+                named[lease.holder] = named.get(lease.holder, 0) + 1
+        assert holders(self.store) == named
         if self.current.holds_lease:
             assert self.current.lease is not None
             assert self.current.lease.holder == self.holder
             assert self.store.read(self.current.handle).shape[0] == self.current.rows  # type: ignore[arg-type]
 
     def teardown(self) -> None:
+        self.faults.heal()
         self.current.release()
         assert self.store.leaks() == []
         assert self.store.stats().live_payloads == 0
@@ -396,7 +429,7 @@ class RoutingMachine(RuleBasedStateMachine):
 
 TestRoutingMachine = RoutingMachine.TestCase
 TestRoutingMachine.settings = settings(
-    max_examples=25,
+    max_examples=50,
     stateful_step_count=10,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
