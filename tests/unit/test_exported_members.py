@@ -128,6 +128,8 @@ EXPORTS: dict[str, list[str]] = {
         "continuation",
         "load_buffer",
         "record_routings",
+        "record_sample",
+        "restore_sample",
         "sample_holder",
         "save_buffer",
         "session_holder",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -45,6 +46,8 @@ from routeplay.rollout import (
     TrainingBatch,
     load_buffer,
     record_routings,
+    record_sample,
+    restore_sample,
     save_buffer,
 )
 from routeplay.rollout.fake_engines import FakeSglang
@@ -325,6 +328,29 @@ def test_one_routing_records_and_restores_by_value(store: RouteStore) -> None:
         RoutingRecord.from_json({"segments": [[1, 0]]}, None)
     [empty] = record_routings([SampleRouting(sample_id="e")], store)
     assert empty.restore(store, SPEC) == SampleRouting(sample_id="e")
+    assert store.leaks() == []
+
+
+def test_one_sample_of_any_type_records_and_restores(store: RouteStore) -> None:
+    state = RolloutState(sample_id="a", group_id="g", prompt_ids=tuple(range(PROMPT)))
+    routing = request(store, state.sample_routing, truth(8), PROMPT, FIRST, 2)
+    state = state.with_sample_routing(routing).extend((9,) * FIRST, (0.0,) * FIRST, 2)
+    record, rows = record_sample(state, store)
+    state.release()
+    back = restore_sample(json.loads(json.dumps(record)), rows, store, SPEC)
+    assert (back.response_ids, back.weight_versions, back.origin) == (
+        state.response_ids,
+        state.weight_versions,
+        Origin.RESTORED,
+    )
+    np.testing.assert_array_equal(store.read(back.routing), truth(8))
+    assert holders(store) == {"rollout/a": 1}
+    back.release()
+    sample = XSample(uid=3, group_uid=1, prompt_ids=[1, 2], routing=SampleRouting(sample_id="3"))
+    record, rows = record_sample(sample, store, codec=XCodec())
+    assert rows is None
+    again = restore_sample(record, rows, store, SPEC, codec=XCodec())
+    assert (type(again), again.uid, again.routing.handle) == (XSample, 3, None)
     assert store.leaks() == []
 
 

@@ -31,7 +31,13 @@ if TYPE_CHECKING:
     )
     from routeplay.rollout.batch import TrainingBatch
     from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
-    from routeplay.rollout.checkpoint import SampleCodec, load_buffer, save_buffer
+    from routeplay.rollout.checkpoint import (
+        SampleCodec,
+        load_buffer,
+        record_sample,
+        restore_sample,
+        save_buffer,
+    )
     from routeplay.rollout.lifecycle import (
         Continuation,
         borrow_prefix,
@@ -96,6 +102,8 @@ _HOME = {
     "continuation": "lifecycle",
     "load_buffer": "checkpoint",
     "record_routings": "sample_routing",
+    "record_sample": "checkpoint",
+    "restore_sample": "checkpoint",
     "sample_holder": "lifecycle",
     "save_buffer": "checkpoint",
     "session_holder": "trace_store",
@@ -139,6 +147,8 @@ __all__ = [
     "continuation",
     "load_buffer",
     "record_routings",
+    "record_sample",
+    "restore_sample",
     "sample_holder",
     "save_buffer",
     "session_holder",

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MalformedPayload
@@ -47,7 +48,15 @@ from routeplay.rollout.state import ROLLOUT_STATE_CODEC
 if TYPE_CHECKING:  # the client loads Ray; a restore only calls it
     from routeplay.store.client import RouteStore
 
-__all__ = ["FORMAT", "VERSION", "SampleCodec", "load_buffer", "save_buffer"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "SampleCodec",
+    "load_buffer",
+    "record_sample",
+    "restore_sample",
+    "save_buffer",
+]
 
 FORMAT = "routeplay.replay_buffer"
 VERSION = 2
@@ -169,6 +178,48 @@ def load_buffer(
     return buffer
 
 
+def record_sample(
+    sample: Any, store: RouteStore, *, codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC
+) -> tuple[dict[str, Any], npt.NDArray[Any] | None]:
+    """One sample's checkpoint: its record (JSON-safe, the same layout a buffer checkpoint
+    writes per sample) and its routing rows by value (None without routing). The sample
+    keeps its lease: recording reads, it never releases.
+
+    Example:
+        >>> record, rows = record_sample(state, store)  # doctest: +SKIP
+        >>> again = restore_sample(record, rows, store, spec)
+    """
+    [routing] = record_routings([sample.sample_routing], store)
+    array = routing.array
+    return _sample_record(codec, sample, routing, None if array is None else "rows"), array
+
+
+def restore_sample(
+    record: dict[str, Any],
+    array: npt.NDArray[Any] | None,
+    store: RouteStore,
+    spec: RouteSpec,
+    *,
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+) -> Any:
+    """The sample of ``record_sample``: its rows validated, stored anew and leased for the
+    sample (``rollout/<id>``), segments at their recorded weight versions, ``RESTORED``.
+
+    Example:
+        >>> state = restore_sample(record, rows, store, spec)  # doctest: +SKIP
+        >>> state.lease.holder
+        'rollout/a'
+    """
+    arrays = None if array is None else {"rows": array}
+    routing = _routing_record(record, arrays).restore(store, spec)
+    try:
+        return codec.from_record(record, routing)
+    except BaseException as exc:  # nobody will own the restored lease: end it
+        _, error = routing.discard()
+        attach_notes(exc, [error] if error is not None else [], "releasing the restored routing")
+        raise
+
+
 def _sample_record(
     codec: SampleCodec[Any], sample: Any, record: RoutingRecord, array: str | None
 ) -> dict[str, Any]:
@@ -209,7 +260,7 @@ def _routing_record(record: dict[str, Any], arrays: Any) -> RoutingRecord:
         "origin": record.get("origin", Origin.RESTORED.value),
         "retries": record.get("retries", 0),
     }
-    if routing is not None and arrays is not None:
+    if routing is not None and arrays is not None and routing.get("array") is not None:
         array = arrays[routing["array"]]
         meta["segments"] = _segments(routing, record)
         meta["prompt_tokens"] = routing.get("prompt_tokens")
