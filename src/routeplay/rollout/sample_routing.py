@@ -6,8 +6,8 @@ one ``SampleRouting`` as a field: the routing handle, the lease that keeps it al
 the leases whose release failed, the weight versions, and the lifecycle steps as
 methods. routeplay's own ``RolloutState`` embeds it the same way (``sample_routing``),
 and the containers (``ReplayBuffer``, ``TrainingBatch``, ``SessionLedger``, the
-checkpoint) take any ``RoutedSample``: a sample that exposes its ``SampleRouting`` and
-can return itself with a new one.
+checkpoint) take any ``RoutedSample``: a sample that exposes its ``SampleRouting``, can
+return itself with a new one, and can drop its response for a retry (three members).
 
 **Immutable.** A ``SampleRouting`` is a frozen value: every step returns the next value
 and never changes the one it was called on. A mutable sample stores the result
