@@ -35,7 +35,7 @@ from routeplay.pipeline.config import DemoConfig
 from routeplay.pipeline.meter import Meter, Sharing, StoreTotals, cluster_users
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
-from routeplay.rollout import ReplayBuffer, SessionLedger
+from routeplay.rollout import ReplayBuffer, RolloutState, SessionLedger
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
 from routeplay.store import RouteStore, StoreConfig, leave_engine_store, start_engine_store
 from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
@@ -134,7 +134,9 @@ class DemoServices:
             self._stack.callback(self.pool.close)
             # A session goes when its last waiting sample is trained, discarded or lost.
             self.sessions = SessionLedger(self.release_session)
-            self.buffer: ReplayBuffer = config.buffer.build(self.store, sessions=self.sessions)
+            self.buffer: ReplayBuffer[RolloutState] = config.buffer.build(
+                self.store, sessions=self.sessions
+            )
             self.groups = GroupAssembler()
             self.trainer: Trainer = config.trainer.build(config.engine, self.store)
             self.meter = Meter(self.store)  # last: the baseline is the started system

@@ -113,7 +113,9 @@ class Trainer:
         self.coords = RankCoords()
         self._optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
 
-    def step(self, batch: TrainingBatch, version: int, tally: ReplayTally) -> StepStats:
+    def step(
+        self, batch: TrainingBatch[RolloutState], version: int, tally: ReplayTally
+    ) -> StepStats:
         """Train once on ``batch`` (holding weights ``version``); adds to ``tally``."""
         states = {s.sample_id: s for s in batch.states}
         if not states:  # every group went stale: nothing to train this step

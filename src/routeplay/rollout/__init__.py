@@ -1,12 +1,14 @@
 """routeplay.rollout: samples between the engine and the trainer, on handles and leases.
 
-``RolloutState`` (one sample), engine adapters (``ADAPTERS``, ``stitch`` for partial
-rollouts), the sample lifecycle steps (``continuation``, ``Continuation``,
+``SampleRouting`` (one sample's routing and leases, with the lifecycle steps; any sample
+type embeds it and becomes a ``RoutedSample``), ``RolloutState`` (routeplay's own
+sample), engine adapters (``ADAPTERS``, ``stitch`` for partial rollouts), the sample
+lifecycle steps for ``RolloutState`` (``continuation``, ``Continuation``,
 ``store_turn``), the per-session token-trie ``TraceStore`` (served by the
 ``TraceStoreActor`` and called through ``TraceStoreClient``), the ``ReplayBuffer`` with
 staleness retries, the ``TrainingBatch`` hand-off and the ``SessionLedger`` (a session
-lives while one of its samples waits). Every holder releases only its own lease;
-nothing here ever guesses who owns routing.
+lives while one of its samples waits): the containers hold any ``RoutedSample``. Every
+holder releases only its own lease; nothing here ever guesses who owns routing.
 
 Names are resolved on first use (PEP 562): everything but the trace-store actor, its
 config and its client is plain Python and imports without Ray.
@@ -29,13 +31,28 @@ if TYPE_CHECKING:
     )
     from routeplay.rollout.batch import TrainingBatch
     from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
-    from routeplay.rollout.checkpoint import load_buffer, save_buffer
+    from routeplay.rollout.checkpoint import (
+        SampleCodec,
+        load_buffer,
+        record_sample,
+        restore_sample,
+        save_buffer,
+    )
     from routeplay.rollout.lifecycle import (
         Continuation,
         borrow_prefix,
         continuation,
         sample_holder,
         store_turn,
+    )
+    from routeplay.rollout.sample_routing import (
+        Expiry,
+        RoutedSample,
+        RoutingContinuation,
+        RoutingRecord,
+        SampleRouting,
+        StalenessBasis,
+        record_routings,
     )
     from routeplay.rollout.sessions import SessionLedger
     from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
@@ -55,6 +72,7 @@ _HOME = {
     "Continuation": "lifecycle",
     "EngineAdapter": "adapters",
     "Exported": "trace_store",
+    "Expiry": "sample_routing",
     "Group": "buffer",
     "HttpAdapter": "adapters",
     "Origin": "state",
@@ -62,10 +80,16 @@ _HOME = {
     "ProducerWriter": "adapters",
     "ReplayBuffer": "buffer",
     "RolloutState": "state",
+    "RoutedSample": "sample_routing",
     "RoutesWriter": "adapters",
+    "RoutingContinuation": "sample_routing",
     "RoutingKind": "state",
+    "RoutingRecord": "sample_routing",
+    "SampleCodec": "checkpoint",
+    "SampleRouting": "sample_routing",
     "SamplingPolicy": "buffer",
     "SessionLedger": "sessions",
+    "StalenessBasis": "sample_routing",
     "Status": "state",
     "TokenTrie": "token_trie",
     "TraceStore": "trace_store",
@@ -77,6 +101,9 @@ _HOME = {
     "borrow_prefix": "lifecycle",
     "continuation": "lifecycle",
     "load_buffer": "checkpoint",
+    "record_routings": "sample_routing",
+    "record_sample": "checkpoint",
+    "restore_sample": "checkpoint",
     "sample_holder": "lifecycle",
     "save_buffer": "checkpoint",
     "session_holder": "trace_store",
@@ -89,6 +116,7 @@ __all__ = [
     "BufferConfig",
     "Continuation",
     "EngineAdapter",
+    "Expiry",
     "Exported",
     "Group",
     "HttpAdapter",
@@ -97,10 +125,16 @@ __all__ = [
     "ProducerWriter",
     "ReplayBuffer",
     "RolloutState",
+    "RoutedSample",
     "RoutesWriter",
+    "RoutingContinuation",
     "RoutingKind",
+    "RoutingRecord",
+    "SampleCodec",
+    "SampleRouting",
     "SamplingPolicy",
     "SessionLedger",
+    "StalenessBasis",
     "Status",
     "TokenTrie",
     "TraceStore",
@@ -112,6 +146,9 @@ __all__ = [
     "borrow_prefix",
     "continuation",
     "load_buffer",
+    "record_routings",
+    "record_sample",
+    "restore_sample",
     "sample_holder",
     "save_buffer",
     "session_holder",

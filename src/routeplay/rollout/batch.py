@@ -12,7 +12,9 @@ It is a context manager: on exit, normal or by exception, it releases its leases
 then tells its trace sessions. With ``sessions`` (a ``SessionLedger``) each sample is
 *done*, and a session is released only when its last waiting sample is; with
 ``release_session`` every session the samples consumed is released at once (right only
-when no other waiting sample shares one). Each release runs even if an earlier one
+when no other waiting sample shares one). The samples are any ``RoutedSample``: the
+take-over is the two halves of ``SampleRouting.take_over`` (``claim`` for every sample,
+then ``hand_over``), the release its ``discard``. Each release runs even if an earlier one
 fails; the first failure is raised after all of them ran, and the samples whose release
 failed stay in ``release_failed()`` (the next ``close()`` retries them).
 """
@@ -21,24 +23,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Generic
 
 from routeplay.errors import MisuseError
-from routeplay.rollout.buffer import Group
+from routeplay.rollout.buffer import Group, S, release_samples
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
 from routeplay.rollout.sessions import SessionLedger
-from routeplay.rollout.state import RolloutState, release_states
 from routeplay.store.lease import Lease
 
 __all__ = ["TrainingBatch"]
 
 
-class TrainingBatch:
+class TrainingBatch(Generic[S]):
     """A step's samples, holding their routing until the step is over."""
 
     def __init__(
         self,
         step: int,
-        groups: Sequence[Group],
+        groups: Sequence[Group[S]],
         *,
         release_session: Callable[[str], object] | None = None,
         sessions: SessionLedger | None = None,
@@ -61,27 +63,30 @@ class TrainingBatch:
         self.step = step
         self.holder = f"train/step-{step}"
         states = [state for group in groups for state in group.states]
-        self.states: tuple[RolloutState, ...] = self._take_all(states)
-        self.sessions = sorted({s.session_id for s in self.states if s.session_id is not None})
+        self.states: tuple[S, ...] = self._take_all(states)
+        self.sessions = sorted(
+            {sid for s in self.states if (sid := s.sample_routing.session_id) is not None}
+        )
         self._release_session = release_session
         self._ledger = sessions
-        self._failed: list[RolloutState] = []
+        self._failed: list[S] = []
         self._closed = False
 
-    def _take_all(self, states: Sequence[RolloutState]) -> tuple[RolloutState, ...]:
+    def _take_all(self, states: Sequence[S]) -> tuple[S, ...]:
         """Clone every live lease for the batch, then end the originals."""
         clones: list[Lease | None] = []
         try:
             for state in states:
-                live = state.lease if state.holds_lease else None
-                clones.append(live.clone(self.holder) if live is not None else None)
+                clones.append(state.sample_routing.claim(self.holder))
         except BaseException as exc:  # nothing moved: the caller keeps every lease
             made = [clone for clone in clones if clone is not None]
             undo = attempt_each(made, Lease.release)
             attach_notes(exc, [e for _, e in undo], f"rolling back batch {self.step}")
             raise
         return tuple(
-            state if clone is None else state.swap_lease(clone)
+            state
+            if clone is None
+            else state.with_sample_routing(state.sample_routing.hand_over(clone))
             for state, clone in zip(states, clones, strict=True)
         )
 
@@ -103,17 +108,17 @@ class TrainingBatch:
             errors.extend(e for _, e in attempt_each(self.sessions, self._release_session))
         raise_first(errors, f"closing batch {self.step}")
 
-    def release_failed(self) -> tuple[RolloutState, ...]:
+    def release_failed(self) -> tuple[S, ...]:
         """Samples whose release failed at ``close()`` (their live leases in
         ``unreleased``), until a later ``close()`` releases them."""
         return tuple(self._failed)
 
-    def _release(self, states: Sequence[RolloutState]) -> list[Exception]:
-        failed, errors = release_states(states)
+    def _release(self, states: Sequence[S]) -> list[Exception]:
+        failed, errors = release_samples(states)
         self._failed.extend(failed)
         return errors
 
-    def __enter__(self) -> TrainingBatch:
+    def __enter__(self) -> TrainingBatch[S]:
         return self
 
     def __exit__(

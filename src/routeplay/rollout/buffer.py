@@ -8,9 +8,16 @@ stays valid, because the session holds its own lease); otherwise the group is
 discarded with the buffer's leases. ``sample`` hands groups out still leased; a
 ``TrainingBatch`` then takes those leases over.
 
-Staleness (``RolloutState.staleness``) counts the weight versions of the response tokens
-*and* of the routing rows, prompt rows borrowed from a trace session included: a retry
-at version 2 that reuses prompt rows stored at version 0 is 2 versions stale.
+Staleness (``SampleRouting.staleness``) counts, by default (``StalenessBasis.EVERY_ROW``),
+the weight versions of the response tokens *and* of the routing rows, prompt rows
+borrowed from a trace session included: a retry at version 2 that reuses prompt rows
+stored at version 0 is 2 versions stale. ``BufferConfig(staleness=RESPONSE_TOKENS)``
+counts the response tokens only, as XTuner does (that retry is then 0 versions stale).
+
+The buffer holds any ``RoutedSample`` (routeplay's ``RolloutState``, or a framework's own
+sample embedding a ``SampleRouting``): every lease move is a step of the sample's
+``SampleRouting`` (``claim`` + ``hand_over`` to take over, ``expire_retryably`` for a
+stale sample, ``discard`` for a dropped one), so the buffer never reaches into a sample.
 
 Releases on error paths: ``discard``, ``refresh`` and ``close`` attempt every sample's
 release, then raise the first error (``releasing.first_error``). A sample whose release
@@ -28,18 +35,44 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
+from routeplay.rollout.sample_routing import RoutedSample, StalenessBasis
 from routeplay.rollout.sessions import SessionLedger
-from routeplay.rollout.state import RolloutState, release_states
 from routeplay.store.lease import Lease
 
 if TYPE_CHECKING:  # the client loads Ray; the buffer only calls it
     from routeplay.store.client import RouteStore
 
-__all__ = ["BufferConfig", "BufferStats", "Group", "ReplayBuffer", "SamplingPolicy"]
+__all__ = [
+    "BufferConfig",
+    "BufferStats",
+    "Group",
+    "ReplayBuffer",
+    "SamplingPolicy",
+    "release_samples",
+]
+
+S = TypeVar("S", bound=RoutedSample)
+
+
+def release_samples(samples: Iterable[S]) -> tuple[list[S], list[Exception]]:
+    """``discard`` every sample's routing (all attempted); returns the samples whose
+    release failed, released (their live leases in ``unreleased``), and the errors.
+
+    Example:
+        >>> failed, errors = release_samples(group.states)  # doctest: +SKIP
+    """
+    failed: list[S] = []
+    errors: list[Exception] = []
+    for sample in samples:
+        after, error = sample.sample_routing.discard()
+        if error is not None:
+            failed.append(sample.with_sample_routing(after))
+            errors.append(error)
+    return failed, errors
 
 
 class SamplingPolicy(Enum):
@@ -61,8 +94,13 @@ class BufferConfig:
     """How often a stale sample may be regenerated before its group is discarded."""
     policy: SamplingPolicy = SamplingPolicy.FIFO
     """Order in which groups are sampled."""
+    staleness: StalenessBasis = StalenessBasis.EVERY_ROW
+    """Which weight versions staleness counts: every routing row and response token
+    (default), or the response tokens only (XTuner's rule)."""
 
-    def build(self, store: RouteStore, *, sessions: SessionLedger | None = None) -> ReplayBuffer:
+    def build(
+        self, store: RouteStore, *, sessions: SessionLedger | None = None
+    ) -> ReplayBuffer[Any]:
         """An empty buffer over ``store`` (``sessions``: told of every discarded sample).
 
         Example:
@@ -72,19 +110,23 @@ class BufferConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Group:
+class Group(Generic[S]):
     """The samples of one prompt, trained together."""
 
     group_id: str
     """Group id (also the buffer's holder suffix)."""
-    states: tuple[RolloutState, ...]
+    states: tuple[S, ...]
     """The samples, each holding its own lease."""
     added: int = 0
     """Insertion order (FIFO)."""
 
-    def staleness(self, current_version: int) -> int:
-        """Staleness of the stalest sample (response tokens and routing rows)."""
-        return max((s.staleness(current_version) for s in self.states), default=0)
+    def staleness(
+        self, current_version: int, basis: StalenessBasis = StalenessBasis.EVERY_ROW
+    ) -> int:
+        """Staleness of the stalest sample (``basis``: which versions count)."""
+        return max(
+            (s.sample_routing.staleness(current_version, basis) for s in self.states), default=0
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,16 +146,16 @@ class BufferStats:
 
 
 @dataclass(slots=True)
-class _Counters:
+class _Counters(Generic[S]):
     retried: int = 0
     discarded: int = 0
     sampled: int = 0
     order: int = 0
-    retry_queue: list[RolloutState] = field(default_factory=list)
-    release_failed: list[RolloutState] = field(default_factory=list)
+    retry_queue: list[S] = field(default_factory=list)
+    release_failed: list[S] = field(default_factory=list)
 
 
-class ReplayBuffer:
+class ReplayBuffer(Generic[S]):
     """Completed groups, their leases, staleness retries and discards."""
 
     def __init__(
@@ -122,15 +164,15 @@ class ReplayBuffer:
         self.store = store
         self.config = config
         self._sessions = sessions
-        self._groups: dict[str, Group] = {}
-        self._counts = _Counters()
+        self._groups: dict[str, Group[S]] = {}
+        self._counts: _Counters[S] = _Counters()
 
     @staticmethod
     def holder(group_id: str) -> str:
         """The lease holder name the buffer uses for a group."""
         return f"buffer/{group_id}"
 
-    def add(self, group_id: str, states: Sequence[RolloutState]) -> None:
+    def add(self, group_id: str, states: Sequence[S]) -> None:
         """Take over the samples: each sample's lease moves to the buffer (no data moves)."""
         if group_id in self._groups:
             raise MisuseError("group already in the buffer", where=f"group {group_id}")
@@ -155,13 +197,13 @@ class ReplayBuffer:
         """
         retried, discarded, errors = [], [], []
         for group in list(self._groups.values()):
-            if group.staleness(current_version) <= self.config.max_staleness:
+            if group.staleness(current_version, self.config.staleness) <= self.config.max_staleness:
                 continue
             del self._groups[group.group_id]
-            if all(s.retries < self.config.max_retries for s in group.states):
+            if all(s.sample_routing.retries < self.config.max_retries for s in group.states):
                 for state in group.states:
                     errors.extend(self._retry(state))
-                    retried.append(state.sample_id)
+                    retried.append(state.sample_routing.sample_id)
             else:
                 errors.extend(self._end(group.states))
                 discarded.append(group.group_id)
@@ -170,23 +212,24 @@ class ReplayBuffer:
         raise_first(errors, f"refreshing the buffer at version {current_version}")
         return retried, discarded
 
-    def requeue(self, states: Sequence[RolloutState]) -> None:
+    def requeue(self, states: Sequence[S]) -> None:
         """Put samples (holding no lease) on the retry queue, e.g. after a restore."""
         for state in states:
-            if state.holds_lease:
-                raise MisuseError("a queued retry must not hold a lease", where=state.sample_id)
+            routing = state.sample_routing
+            if routing.holds_lease:
+                raise MisuseError("a queued retry must not hold a lease", where=routing.sample_id)
         self._counts.retry_queue.extend(states)
 
-    def pending_retries(self) -> tuple[RolloutState, ...]:
+    def pending_retries(self) -> tuple[S, ...]:
         """Samples waiting for regeneration (not removed)."""
         return tuple(self._counts.retry_queue)
 
-    def take_retries(self) -> list[RolloutState]:
+    def take_retries(self) -> list[S]:
         """Samples reset for regeneration (they hold no lease)."""
         out, self._counts.retry_queue = self._counts.retry_queue, []
         return out
 
-    def sample(self, groups: int, current_version: int) -> list[Group]:
+    def sample(self, groups: int, current_version: int) -> list[Group[S]]:
         """Up to ``groups`` fresh groups, removed from the buffer, still holding its leases."""
         self.refresh(current_version)
         order = sorted(self._groups.values(), key=lambda g: self._rank(g, current_version))
@@ -209,7 +252,7 @@ class ReplayBuffer:
         raise_first(self._end(group.states), f"discarding group {group_id}")
         return True
 
-    def groups(self) -> list[Group]:
+    def groups(self) -> list[Group[S]]:
         """Groups waiting, in insertion order (for checkpoints and inspection)."""
         return sorted(self._groups.values(), key=lambda g: g.added)
 
@@ -223,15 +266,19 @@ class ReplayBuffer:
             sampled_groups=self._counts.sampled,
             waiting_retries=len(self._counts.retry_queue),
             release_failed=len(self._counts.release_failed),
-            stuck_leases=sum(len(s.unreleased) for s in self._everything() if s.stuck),
+            stuck_leases=sum(
+                len(s.sample_routing.unreleased)
+                for s in self._everything()
+                if s.sample_routing.stuck
+            ),
         )
 
-    def release_failed(self) -> tuple[RolloutState, ...]:
+    def release_failed(self) -> tuple[S, ...]:
         """Samples whose release failed: they hold no own lease, their live leases are
         in ``unreleased`` (``close()`` retries them)."""
         return tuple(self._counts.release_failed)
 
-    def take_release_failed(self) -> list[RolloutState]:
+    def take_release_failed(self) -> list[S]:
         """Hand the release-failed samples (and their live leases) to the caller, e.g.
         to revoke them once the dead holder is known; the buffer forgets them."""
         out, self._counts.release_failed = self._counts.release_failed, []
@@ -254,7 +301,7 @@ class ReplayBuffer:
             errors.extend(self._end(self._groups.pop(group_id).states))
         raise_first(errors, "closing the replay buffer")
 
-    def __enter__(self) -> ReplayBuffer:
+    def __enter__(self) -> ReplayBuffer[S]:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -263,25 +310,25 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def _claim(self, state: RolloutState, holder: str) -> Lease | None:
-        """The buffer's own lease on the state's routing (a clone of the caller's)."""
-        if state.lease is not None and not state.lease.released:
-            return state.lease.clone(holder)
-        if state.routing is not None:
-            return self.store.acquire(state.routing, holder)
-        return None
+    def _claim(self, state: S, holder: str) -> Lease | None:
+        """The buffer's own lease on the sample's routing (a clone of the caller's)."""
+        return state.sample_routing.claim(holder, self.store)
 
     @staticmethod
-    def _move(state: RolloutState, lease: Lease | None) -> RolloutState:
+    def _move(state: S, lease: Lease | None) -> S:
         """Finish the transfer: the caller's lease ends, the buffer's takes its place. A
         caller's lease whose release fails rides along in ``unreleased`` (the group is in
         the buffer either way; the buffer retries it when it releases the sample)."""
-        return state if lease is None else state.swap_lease(lease)
+        return (
+            state
+            if lease is None
+            else state.with_sample_routing(state.sample_routing.hand_over(lease))
+        )
 
-    def _end(self, states: Iterable[RolloutState], *, done: bool = True) -> list[Exception]:
+    def _end(self, states: Iterable[S], *, done: bool = True) -> list[Exception]:
         """Release each sample; keep the ones that failed; tell the session ledger."""
         states = list(states)
-        failed, errors = release_states(states)
+        failed, errors = release_samples(states)
         self._counts.release_failed.extend(failed)
         if done and self._sessions is not None:
             try:
@@ -290,24 +337,21 @@ class ReplayBuffer:
                 errors.append(exc)
         return errors
 
-    def _retry(self, state: RolloutState) -> list[Exception]:
+    def _retry(self, state: S) -> list[Exception]:
         """Queue a stale sample for regeneration; a stuck lease stays with the buffer."""
-        after, error = state.try_release()
-        if error is None:
-            self._counts.retry_queue.append(after.reset_response())
-            return []
-        self._counts.release_failed.append(after)
-        clean, _ = after.take_unreleased()
-        self._counts.retry_queue.append(clean.reset_response())
-        return [error]
+        retry, stuck, error = state.sample_routing.expire_retryably()
+        if stuck is not None:
+            self._counts.release_failed.append(state.with_sample_routing(stuck))
+        self._counts.retry_queue.append(state.reset_for_retry(retry))
+        return [] if error is None else [error]
 
-    def _everything(self) -> Iterable[RolloutState]:
+    def _everything(self) -> Iterable[S]:
         for group in self._groups.values():
             yield from group.states
         yield from self._counts.retry_queue
         yield from self._counts.release_failed
 
-    def _rank(self, group: Group, current_version: int) -> tuple[int, int]:
+    def _rank(self, group: Group[S], current_version: int) -> tuple[int, int]:
         if self.config.policy is SamplingPolicy.STALENESS_FIRST:
-            return (-group.staleness(current_version), group.added)
+            return (-group.staleness(current_version, self.config.staleness), group.added)
         return (0, group.added)

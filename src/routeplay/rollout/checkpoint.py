@@ -5,10 +5,18 @@ routing handle's segments as ``[rows, weight_version]``) and ``routing.npz`` (on
 canonical array per sample). References to the object store are never saved: they
 would not survive the process, and pickled refs have no owner. ``np.load`` runs with
 ``allow_pickle=False`` and every array is validated again on load (a checkpoint is
-outside data). Loading puts each array into the store once and the buffer leases it;
-queued retries come back without routing (they regenerate). A load that fails halfway
-releases whatever it leased and drops whatever it stored, every step attempted, the
-cleanup's own failures attached as notes to the error that stopped the load.
+outside data). Loading puts each array into the store once, leases it for its sample
+(``RoutingRecord.restore``) and the buffer takes it over; queued retries come back
+without routing (they regenerate). A load that fails halfway releases whatever it
+leased, every step attempted, the cleanup's own failures attached as notes to the error
+that stopped the load.
+
+Any ``RoutedSample`` can be checkpointed: the routing part of each record is its
+``SampleRouting`` (``sample_id``, ``session_id``, ``origin``, ``retries``, the routing's
+array and segments), the rest is the sample's own, written and read by a
+``SampleCodec`` (``ROLLOUT_STATE_CODEC`` by default, for routeplay's ``RolloutState``).
+A single sample's routing is recorded and restored with ``SampleRouting.record`` /
+``RoutingRecord.restore`` (``record_routings`` for many with one read).
 
 Format versions: 2 (current) records ``origin``, ``retries``, ``routing_kind`` and
 per-segment weight versions; 1 (older) had none of them and still loads, with routing
@@ -19,56 +27,124 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
-from routeplay.core.handle import Handle, Segment
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize
 from routeplay.errors import MalformedPayload
-from routeplay.rollout.buffer import BufferConfig, ReplayBuffer
+from routeplay.rollout.buffer import BufferConfig, ReplayBuffer, release_samples
 from routeplay.rollout.releasing import attach_notes, attempt_each
-from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
+from routeplay.rollout.sample_routing import (
+    Origin,
+    RoutedSample,
+    RoutingRecord,
+    SampleRouting,
+    record_routings,
+)
+from routeplay.rollout.state import ROLLOUT_STATE_CODEC
 
 if TYPE_CHECKING:  # the client loads Ray; a restore only calls it
     from routeplay.store.client import RouteStore
 
-__all__ = ["FORMAT", "VERSION", "load_buffer", "save_buffer"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "SampleCodec",
+    "load_buffer",
+    "record_sample",
+    "restore_sample",
+    "save_buffer",
+]
 
 FORMAT = "routeplay.replay_buffer"
 VERSION = 2
 
+S = TypeVar("S", bound=RoutedSample)
+S_co = TypeVar("S_co", bound=RoutedSample, covariant=True)
 
-def save_buffer(buffer: ReplayBuffer, folder: Path, spec: RouteSpec) -> None:
-    """Write every waiting group and queued retry, routing by value."""
+
+class SampleCodec(Protocol, Generic[S]):
+    """How a checkpoint writes and reads a sample's own fields (everything but its
+    ``SampleRouting``); ``RolloutStateCodec`` is routeplay's.
+
+    Example:
+        >>> class XtunerCodec:  # doctest: +SKIP
+        ...     def to_record(self, s): return {"prompt_ids": s.prompt_ids, ...}
+        ...     def from_record(self, record, routing): return Sample(..., routing=routing)
+    """
+
+    def to_record(self, sample: S) -> dict[str, Any]:
+        """The sample's own fields, JSON-safe (keys other than the routing's)."""
+        ...
+
+    def from_record(self, record: dict[str, Any], routing: SampleRouting) -> S:
+        """The sample from ``to_record``'s fields, carrying ``routing``."""
+        ...
+
+
+_ROUTING_KEYS = ("sample_id", "session_id", "origin", "retries", "routing")
+
+
+def save_buffer(
+    buffer: ReplayBuffer[Any],
+    folder: Path,
+    spec: RouteSpec,
+    *,
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+) -> None:
+    """Write every waiting group and queued retry, routing by value.
+
+    Example:
+        >>> save_buffer(buffer, Path("ckpt/step-3"), spec)  # doctest: +SKIP
+    """
     folder.mkdir(parents=True, exist_ok=True)
     waiting = buffer.groups()
-    states = [s for g in waiting for s in g.states] + list(buffer.pending_retries())
-    routed = [(s, s.routing) for s in states if s.routing is not None]
+    samples = [s for g in waiting for s in g.states] + list(buffer.pending_retries())
+    routings = [s.sample_routing for s in samples]
     # One batched read for the whole buffer: one metadata call per shard, each block once.
-    rows = buffer.store.read_many([(handle, 0, handle.rows) for _, handle in routed])
-    names = {id(s): f"r{i}" for i, (s, _) in enumerate(routed)}  # by identity: ids may repeat
-    arrays = {names[id(s)]: array for (s, _), array in zip(routed, rows, strict=True)}
-    groups = [
-        {"group_id": g.group_id, "states": [_state_record(s, names) for s in g.states]}
-        for g in waiting
+    records = record_routings(routings, buffer.store)
+    names: dict[int, str] = {}
+    arrays: dict[str, Any] = {}
+    for i, record in enumerate(records):
+        if record.array is not None:
+            names[i] = f"r{len(arrays)}"  # by position: sample ids may repeat
+            arrays[names[i]] = record.array
+    entries = [
+        _sample_record(codec, sample, record, names.get(i))
+        for i, (sample, record) in enumerate(zip(samples, records, strict=True))
     ]
-    retries = [_state_record(s, names) for s in buffer.pending_retries()]
+    cut = sum(len(g.states) for g in waiting)
+    groups, start = [], 0
+    for group in waiting:
+        stop = start + len(group.states)
+        groups.append({"group_id": group.group_id, "states": entries[start:stop]})
+        start = stop
     meta = {
         "format": FORMAT,
         "version": VERSION,
         "spec": _spec_record(spec),
         "groups": groups,
-        "retries": retries,
+        "retries": entries[cut:],
     }
     save: Any = np.savez  # its stub types **arrays as the allow_pickle flag
     save(folder / "routing.npz", allow_pickle=False, **arrays)
     (folder / "buffer.json").write_text(json.dumps(meta), encoding="utf-8")
 
 
-def load_buffer(folder: Path, store: RouteStore, config: BufferConfig) -> ReplayBuffer:
-    """A buffer holding the checkpoint's groups, its routing stored anew and leased."""
+def load_buffer(
+    folder: Path,
+    store: RouteStore,
+    config: BufferConfig,
+    *,
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+) -> ReplayBuffer[Any]:
+    """A buffer holding the checkpoint's groups, its routing stored anew and leased.
+
+    Example:
+        >>> buffer = load_buffer(Path("ckpt/step-3"), store, BufferConfig())  # doctest: +SKIP
+    """
     meta = json.loads((folder / "buffer.json").read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT or meta.get("version") not in (1, 2):
         raise MalformedPayload(
@@ -78,81 +154,118 @@ def load_buffer(folder: Path, store: RouteStore, config: BufferConfig) -> Replay
             where=str(folder),
         )
     spec = _spec_from_record(meta["spec"])
-    buffer = config.build(store)
-    pending: list[RolloutState] = []  # stored, not yet owned by the buffer
+    buffer = config.build(store, sessions=None)
+    pending: list[Any] = []  # restored and leased, not yet owned by the buffer
     try:
         with np.load(folder / "routing.npz", allow_pickle=False) as arrays:
             for group in meta["groups"]:
                 for record in group["states"]:
-                    pending.append(_restore(record, spec, store, arrays))
+                    routing = _routing_record(record, arrays).restore(store, spec)
+                    pending.append(codec.from_record(record, routing))
                 buffer.add(group["group_id"], pending)
                 pending = []
             # Queued retries regenerate: their old routing is neither stored nor kept.
-            retries = [_restore(record, spec, None, arrays) for record in meta.get("retries", [])]
+            retries = [
+                codec.from_record(record, _routing_record(record, None).restore(store, spec))
+                for record in meta.get("retries", [])
+            ]
     except BaseException as exc:  # a half-loaded checkpoint leaves no lease, no payload
         cleanup = [e for _, e in attempt_each([buffer], ReplayBuffer.close)]
-        cleanup += [e for _, e in attempt_each(pending, lambda state: _drop(store, state))]
+        cleanup += release_samples(pending)[1]
         attach_notes(exc, cleanup, f"cleaning up the checkpoint {folder} that failed to load")
         raise
     buffer.requeue(retries)
     return buffer
 
 
-def _drop(store: RouteStore, state: RolloutState) -> None:
-    """A payload stored for a state nobody will own: one lease and its release drop it."""
-    if state.routing is not None and state.routing.rows:
-        store.acquire(state.routing, "checkpoint/discard").release()
+def record_sample(
+    sample: Any, store: RouteStore, *, codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC
+) -> tuple[dict[str, Any], npt.NDArray[Any] | None]:
+    """One sample's checkpoint: its record (JSON-safe, the same layout a buffer checkpoint
+    writes per sample) and its routing rows by value (None without routing). The sample
+    keeps its lease: recording reads, it never releases.
+
+    Example:
+        >>> record, rows = record_sample(state, store)  # doctest: +SKIP
+        >>> again = restore_sample(record, rows, store, spec)
+    """
+    [routing] = record_routings([sample.sample_routing], store)
+    array = routing.array
+    return _sample_record(codec, sample, routing, None if array is None else "rows"), array
 
 
-def _state_record(state: RolloutState, names: dict[int, str]) -> dict[str, Any]:
+def restore_sample(
+    record: dict[str, Any],
+    array: npt.NDArray[Any] | None,
+    store: RouteStore,
+    spec: RouteSpec,
+    *,
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+) -> Any:
+    """The sample of ``record_sample``: its rows validated, stored anew and leased for the
+    sample (``rollout/<id>``), segments at their recorded weight versions, ``RESTORED``.
+
+    Example:
+        >>> state = restore_sample(record, rows, store, spec)  # doctest: +SKIP
+        >>> state.lease.holder
+        'rollout/a'
+    """
+    arrays = None if array is None else {"rows": array}
+    routing = _routing_record(record, arrays).restore(store, spec)
+    try:
+        return codec.from_record(record, routing)
+    except BaseException as exc:  # nobody will own the restored lease: end it
+        _, error = routing.discard()
+        attach_notes(exc, [error] if error is not None else [], "releasing the restored routing")
+        raise
+
+
+def _sample_record(
+    codec: SampleCodec[Any], sample: Any, record: RoutingRecord, array: str | None
+) -> dict[str, Any]:
+    own = codec.to_record(sample)
+    clash = set(own) & set(_ROUTING_KEYS)
+    if clash:
+        raise MalformedPayload(
+            "a sample codec wrote keys the routing record owns",
+            expected=f"none of {list(_ROUTING_KEYS)}",
+            found=sorted(clash),
+            where=f"sample {record.sample_id}",
+        )
     routing = None
-    if state.routing is not None:
-        segments = [[seg.rows, seg.weight_version] for seg in state.routing.segments]
-        routing = {"array": names[id(state)], "segments": segments}
+    if array is not None:
+        routing = {
+            "array": array,
+            "segments": [list(seg) for seg in record.segments],
+            "prompt_tokens": record.prompt_tokens,
+            "response_versions": list(record.response_versions),
+        }
     return {
-        "sample_id": state.sample_id,
-        "group_id": state.group_id,
-        "session_id": state.session_id,
-        "prompt_ids": list(state.prompt_ids),
-        "response_ids": list(state.response_ids),
-        "logprobs": list(state.logprobs),
-        "weight_versions": list(state.weight_versions),
-        "status": state.status.value,
-        "finish_reason": state.finish_reason,
-        "routing_kind": state.routing_kind.value,
-        "origin": state.origin.value,
-        "retries": state.retries,
+        "sample_id": record.sample_id,
+        "session_id": record.session_id,
+        **own,
+        "origin": record.origin.value,
+        "retries": record.retries,
         "routing": routing,
     }
 
 
-def _restore(
-    record: dict[str, Any], spec: RouteSpec, store: RouteStore | None, arrays: Any
-) -> RolloutState:
-    """A state from its record; its routing stored anew (not at all without ``store``)."""
+def _routing_record(record: dict[str, Any], arrays: Any) -> RoutingRecord:
+    """The routing part of a sample record (``arrays`` None: leave the rows out)."""
     routing = record.get("routing")
-    handle = None
-    if routing is not None and store is not None:
-        where = f"checkpoint sample {record['sample_id']}"
-        routes = canonicalize(arrays[routing["array"]], spec, where=where)
-        stored = store.put(routes)
-        handle = _with_versions(stored, spec, _segments(routing, record))
-    kind = record.get("routing_kind", RoutingKind.MOE.value)
-    return RolloutState(
-        sample_id=record["sample_id"],
-        group_id=record["group_id"],
-        session_id=record.get("session_id"),
-        prompt_ids=tuple(record["prompt_ids"]),
-        response_ids=tuple(record["response_ids"]),
-        logprobs=tuple(record["logprobs"]),
-        weight_versions=tuple(record["weight_versions"]),
-        status=Status(record["status"]),
-        finish_reason=record.get("finish_reason"),
-        routing_kind=RoutingKind(kind),
-        routing=handle,
-        origin=Origin.RESTORED if handle is not None else Origin.NONE,
-        retries=int(record.get("retries", 0)),
-    )
+    array = None
+    meta = {
+        "sample_id": record["sample_id"],
+        "session_id": record.get("session_id"),
+        "origin": record.get("origin", Origin.RESTORED.value),
+        "retries": record.get("retries", 0),
+    }
+    if routing is not None and arrays is not None and routing.get("array") is not None:
+        array = arrays[routing["array"]]
+        meta["segments"] = _segments(routing, record)
+        meta["prompt_tokens"] = routing.get("prompt_tokens")
+        meta["response_versions"] = routing.get("response_versions", [])
+    return RoutingRecord.from_json(meta, array)
 
 
 def _segments(routing: dict[str, Any], record: dict[str, Any]) -> list[tuple[int, int]]:
@@ -160,21 +273,6 @@ def _segments(routing: dict[str, Any], record: dict[str, Any]) -> list[tuple[int
         return [(int(rows), int(version)) for rows, version in routing["segments"]]
     versions = record.get("weight_versions") or [0]  # version 1: one version for the sample
     return [(-1, int(routing.get("weight_version", min(versions))))]
-
-
-def _with_versions(stored: Handle, spec: RouteSpec, segments: list[tuple[int, int]]) -> Handle:
-    """The stored payload, cut back into the recorded (rows, weight version) segments."""
-    if not stored.segments:  # a sample with no routing rows yet
-        return stored
-    source = stored.segments[0].source
-    parts, start = [], 0
-    for rows, version in segments:
-        stop = stored.rows if rows < 0 else start + rows
-        parts.append(
-            Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
-        )
-        start = stop
-    return Handle(spec, parts)
 
 
 def _spec_from_record(record: dict[str, Any]) -> RouteSpec:

@@ -39,16 +39,21 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError
 from routeplay.rollout.adapters import EngineAdapter, RoutesWriter, new_rows
-from routeplay.rollout.releasing import attach_notes
-from routeplay.rollout.state import Origin, RolloutState
+from routeplay.rollout.sample_routing import (
+    LeaseSource,
+    PrefixSource,
+    RoutingContinuation,
+    SessionSink,
+    prefix_holder,
+    sample_holder,
+)
+from routeplay.rollout.state import Origin, RolloutState, RoutingKind
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -74,12 +79,6 @@ __all__ = [
 ]
 
 
-class LeaseSource(Protocol):
-    """What ``finish`` needs from a store: ``RouteStore.acquire``."""
-
-    def acquire(self, handle: Handle, holder: str) -> Lease: ...
-
-
 class BatchWriter(Protocol):
     """What ``ingest_group`` writes through: ``RouteStore.put_many`` (or a producer's
     ``ProducerWriter.put_many``)."""
@@ -94,32 +93,10 @@ class BatchWriter(Protocol):
     ) -> list[Handle]: ...
 
 
-class PrefixSource(Protocol):
-    """What ``borrow_prefix`` needs: ``TraceStore.export`` (or ``TraceStoreClient``'s)."""
-
-    def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None: ...
-
-
-class SessionSink(Protocol):
-    """What ``store_turn`` needs: ``TraceStore.insert`` (or ``TraceStoreClient``'s)."""
-
-    def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None: ...
-
-
-def sample_holder(sample_id: str) -> str:
-    """The holder name of a sample's own lease (``rollout/<id>``)."""
-    return f"rollout/{sample_id}"
-
-
-def prefix_holder(sample_id: str) -> str:
-    """The holder name of the lease a sample borrows a session prefix under."""
-    return f"rollout/{sample_id}/prefix"
-
-
 def borrow_prefix(traces: PrefixSource, state: RolloutState) -> Exported | None:
     """Hand the longest stored prefix of ``state``'s prompt in its trace session to the
     sample, under a lease of the sample's own (``prefix_holder``); None when the sample
-    has no session or nothing is reusable.
+    has no session or nothing is reusable (``SampleRouting.borrow_prefix``).
 
     Ownership: the sample's lease and the session's are separate. Releasing the session
     never invalidates the borrowed rows; releasing the borrowed lease never touches the
@@ -131,9 +108,7 @@ def borrow_prefix(traces: PrefixSource, state: RolloutState) -> Exported | None:
         >>> exported.lease.holder
         'rollout/c/prefix'
     """
-    if state.session_id is None:
-        return None
-    return traces.export(state.session_id, state.prompt_ids, prefix_holder(state.sample_id))
+    return state.sample_routing.borrow_prefix(traces, state.prompt_ids)
 
 
 def continuation(state: RolloutState, traces: PrefixSource | None = None) -> Continuation:
@@ -150,48 +125,50 @@ def continuation(state: RolloutState, traces: PrefixSource | None = None) -> Con
         ...     cont.rows == interrupted.routing.rows
         True
     """
-    if state.routing is not None:
-        return Continuation(state, history=state.routing, borrowed=None)
-    exported = borrow_prefix(traces, state) if traces is not None else None
-    if exported is None:
-        return Continuation(state, history=None, borrowed=None)
-    return Continuation(state, history=exported.handle, borrowed=exported.lease)
+    inner = state.sample_routing.continuation(traces, state.prompt_ids)
+    return Continuation(state, history=inner.history, borrowed=inner.borrowed)
 
 
 class Continuation:
-    """One request of one sample: the history it continues and the lease it borrowed.
+    """One request of one ``RolloutState``: a ``RoutingContinuation`` (the history it
+    continues, the lease it borrowed) whose ``finish`` returns the next state.
 
     Made by ``continuation()``. ``ingest`` stores the answer's new rows, ``finish`` swaps
     the leases in the safe order and attaches the routing; leaving the ``with`` block
     without ``finish`` ends the borrowed lease (and only that one).
     """
 
-    __slots__ = ("_done", "borrowed", "history", "state")
+    __slots__ = ("routing", "state")
 
     def __init__(
         self, state: RolloutState, *, history: Handle | None, borrowed: Lease | None
     ) -> None:
         self.state = state
         """The input sample (its own lease, if any, ends in ``finish``)."""
-        self.history = history
+        self.routing = RoutingContinuation(state.sample_routing, history=history, borrowed=borrowed)
+        """The request on the sample's ``SampleRouting`` (the steps live there)."""
+
+    @property
+    def history(self) -> Handle | None:
         """Rows the request continues (None: none)."""
-        self.borrowed = borrowed
+        return self.routing.history
+
+    @property
+    def borrowed(self) -> Lease | None:
         """The sample's lease on a borrowed session prefix, ended by ``finish``."""
-        self._done = False
+        return self.routing.borrowed
 
     @property
     def rows(self) -> int:
         """History rows the answer must not store again (the request's start row where
         the engine takes one)."""
-        return self.history.rows if self.history is not None else 0
+        return self.routing.rows
 
     @property
     def origin(self) -> Origin:
         """Who produced the rows of the finished sample: a resume keeps its origin, a
         session turn is ``BORROWED``, a fresh sample ``PRODUCED``."""
-        if self.state.routing is not None:
-            return self.state.origin
-        return Origin.BORROWED if self.borrowed is not None else Origin.PRODUCED
+        return self.routing.origin
 
     def ingest(
         self,
@@ -216,20 +193,20 @@ class Continuation:
             >>> handle = cont.ingest(ADAPTERS["sglang"], body, spec=spec,  # doctest: +SKIP
             ...                      writer=store, weight_version=1, start_row=cont.rows)
         """
-        self._check_open("ingest an answer")
-        return adapter.ingest(
+        return self.routing.ingest(
+            adapter,
             response,
             spec=spec,
             writer=writer,
             weight_version=weight_version,
-            history=self.history,
-            where=where or f"sample {self.state.sample_id}",
             start_row=start_row,
+            where=where,
         )
 
     def finish(self, store: LeaseSource, handle: Handle) -> RolloutState:
         """Lease ``handle`` for the sample, *then* end the leases it replaces (the
-        borrowed prefix's and the input's own), and attach the routing to the state.
+        borrowed prefix's and the input's own), and attach the routing to the state
+        (``RoutingContinuation.finish``).
 
         Ownership: the new lease exists before any replaced lease ends, so rows shared
         with the history never reach zero leases. If the new lease cannot be taken, the
@@ -241,27 +218,16 @@ class Continuation:
             >>> routed.lease.holder, routed.holds_lease
             ('rollout/a', True)
         """
-        self._check_open("finish")
-        self._done = True
-        try:
-            lease = store.acquire(handle, sample_holder(self.state.sample_id))
-        except BaseException as exc:
-            self._end_borrowed(exc)
-            raise
-        after, _ = self.state.try_release()  # a failure keeps the lease in unreleased
-        if self.borrowed is not None:
-            stuck, _ = dataclasses.replace(after, lease=self.borrowed).try_release()
-            after = stuck  # the borrowed lease ended, or rides along in unreleased
-        return after.with_routing(handle, lease, self.origin)
+        if self.state.routing_kind is RoutingKind.DENSE:
+            raise MisuseError(
+                "a dense-model state cannot carry routing", where=self.state.sample_id
+            )
+        return self.state.with_sample_routing(self.routing.finish(store, handle))
 
     def abandon(self) -> None:
         """End the borrowed lease without finishing (idempotent; the input's own lease
         stays with the caller)."""
-        if self._done:
-            return
-        self._done = True
-        if self.borrowed is not None:
-            self.borrowed.release()
+        self.routing.abandon()
 
     def __enter__(self) -> Continuation:
         return self
@@ -272,30 +238,10 @@ class Continuation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            self.abandon()
-            return
-        if not self._done:
-            self._done = True
-            self._end_borrowed(exc)
-
-    def _end_borrowed(self, cause: BaseException) -> None:
-        """Release the borrowed lease while ``cause`` propagates (a failed release is
-        named in a note on ``cause``, never raised over it)."""
-        if self.borrowed is None:
-            return
-        try:
-            self.borrowed.release()
-        except Exception as failure:
-            attach_notes(cause, [failure], f"releasing {self.borrowed.holder}")
+        self.routing.__exit__(exc_type, exc, tb)
 
     def _check_open(self, action: str) -> None:
-        if self._done:
-            raise MisuseError(
-                f"cannot {action}: this continuation is finished or abandoned",
-                where=f"sample {self.state.sample_id}",
-                hint="Make a new continuation() for the next request of the sample.",
-            )
+        self.routing.check_open(action)
 
 
 def ingest_group(
@@ -358,18 +304,6 @@ def store_turn(traces: SessionSink, state: RolloutState) -> RolloutState:
         >>> first.holds_lease
         False
     """
-    if state.session_id is None or state.routing is None:
-        raise MisuseError(
-            "only a routed sample of a trace session can be stored as a turn",
-            expected="session_id and routing set",
-            found=f"session_id={state.session_id!r}, routing={state.routing is not None}",
-            where=f"sample {state.sample_id}",
-        )
-    try:
-        traces.insert(state.session_id, state.prompt_ids + state.response_ids, state.routing)
-    except BaseException as exc:
-        _, error = state.try_release()
-        if error is not None:
-            attach_notes(exc, [error], f"releasing sample {state.sample_id}")
-        raise
-    return state.release()
+    return state.with_sample_routing(
+        state.sample_routing.store_turn(traces, state.prompt_ids + state.response_ids)
+    )

@@ -7,6 +7,9 @@ samples still waiting on each session and releases a session when its last waiti
 sample is *done*: trained (``TrainingBatch`` with ``sessions=``), discarded (a
 ``ReplayBuffer`` built with ``sessions=``) or failed (the caller says so).
 
+The ledger reads only a sample's ``SampleRouting`` (its sample and session ids), so any
+``RoutedSample`` (or a bare ``SampleRouting``) can be held and done.
+
 Rules:
 - ``hold(state)`` registers a sample (idempotent: a retry of the same sample id changes
   nothing); samples without a session are ignored;
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from routeplay.rollout.releasing import attempt_each, raise_first
-from routeplay.rollout.state import RolloutState
+from routeplay.rollout.sample_routing import RoutedSample
 
 __all__ = ["SessionLedger"]
 
@@ -51,17 +54,19 @@ class SessionLedger:
         self._failed: list[str] = []
         self._released: set[str] = set()
 
-    def hold(self, *states: RolloutState) -> None:
+    def hold(self, *states: RoutedSample) -> None:
         """Register samples that may still borrow from their session."""
-        for state in states:
+        for sample in states:
+            state = sample.sample_routing
             if state.session_id is not None:
                 self._released.discard(state.session_id)
                 self._waiting.setdefault(state.session_id, set()).add(state.sample_id)
 
-    def done(self, *states: RolloutState) -> list[str]:
+    def done(self, *states: RoutedSample) -> list[str]:
         """The samples are trained, discarded or failed; returns the sessions released."""
         ending: list[str] = []
-        for state in states:
+        for sample in states:
+            state = sample.sample_routing
             session = state.session_id
             if session is None:
                 continue

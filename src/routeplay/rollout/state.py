@@ -31,7 +31,15 @@ The lease lifecycle of a sample (each row is one method; nothing else changes it
 
 Staleness counts every weight version the sample depends on: its response tokens'
 *and* its routing rows' (prompt rows borrowed from a trace session were routed by the
-weights of the turn that stored them, so they count too).
+weights of the turn that stored them, so they count too); ``staleness(v,
+StalenessBasis.RESPONSE_TOKENS)`` counts the response tokens only, as XTuner does.
+
+Every routing transition above is a step of the state's ``SampleRouting``
+(``rollout/sample_routing.py``, where the step order is documented): the state builds
+that value from its fields (``sample_routing``), runs the step, and returns a new state
+carrying the result (``with_sample_routing``). So a ``RolloutState`` is one
+``RoutedSample`` among others: the buffer, the batch, the ledger and the checkpoint only
+ever call those two members. ``complete()`` checks the rows against the tokens.
 """
 
 from __future__ import annotations
@@ -40,13 +48,22 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from routeplay.core.handle import Handle
 from routeplay.errors import HandleError, MisuseError
-from routeplay.rollout.releasing import attempt_each, first_error
+from routeplay.rollout.sample_routing import Origin, SampleRouting, StalenessBasis
 from routeplay.store.lease import Lease
 
-__all__ = ["Origin", "RolloutState", "RoutingKind", "Status", "release_states"]
+__all__ = [
+    "ROLLOUT_STATE_CODEC",
+    "Origin",
+    "RolloutState",
+    "RolloutStateCodec",
+    "RoutingKind",
+    "Status",
+    "release_states",
+]
 
 
 class Status(Enum):
@@ -69,15 +86,6 @@ class RoutingKind(Enum):
     """No routing exists (dense model): ``routing`` is always None."""
     MOE = "moe"
     """Routing must exist for every trained row; None means it is missing."""
-
-
-class Origin(Enum):
-    """Who produced the routing rows this state points at (informational)."""
-
-    NONE = "none"
-    PRODUCED = "produced"
-    BORROWED = "borrowed"
-    RESTORED = "restored"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,26 +156,74 @@ class RolloutState:
         """True while a lease whose release failed is still live (see ``unreleased``)."""
         return any(not lease.released for lease in self.unreleased)
 
+    @property
+    def sample_routing(self) -> SampleRouting:
+        """This state's routing and leases as a ``SampleRouting`` (a new value on each
+        call: the state is frozen, and every transition below is that value's step)."""
+        return SampleRouting(
+            sample_id=self.sample_id,
+            session_id=self.session_id,
+            handle=self.routing,
+            lease=self.lease,
+            origin=self.origin,
+            unreleased=self.unreleased,
+            response_versions=self.weight_versions,
+            prompt_tokens=len(self.prompt_ids),
+            retries=self.retries,
+        )
+
+    def with_sample_routing(self, routing: SampleRouting) -> RolloutState:
+        """This state carrying ``routing``'s handle, leases, origin and retries (the
+        ``RoutedSample`` protocol the containers call)."""
+        if routing.sample_id != self.sample_id:
+            raise MisuseError(
+                "a sample's routing belongs to that sample",
+                expected=f"routing of sample {self.sample_id}",
+                found=f"routing of sample {routing.sample_id}",
+                where=f"sample {self.sample_id}",
+            )
+        if self.routing_kind is RoutingKind.DENSE and routing.handle is not None:
+            raise MisuseError("a dense-model state cannot carry routing", where=self.sample_id)
+        return dataclasses.replace(
+            self,
+            routing=routing.handle,
+            lease=routing.lease,
+            origin=routing.origin,
+            unreleased=routing.unreleased,
+            retries=routing.retries,
+        )
+
+    def reset_for_retry(self, routing: SampleRouting) -> RolloutState:
+        """This state pending regeneration (no response, ``PENDING``), carrying
+        ``routing`` (already reset; the ``RoutedSample`` protocol the buffer calls)."""
+        return dataclasses.replace(
+            self.with_sample_routing(routing),
+            response_ids=(),
+            logprobs=(),
+            weight_versions=(),
+            status=Status.PENDING,
+            finish_reason=None,
+        )
+
     def oldest_version(self) -> int | None:
         """The oldest weight version among the response tokens and the routing rows
         (prompt rows included); None when the sample has neither yet."""
-        versions = list(self.weight_versions)
-        if self.routing is not None and self.routing.segments:
-            versions.append(min(seg.weight_version for seg in self.routing.segments))
-        return min(versions) if versions else None
+        return self.sample_routing.oldest_version(StalenessBasis.EVERY_ROW)
 
-    def staleness(self, current_version: int) -> int:
-        """How many versions behind the oldest weights this sample depends on are: its
-        response tokens' and its routing rows' (0 with neither)."""
-        oldest = self.oldest_version()
-        return 0 if oldest is None else current_version - oldest
+    def staleness(
+        self, current_version: int, basis: StalenessBasis = StalenessBasis.EVERY_ROW
+    ) -> int:
+        """How many versions behind the oldest weights this sample depends on are (0
+        with none): its response tokens' and its routing rows' by default; its response
+        tokens' only with ``StalenessBasis.RESPONSE_TOKENS``."""
+        return self.sample_routing.staleness(current_version, basis)
 
     def with_routing(self, routing: Handle, lease: Lease, origin: Origin) -> RolloutState:
         """Attach routing and the lease that keeps it; refuses to drop a live lease."""
-        self._check_no_live_lease("attach new routing")
         if self.routing_kind is RoutingKind.DENSE:
+            self._check_no_live_lease("attach new routing")
             raise MisuseError("a dense-model state cannot carry routing", where=self.sample_id)
-        return dataclasses.replace(self, routing=routing, lease=lease, origin=origin)
+        return self._step(self._routing_step().attach(routing, lease, origin))
 
     def with_lease(self, lease: Lease) -> RolloutState:
         """The same routing under a new lease of this state (after a transfer or clone)."""
@@ -177,8 +233,7 @@ class RolloutState:
         """Hold ``lease`` (a clone taken first) instead of the own lease, which is
         released; if that release fails the old lease rides along in ``unreleased``
         (the second half of a transfer must not lose the new lease by raising)."""
-        after, _ = self.try_release()
-        return after.with_lease(lease)
+        return self._step(self._routing_step().hand_over(lease))
 
     def extend(
         self,
@@ -197,6 +252,19 @@ class RolloutState:
     def with_status(self, status: Status, finish_reason: str | None = None) -> RolloutState:
         """A status change (and the engine's finish reason)."""
         return dataclasses.replace(self, status=status, finish_reason=finish_reason)
+
+    def complete(self, finish_reason: str | None = None) -> RolloutState:
+        """``COMPLETED``, after checking the routing rows against the tokens (rows ==
+        prompt + response - 1, else ``RowCountMismatch``); a dense sample has no rows.
+
+        Example:
+            >>> done = routed.extend(ids, logprobs, 3).complete("stop")  # doctest: +SKIP
+        """
+        if self.routing_kind is RoutingKind.MOE:
+            self.sample_routing.complete(
+                prompt_tokens=len(self.prompt_ids), response_tokens=len(self.response_ids)
+            )
+        return self.with_status(Status.COMPLETED, finish_reason)
 
     def release(self) -> RolloutState:
         """End this state's own lease and retry its ``unreleased`` ones (idempotent);
@@ -219,33 +287,32 @@ class RolloutState:
             >>> state, error = state.try_release()  # doctest: +SKIP
             >>> retry = state.reset_response()  # works even if error is not None
         """
-        leases = [lease for lease in (self.lease, *self.unreleased) if lease is not None]
-        failures = attempt_each(leases, Lease.release)
-        stuck = tuple(lease for lease, _ in failures)
-        error = first_error([exc for _, exc in failures], f"releasing sample {self.sample_id}")
-        return dataclasses.replace(self, lease=None, unreleased=stuck), error
+        after, error = self._routing_step().try_release()
+        return self._step(after), error
 
     def take_unreleased(self) -> tuple[RolloutState, tuple[Lease, ...]]:
         """This state without its stuck leases, and those leases (still live in the
         store), for a caller that can revoke them; the caller then owns them."""
-        stuck = tuple(lease for lease in self.unreleased if not lease.released)
-        return dataclasses.replace(self, unreleased=()), stuck
+        after, stuck = self._routing_step().take_unreleased()
+        return self._step(after), stuck
 
     def reset_response(self) -> RolloutState:
         """Drop the response and its routing for regeneration (pure: releases nothing;
         stuck leases in ``unreleased`` are kept, to be released later)."""
         self._check_no_live_lease("reset the response")
+        return self.reset_for_retry(self._routing_step().reset())
+
+    def _routing_step(self) -> SampleRouting:
+        return self.sample_routing
+
+    def _step(self, routing: SampleRouting) -> RolloutState:
         return dataclasses.replace(
             self,
-            response_ids=(),
-            logprobs=(),
-            weight_versions=(),
-            status=Status.PENDING,
-            finish_reason=None,
-            routing=None,
-            lease=None,
-            origin=Origin.NONE,
-            retries=self.retries + 1,
+            routing=routing.handle,
+            lease=routing.lease,
+            origin=routing.origin,
+            unreleased=routing.unreleased,
+            retries=routing.retries,
         )
 
     def _check_no_live_lease(self, action: str) -> None:
@@ -258,6 +325,50 @@ class RolloutState:
                     " rides along): resets never release, releases never guess."
                 ),
             )
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStateCodec:
+    """How a buffer checkpoint writes and reads a ``RolloutState``'s own fields (the
+    routing part is a ``RoutingRecord``); any sample type passes its own codec."""
+
+    def to_record(self, state: RolloutState) -> dict[str, Any]:
+        """The state's fields other than routing (JSON-safe)."""
+        return {
+            "group_id": state.group_id,
+            "prompt_ids": list(state.prompt_ids),
+            "response_ids": list(state.response_ids),
+            "logprobs": list(state.logprobs),
+            "weight_versions": list(state.weight_versions),
+            "status": state.status.value,
+            "finish_reason": state.finish_reason,
+            "routing_kind": state.routing_kind.value,
+        }
+
+    def from_record(self, record: dict[str, Any], routing: SampleRouting) -> RolloutState:
+        """The state from ``to_record``'s fields, carrying ``routing``."""
+        state = RolloutState(
+            sample_id=routing.sample_id,
+            group_id=record["group_id"],
+            session_id=routing.session_id,
+            prompt_ids=tuple(record["prompt_ids"]),
+            response_ids=tuple(record["response_ids"]),
+            logprobs=tuple(record["logprobs"]),
+            weight_versions=tuple(record["weight_versions"]),
+            status=Status(record["status"]),
+            finish_reason=record.get("finish_reason"),
+            routing_kind=RoutingKind(record.get("routing_kind", RoutingKind.MOE.value)),
+        )
+        return state.with_sample_routing(routing)
+
+    @staticmethod
+    def response_versions(record: dict[str, Any]) -> tuple[int, ...]:
+        """Per-token versions a record keeps (they stand for the routing's own)."""
+        return tuple(int(v) for v in record.get("weight_versions", ()))
+
+
+ROLLOUT_STATE_CODEC = RolloutStateCodec()
+"""The codec ``save_buffer`` / ``load_buffer`` use by default."""
 
 
 def release_states(

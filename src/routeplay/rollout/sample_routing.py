@@ -1,0 +1,792 @@
+"""``SampleRouting``: one sample's routing and its leases, embeddable in any sample type.
+
+A framework's own sample (XTuner's pydantic ``RolloutState`` with int ids, slime's
+``Sample``, verl's ``DataProto`` row) keeps its tokens, rewards and statuses, and embeds
+one ``SampleRouting`` as a field: the routing handle, the lease that keeps it alive,
+the leases whose release failed, the weight versions, and the lifecycle steps as
+methods. routeplay's own ``RolloutState`` embeds it the same way (``sample_routing``),
+and the containers (``ReplayBuffer``, ``TrainingBatch``, ``SessionLedger``, the
+checkpoint) take any ``RoutedSample``: a sample that exposes its ``SampleRouting``, can
+return itself with a new one, and can drop its response for a retry (three members).
+
+**Immutable.** A ``SampleRouting`` is a frozen value: every step returns the next value
+and never changes the one it was called on. A mutable sample stores the result
+(``sample.routing = sample.routing.finish(store, handle)``). Chosen over in-place
+mutation because lease ownership is about *who else can see the object*:
+
+- a mutable routing object shared by two samples (a shallow ``model_copy``, a group
+  built by copying a prompt) would move one sample's lease whenever the other is taken
+  over; a value cannot be aliased that way;
+- a failed step leaves its input value intact, naming every lease it named (a half
+  applied mutation could lose one);
+- a stale value (an older step's result, a pickled copy in another actor) names only
+  ``Lease`` objects and lease ids its sample held at some point. Lease ids are minted
+  per grant and never reused (a take-over is clone-then-release: a *new* id for the new
+  holder), a ``Lease`` object remembers that it was released, and the store treats an
+  ended id as a no-op. So releasing a stale value ends nothing (or its own old lease
+  once), never the lease a later holder took: a stale copy cannot release someone
+  else's lease, twice or at all.
+
+The cost: a result the caller drops after ``finish`` (or ``take_over``) leaks one lease
+until the store's lease TTL; ``RouteStore.leaks()`` names it by its holder.
+
+Step order (each row is one method; the order inside a step is the rule)::
+
+    step                      does, in this order                       on failure
+    ------------------------  ----------------------------------------  -------------------------
+    attach(h, lease, origin)  refuse a live lease; hold ``lease``       MisuseError, value unchanged
+    borrow_prefix(traces, p)  export the session prefix under           (nothing borrowed)
+                              ``rollout/<id>/prefix``
+    continuation(traces, p)   own handle as history (partial rollout),  (nothing borrowed)
+                              else borrow_prefix, else nothing
+    cont.ingest(...)          store only the rows the history lacks     the borrowed lease ends
+    cont.finish(store, h)     1 acquire ``rollout/<id>`` on h           1 fails: borrowed ends,
+                              2 release the own (replaced) lease          own left to the caller
+                              3 release the borrowed lease              2, 3 fail: in unreleased
+    complete(p, r)            rows == p + r - 1, record p               RowCountMismatch
+    claim(holder, store)      clone the live lease (or acquire h)       value unchanged
+    hand_over(lease)          release the own lease, hold ``lease``     own rides in unreleased
+    take_over(holder, store)  claim, then hand_over                     claim fails: unchanged
+    store_turn(traces, ids)   session inserts (its own lease), then     own lease ends either way
+                              the own lease ends
+    expire_retryably()        release (own + unreleased), then reset    retry starts clean; the
+                                                                        stuck leases in ``stuck``
+    discard()                 release (own + unreleased)                stuck leases ride along
+    release()/try_release()   own lease, then every unreleased          raise / ride along
+    reset()                   refuse a live lease; forget the handle    MisuseError
+    take_unreleased()         hand the stuck leases to the caller       -
+    record(store)             read the rows by value (no refs)          -
+    RoutingRecord.restore     put the rows, acquire ``rollout/<id>``    payload dropped
+
+Why the orders: a new lease exists before the lease it replaces ends, so rows shared
+by the two (a resume's history, a session prefix) never reach zero leases on the way;
+a reset forgets routing only after its lease ended, so it can neither leak nor free
+routing; a lease whose release failed (a dead shard) is never dropped: it moves to
+``unreleased`` and rides along until a release succeeds or ``take_unreleased`` hands it
+to someone who can revoke it.
+
+Staleness (``StalenessBasis``): ``EVERY_ROW`` (routeplay's default) counts the oldest
+weight version of the response tokens *and* of every routing row, prompt rows borrowed
+from a trace session included; ``RESPONSE_TOKENS`` (XTuner's rule) counts the response
+tokens only: ``response_versions`` when the sample keeps them here, else the rows that
+generated them (rows ``[prompt_tokens - 1, rows)``: row ``i`` is the forward pass that
+produced token ``i + 1``), which needs ``complete()`` to have recorded the prompt length.
+The two pick different samples to expire when a session turn reuses old prompt rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.handle import Handle, Segment
+from routeplay.core.validate import canonicalize
+from routeplay.errors import HandleError, MalformedPayload, MisuseError, RowCountMismatch
+from routeplay.rollout.releasing import attach_notes, attempt_each, first_error
+from routeplay.store.lease import Lease
+
+if TYPE_CHECKING:
+    from routeplay.core.routes import Routes
+    from routeplay.core.spec import RouteSpec
+    from routeplay.rollout.adapters import EngineAdapter, RoutesWriter
+    from routeplay.rollout.trace_store import Exported
+
+__all__ = [
+    "Expiry",
+    "LeaseSource",
+    "Origin",
+    "PrefixSource",
+    "RoutedSample",
+    "RoutingContinuation",
+    "RoutingRecord",
+    "SampleRouting",
+    "SessionSink",
+    "StalenessBasis",
+    "prefix_holder",
+    "record_routings",
+    "sample_holder",
+]
+
+
+class Origin(Enum):
+    """Who produced the routing rows a sample points at (informational)."""
+
+    NONE = "none"
+    PRODUCED = "produced"
+    BORROWED = "borrowed"
+    RESTORED = "restored"
+
+
+class StalenessBasis(Enum):
+    """Which weight versions a sample's staleness counts."""
+
+    EVERY_ROW = "every_row"
+    """The response tokens' and every routing row's, prompt rows borrowed from a trace
+    session included (routeplay's default: replayed rows must match the policy)."""
+    RESPONSE_TOKENS = "response_tokens"
+    """The response tokens' only (XTuner's rule): borrowed prompt rows never age a
+    sample."""
+
+
+def sample_holder(sample_id: str) -> str:
+    """The holder name of a sample's own lease (``rollout/<id>``)."""
+    return f"rollout/{sample_id}"
+
+
+def prefix_holder(sample_id: str) -> str:
+    """The holder name of the lease a sample borrows a session prefix under."""
+    return f"rollout/{sample_id}/prefix"
+
+
+class LeaseSource(Protocol):
+    """What ``finish`` and ``claim`` need from a store: ``RouteStore.acquire``."""
+
+    def acquire(self, handle: Handle, holder: str) -> Lease: ...
+
+
+class PrefixSource(Protocol):
+    """What ``borrow_prefix`` needs: ``TraceStore.export`` (or ``TraceStoreClient``'s)."""
+
+    def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None: ...
+
+
+class SessionSink(Protocol):
+    """What ``store_turn`` needs: ``TraceStore.insert`` (or ``TraceStoreClient``'s)."""
+
+    def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None: ...
+
+
+class RowReader(Protocol):
+    """What ``record`` needs: ``RouteStore.read_many``."""
+
+    def read_many(self, requests: Sequence[tuple[Handle, int, int]]) -> list[npt.NDArray[Any]]: ...
+
+
+class RoutesPutter(LeaseSource, Protocol):
+    """What ``RoutingRecord.restore`` needs: ``RouteStore.put`` and ``acquire``."""
+
+    def put(self, routes: Routes, *, weight_version: int = 0) -> Handle: ...
+
+
+_S = TypeVar("_S", bound="RoutedSample")
+
+
+class RoutedSample(Protocol):
+    """Any sample the containers can hold: it exposes its ``SampleRouting`` and returns
+    itself (or a copy) carrying a new one; for a retry, with its response dropped too. A
+    mutable sample sets its fields and returns ``self``; a frozen one returns a replaced
+    copy. ``SampleRouting`` is one itself.
+
+    Example:
+        >>> class Sample(pydantic.BaseModel):  # doctest: +SKIP
+        ...     model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+        ...     id: int
+        ...     routing: SampleRouting
+        ...     @property
+        ...     def sample_routing(self) -> SampleRouting:
+        ...         return self.routing
+        ...     def with_sample_routing(self, routing: SampleRouting) -> "Sample":
+        ...         self.routing = routing
+        ...         return self
+        ...     def reset_for_retry(self, routing: SampleRouting) -> "Sample":
+        ...         self.response_ids, self.status = [], Status.INIT
+        ...         return self.with_sample_routing(routing)
+    """
+
+    @property
+    def sample_routing(self) -> SampleRouting:
+        """The sample's routing and leases."""
+        ...
+
+    def with_sample_routing(self: _S, routing: SampleRouting) -> _S:
+        """The sample carrying ``routing`` instead."""
+        ...
+
+    def reset_for_retry(self: _S, routing: SampleRouting) -> _S:
+        """The sample with its response dropped (pending regeneration), carrying
+        ``routing`` (already reset: ``expire_retryably().retry``)."""
+        ...
+
+
+class Expiry(NamedTuple):
+    """What ``expire_retryably`` leaves: the retry and, if a release failed, the rest."""
+
+    retry: SampleRouting
+    """The sample reset for regeneration: no handle, no lease, no stuck lease."""
+    stuck: SampleRouting | None
+    """The released sample still naming the leases whose release failed (keep it
+    visible: retry its release or revoke them); None when every release succeeded."""
+    error: Exception | None
+    """The first release failure, or None."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampleRouting:
+    """One sample's routing handle, its own lease, its stuck leases and weight versions,
+    with the lifecycle steps (see the module docstring for their order).
+
+    Example:
+        >>> routing = SampleRouting(sample_id="7", session_id="s")
+        >>> routing.holds_lease, routing.rows
+        (False, 0)
+        >>> with routing.continuation(traces, prompt_ids) as cont:  # doctest: +SKIP
+        ...     handle = cont.ingest(adapter, body, spec=spec, writer=store, weight_version=3)
+        ...     routing = cont.finish(store, handle).complete(prompt_tokens=4, response_tokens=6)
+    """
+
+    sample_id: str
+    """The sample's id (holder names ``rollout/<id>``); ``str()`` of an int id."""
+    session_id: str | None = None
+    """Trace session of a multi-turn task, if any (the ``SessionLedger`` counts it)."""
+    handle: Handle | None = None
+    """Routing rows ``[0, tokens - 1)`` of prompt + response, when present."""
+    lease: Lease | None = field(default=None, compare=False)
+    """This sample's own lease on ``handle``'s payloads."""
+    origin: Origin = Origin.NONE
+    """Who produced the routing rows (informational; release never looks at it)."""
+    unreleased: tuple[Lease, ...] = field(default=(), compare=False)
+    """Leases whose release failed (a dead shard): still counted by the store, retried
+    by every release, never dropped by a step."""
+    response_versions: tuple[int, ...] = ()
+    """Weight version of each response token, when the sample keeps them here (empty:
+    the row versions stand in for them)."""
+    prompt_tokens: int | None = None
+    """Prompt length recorded by ``complete()`` (None until then, and after a step that
+    changes the rows)."""
+    retries: int = 0
+    """Times this sample was reset for regeneration."""
+
+    # -- reading ----------------------------------------------------------------------
+    @property
+    def sample_routing(self) -> SampleRouting:
+        """This value (a ``SampleRouting`` is a ``RoutedSample`` of its own)."""
+        return self
+
+    def with_sample_routing(self, routing: SampleRouting) -> SampleRouting:
+        """``routing`` (the ``RoutedSample`` protocol for a bare ``SampleRouting``)."""
+        return routing
+
+    def reset_for_retry(self, routing: SampleRouting) -> SampleRouting:
+        """``routing`` (a bare ``SampleRouting`` has no response of its own)."""
+        return routing
+
+    @property
+    def rows(self) -> int:
+        """Routing rows the handle covers (0 without one)."""
+        return self.handle.rows if self.handle is not None else 0
+
+    @property
+    def holds_lease(self) -> bool:
+        """True while the own lease is live."""
+        return self.lease is not None and not self.lease.released
+
+    @property
+    def stuck(self) -> bool:
+        """True while a lease whose release failed is still live (see ``unreleased``)."""
+        return any(not lease.released for lease in self.unreleased)
+
+    def row_versions(self) -> tuple[int, ...]:
+        """The weight version of each routing row (one entry per row)."""
+        if self.handle is None:
+            return ()
+        return tuple(v for seg in self.handle.segments for v in (seg.weight_version,) * seg.rows)
+
+    def oldest_version(self, basis: StalenessBasis = StalenessBasis.EVERY_ROW) -> int | None:
+        """The oldest weight version the sample depends on under ``basis``; None when it
+        has no version yet."""
+        if basis is StalenessBasis.RESPONSE_TOKENS:
+            return min(self._response_row_versions(), default=None)
+        versions = list(self.response_versions)
+        if self.handle is not None and self.handle.segments:
+            versions.append(min(seg.weight_version for seg in self.handle.segments))
+        return min(versions, default=None)
+
+    def staleness(
+        self, current_version: int, basis: StalenessBasis = StalenessBasis.EVERY_ROW
+    ) -> int:
+        """How many versions behind the oldest weights the sample depends on are (0 with
+        none).
+
+        Example:
+            >>> SampleRouting(sample_id="a", response_versions=(1, 2)).staleness(3)
+            2
+        """
+        oldest = self.oldest_version(basis)
+        return 0 if oldest is None else current_version - oldest
+
+    def _response_row_versions(self) -> Sequence[int]:
+        if self.response_versions:
+            return self.response_versions
+        if self.handle is None:
+            return ()
+        if self.prompt_tokens is None:
+            raise MisuseError(
+                "response-token staleness needs the prompt length",
+                where=f"sample {self.sample_id}",
+                hint="Call complete(prompt_tokens=..., response_tokens=...) first, or keep"
+                " response_versions on the SampleRouting.",
+            )
+        return self.row_versions()[max(self.prompt_tokens - 1, 0) :]
+
+    # -- routing and leases -----------------------------------------------------------
+    def attach(self, handle: Handle, lease: Lease, origin: Origin) -> SampleRouting:
+        """Hold ``handle`` under ``lease``; refuses while the own lease is live (it would
+        be dropped)."""
+        self._check_no_live_lease("attach new routing")
+        return dataclasses.replace(
+            self, handle=handle, lease=lease, origin=origin, prompt_tokens=None
+        )
+
+    def complete(self, *, prompt_tokens: int, response_tokens: int) -> SampleRouting:
+        """Check the rows against the sample's token counts (rows == prompt + response -
+        1) and record the prompt length; ``RowCountMismatch`` otherwise.
+
+        Example:
+            >>> done = routing.complete(prompt_tokens=4, response_tokens=3)  # doctest: +SKIP
+            >>> done.rows
+            6
+        """
+        expected = prompt_tokens + response_tokens - 1
+        if self.handle is None or self.handle.rows != expected:
+            raise RowCountMismatch(
+                "a completed sample's routing rows disagree with its tokens",
+                expected=f"{expected} rows ({prompt_tokens} prompt + {response_tokens}"
+                " response tokens - 1)",
+                found=f"{self.rows} rows" if self.handle is not None else "no routing",
+                where=f"sample {self.sample_id}",
+                hint="Keep the sample's tokens and its routing from the same answer (the"
+                " handle finish() returned, after the tokens that answer added).",
+            )
+        return dataclasses.replace(self, prompt_tokens=prompt_tokens)
+
+    def claim(self, holder: str, store: LeaseSource | None = None) -> Lease | None:
+        """Phase 1 of a take-over: ``holder``'s own lease on the rows (a clone of the
+        live lease, else, with ``store``, a fresh acquire of the handle); None when there
+        is nothing to hold. This value is unchanged."""
+        if self.lease is not None and not self.lease.released:
+            return self.lease.clone(holder)
+        if self.handle is not None and store is not None:
+            return store.acquire(self.handle, holder)
+        return None
+
+    def hand_over(self, lease: Lease | None) -> SampleRouting:
+        """Phase 2 of a take-over: the own lease ends, ``lease`` (from ``claim``) takes
+        its place; a release that fails rides along in ``unreleased`` (the second half
+        of a transfer must not lose the new lease by raising)."""
+        if lease is None:
+            return self
+        after, _ = self.try_release()
+        return dataclasses.replace(after, lease=lease)
+
+    def take_over(self, holder: str, store: LeaseSource | None = None) -> SampleRouting:
+        """``holder`` takes the sample over: its lease first, then the old one ends.
+
+        Example:
+            >>> sample.routing = sample.routing.take_over("buffer/g", store)  # doctest: +SKIP
+        """
+        return self.hand_over(self.claim(holder, store))
+
+    def release(self) -> SampleRouting:
+        """End the own lease and retry the ``unreleased`` ones (idempotent); raises the
+        first failure, this value still naming every lease.
+
+        Example:
+            >>> sample.routing = sample.routing.release()  # doctest: +SKIP
+        """
+        after, error = self.try_release()
+        if error is not None:
+            raise error
+        return after
+
+    def try_release(self) -> tuple[SampleRouting, Exception | None]:
+        """``release()`` that never raises: the next value (no own lease; leases whose
+        release failed in ``unreleased``) and the first error, or None."""
+        leases = [lease for lease in (self.lease, *self.unreleased) if lease is not None]
+        failures = attempt_each(leases, Lease.release)
+        stuck = tuple(lease for lease, _ in failures)
+        error = first_error([exc for _, exc in failures], f"releasing sample {self.sample_id}")
+        return dataclasses.replace(self, lease=None, unreleased=stuck), error
+
+    def discard(self) -> tuple[SampleRouting, Exception | None]:
+        """The sample is dropped for good (trained, discarded, failed): every lease it
+        names is released; one whose release fails rides along (keep the value visible)."""
+        return self.try_release()
+
+    def take_unreleased(self) -> tuple[SampleRouting, tuple[Lease, ...]]:
+        """This value without its stuck leases, and those leases (still live in the
+        store), for a caller that can revoke them; the caller then owns them."""
+        stuck = tuple(lease for lease in self.unreleased if not lease.released)
+        return dataclasses.replace(self, unreleased=()), stuck
+
+    def reset(self) -> SampleRouting:
+        """Forget the routing for regeneration (pure: releases nothing; refuses while the
+        own lease is live; stuck leases stay in ``unreleased``)."""
+        self._check_no_live_lease("reset the routing")
+        return dataclasses.replace(
+            self,
+            handle=None,
+            lease=None,
+            origin=Origin.NONE,
+            response_versions=(),
+            prompt_tokens=None,
+            retries=self.retries + 1,
+        )
+
+    def expire_retryably(self) -> Expiry:
+        """A stale sample goes back for regeneration: release first, then reset. The
+        retry starts clean; leases whose release failed stay visible in ``stuck``.
+
+        Example:
+            >>> retry, stuck, error = sample.routing.expire_retryably()  # doctest: +SKIP
+        """
+        after, error = self.try_release()
+        if error is None:
+            return Expiry(retry=after.reset(), stuck=None, error=None)
+        clean, _ = after.take_unreleased()
+        return Expiry(retry=clean.reset(), stuck=after, error=error)
+
+    # -- requests ---------------------------------------------------------------------
+    def borrow_prefix(self, traces: PrefixSource, prompt_ids: Iterable[int]) -> Exported | None:
+        """The longest stored prefix of ``prompt_ids`` in the sample's trace session,
+        under a lease of the sample's own (``prefix_holder``); None without a session or
+        a reusable row. The session keeps its own lease."""
+        if self.session_id is None:
+            return None
+        return traces.export(self.session_id, prompt_ids, prefix_holder(self.sample_id))
+
+    def continuation(
+        self, traces: PrefixSource | None = None, prompt_ids: Iterable[int] = ()
+    ) -> RoutingContinuation:
+        """What the next request continues: the own routing (a partial rollout resumes;
+        the own lease covers those rows until ``finish``), else a borrowed session prefix
+        of ``prompt_ids``, else nothing.
+
+        Example:
+            >>> with sample.routing.continuation() as cont:  # doctest: +SKIP
+            ...     cont.rows == sample.routing.rows
+            True
+        """
+        if self.handle is not None:
+            return RoutingContinuation(self, history=self.handle, borrowed=None)
+        exported = self.borrow_prefix(traces, prompt_ids) if traces is not None else None
+        if exported is None:
+            return RoutingContinuation(self, history=None, borrowed=None)
+        return RoutingContinuation(self, history=exported.handle, borrowed=exported.lease)
+
+    def store_turn(self, traces: SessionSink, token_ids: Iterable[int]) -> SampleRouting:
+        """Hand a finished turn (``token_ids``: prompt + response) to its trace session,
+        then end the own lease. The session's lease exists before the own one ends; the
+        own lease ends whether or not the insert succeeds."""
+        if self.session_id is None or self.handle is None:
+            raise MisuseError(
+                "only a routed sample of a trace session can be stored as a turn",
+                expected="session_id and routing set",
+                found=f"session_id={self.session_id!r}, routing={self.handle is not None}",
+                where=f"sample {self.sample_id}",
+            )
+        try:
+            traces.insert(self.session_id, token_ids, self.handle)
+        except BaseException as exc:
+            _, error = self.try_release()
+            if error is not None:
+                attach_notes(exc, [error], f"releasing sample {self.sample_id}")
+            raise
+        return self.release()
+
+    # -- checkpoints ------------------------------------------------------------------
+    def record(self, store: RowReader) -> RoutingRecord:
+        """This routing by value (rows read now; no object-store reference), for a
+        checkpoint. ``record_routings`` records many with one read.
+
+        Example:
+            >>> record = sample.routing.record(store)  # doctest: +SKIP
+            >>> restored = record.restore(store, spec)
+        """
+        return record_routings([self], store)[0]
+
+    def _check_no_live_lease(self, action: str) -> None:
+        if self.holds_lease:
+            raise MisuseError(
+                f"cannot {action} while the sample holds a live lease",
+                where=f"sample {self.sample_id}",
+                hint=(
+                    "Call release() first (try_release() if it may fail: a stuck lease"
+                    " rides along): resets never release, releases never guess."
+                ),
+            )
+
+
+class RoutingContinuation:
+    """One request of one sample: the history it continues and the lease it borrowed.
+
+    Made by ``SampleRouting.continuation()``. ``ingest`` stores the answer's new rows,
+    ``finish`` swaps the leases in the safe order and returns the next ``SampleRouting``;
+    leaving the ``with`` block without ``finish`` ends the borrowed lease (only that one).
+    """
+
+    __slots__ = ("_done", "borrowed", "history", "routing")
+
+    def __init__(
+        self, routing: SampleRouting, *, history: Handle | None, borrowed: Lease | None
+    ) -> None:
+        self.routing = routing
+        """The input (its own lease, if any, ends in ``finish``)."""
+        self.history = history
+        """Rows the request continues (None: none)."""
+        self.borrowed = borrowed
+        """The sample's lease on a borrowed session prefix, ended by ``finish``."""
+        self._done = False
+
+    @property
+    def rows(self) -> int:
+        """History rows the answer must not store again (the request's start row)."""
+        return self.history.rows if self.history is not None else 0
+
+    @property
+    def origin(self) -> Origin:
+        """A resume keeps its origin, a session turn is ``BORROWED``, a fresh sample
+        ``PRODUCED``."""
+        if self.routing.handle is not None:
+            return self.routing.origin
+        return Origin.BORROWED if self.borrowed is not None else Origin.PRODUCED
+
+    def ingest(
+        self,
+        adapter: EngineAdapter,
+        response: Any,
+        *,
+        spec: RouteSpec,
+        writer: RoutesWriter,
+        weight_version: int,
+        start_row: int = 0,
+        where: str = "",
+    ) -> Handle:
+        """The sample's routing after ``response``: the history rows, then only the rows
+        they lack, adopted (an engine-store key) or put (inline routing) under
+        ``weight_version``. The handle holds no lease yet: ``finish`` takes one."""
+        self.check_open("ingest an answer")
+        return adapter.ingest(
+            response,
+            spec=spec,
+            writer=writer,
+            weight_version=weight_version,
+            history=self.history,
+            where=where or f"sample {self.routing.sample_id}",
+            start_row=start_row,
+        )
+
+    def finish(self, store: LeaseSource, handle: Handle) -> SampleRouting:
+        """Lease ``handle`` for the sample (``rollout/<id>``), *then* end the own lease it
+        replaces, *then* the borrowed one; returns the routing holding the new lease.
+
+        If the new lease cannot be taken, the borrowed lease ends and the input's own
+        lease is left to the caller; a replaced lease whose release fails rides along in
+        the result's ``unreleased``.
+
+        Example:
+            >>> routing = cont.finish(store, handle)  # doctest: +SKIP
+            >>> routing.lease.holder
+            'rollout/a'
+        """
+        self.check_open("finish")
+        self._done = True
+        try:
+            lease = store.acquire(handle, sample_holder(self.routing.sample_id))
+        except BaseException as exc:
+            self._end_borrowed(exc)
+            raise
+        after, _ = self.routing.try_release()  # a failure keeps the lease in unreleased
+        if self.borrowed is not None:
+            after, _ = dataclasses.replace(after, lease=self.borrowed).try_release()
+        return after.attach(handle, lease, self.origin)
+
+    def abandon(self) -> None:
+        """End the borrowed lease without finishing (idempotent; the input's own lease
+        stays with the caller)."""
+        if self._done:
+            return
+        self._done = True
+        if self.borrowed is not None:
+            self.borrowed.release()
+
+    def __enter__(self) -> RoutingContinuation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.abandon()
+        elif not self._done:
+            self._done = True
+            self._end_borrowed(exc)
+
+    def check_open(self, action: str) -> None:
+        """Refuse ``action`` once finished or abandoned (``MisuseError``)."""
+        if self._done:
+            raise MisuseError(
+                f"cannot {action}: this continuation is finished or abandoned",
+                where=f"sample {self.routing.sample_id}",
+                hint="Make a new continuation() for the next request of the sample.",
+            )
+
+    def _end_borrowed(self, cause: BaseException) -> None:
+        """Release the borrowed lease while ``cause`` propagates (a failed release is
+        named in a note on ``cause``, never raised over it)."""
+        if self.borrowed is None:
+            return
+        try:
+            self.borrowed.release()
+        except Exception as failure:
+            attach_notes(cause, [failure], f"releasing {self.borrowed.holder}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingRecord:
+    """A ``SampleRouting`` by value: what a checkpoint keeps (never an object-store
+    reference: it would not survive the process, and a pickled ref has no owner).
+
+    Example:
+        >>> meta, array = record.to_json(), record.array  # doctest: +SKIP
+        >>> again = RoutingRecord.from_json(meta, array)
+    """
+
+    sample_id: str
+    """The sample's id."""
+    session_id: str | None
+    """Its trace session, if any."""
+    origin: Origin
+    """Who produced the rows (restored routing is marked ``RESTORED``)."""
+    retries: int
+    """Regenerations so far."""
+    response_versions: tuple[int, ...]
+    """Per-response-token versions kept on the routing (often empty)."""
+    prompt_tokens: int | None
+    """Prompt length recorded by ``complete()``."""
+    segments: tuple[tuple[int, int], ...]
+    """``(rows, weight_version)`` of each handle segment, in order (empty: no routing)."""
+    array: npt.NDArray[Any] | None = field(default=None, compare=False)
+    """The rows, canonical (None: no routing)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record without its array (JSON-safe)."""
+        return {
+            "sample_id": self.sample_id,
+            "session_id": self.session_id,
+            "origin": self.origin.value,
+            "retries": self.retries,
+            "response_versions": list(self.response_versions),
+            "prompt_tokens": self.prompt_tokens,
+            "segments": [list(seg) for seg in self.segments],
+        }
+
+    @classmethod
+    def from_json(cls, meta: dict[str, Any], array: npt.NDArray[Any] | None) -> RoutingRecord:
+        """A record from ``to_json()`` and its array (a checkpoint is outside data: a
+        record that does not parse raises ``MalformedPayload``)."""
+        try:
+            prompt = meta.get("prompt_tokens")
+            return cls(
+                sample_id=str(meta["sample_id"]),
+                session_id=meta.get("session_id"),
+                origin=Origin(meta.get("origin", Origin.NONE.value)),
+                retries=int(meta.get("retries", 0)),
+                response_versions=tuple(int(v) for v in meta.get("response_versions", ())),
+                prompt_tokens=None if prompt is None else int(prompt),
+                segments=tuple((int(r), int(v)) for r, v in meta.get("segments", ())),
+                array=array,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedPayload(
+                "a routing record does not parse",
+                expected="the fields RoutingRecord.to_json() writes",
+                found=f"{type(exc).__name__}: {exc}"[:200],
+                where=f"record {str(meta.get('sample_id', '?'))[:80]}",
+            ) from exc
+
+    def restore(
+        self, store: RoutesPutter, spec: RouteSpec, *, holder: str | None = None
+    ) -> SampleRouting:
+        """The routing stored anew and leased (``holder``, default the sample's own),
+        its segments' weight versions as recorded, marked ``RESTORED``; without an array
+        (a queued retry) nothing is stored and the routing comes back empty.
+
+        The array is validated again (``canonicalize``); a lease that cannot be taken
+        leaves the stored payload unleased, for the store's TTL."""
+        base = SampleRouting(
+            sample_id=self.sample_id,
+            session_id=self.session_id,
+            origin=Origin.NONE,
+            retries=self.retries,
+            response_versions=self.response_versions,
+        )
+        if self.array is None:
+            return base
+        where = f"checkpoint sample {self.sample_id}"
+        routes = canonicalize(self.array, spec, where=where)
+        if sum(rows for rows, _ in self.segments if rows >= 0) > routes.rows:
+            raise HandleError(
+                "recorded segments cover more rows than the array",
+                expected=f"at most {routes.rows} rows",
+                found=f"segments {list(self.segments)[:8]}",
+                where=where,
+            )
+        stored = cut_segments(store.put(routes), spec, self.segments)
+        lease = store.acquire(stored, holder or sample_holder(self.sample_id))
+        restored = base.attach(stored, lease, Origin.RESTORED)
+        return dataclasses.replace(restored, prompt_tokens=self.prompt_tokens)
+
+
+def record_routings(routings: Sequence[SampleRouting], store: RowReader) -> list[RoutingRecord]:
+    """Each routing by value, with one batched read for all of them (one metadata call
+    per shard, each block once).
+
+    Example:
+        >>> records = record_routings([s.routing for s in samples], store)  # doctest: +SKIP
+    """
+    routed = [r.handle for r in routings if r.handle is not None]
+    arrays = iter(store.read_many([(handle, 0, handle.rows) for handle in routed]))
+    records = []
+    for routing in routings:
+        handle = routing.handle
+        records.append(
+            RoutingRecord(
+                sample_id=routing.sample_id,
+                session_id=routing.session_id,
+                origin=routing.origin,
+                retries=routing.retries,
+                response_versions=routing.response_versions,
+                prompt_tokens=routing.prompt_tokens,
+                segments=tuple((seg.rows, seg.weight_version) for seg in handle.segments)
+                if handle is not None
+                else (),
+                array=np.asarray(next(arrays)) if handle is not None else None,
+            )
+        )
+    return records
+
+
+def cut_segments(stored: Handle, spec: RouteSpec, segments: Sequence[tuple[int, int]]) -> Handle:
+    """A freshly stored payload cut back into recorded ``(rows, weight_version)``
+    segments (``rows < 0``: up to the end)."""
+    if not stored.segments:  # a sample with no routing rows yet
+        return stored
+    source = stored.segments[0].source
+    parts, start = [], 0
+    for rows, version in segments:
+        stop = stored.rows if rows < 0 else start + rows
+        parts.append(
+            Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
+        )
+        start = stop
+    return Handle(spec, parts)
