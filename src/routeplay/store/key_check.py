@@ -175,7 +175,9 @@ def canonical_group(
         try:
             accepted.append(canonical_routes(payload, key, spec, start))
         except RouteplayError as exc:
-            outcomes.append(exc)
+            # Without its traceback: the frames would hold every raw payload of the group
+            # (zero-copy views of the object store) in a cycle only the GC breaks.
+            outcomes.append(exc.with_traceback(None))
             continue
         outcomes.append(len(accepted) - 1)
     layout = plan_batch(accepted, prefix_rows=shared_prefix, pack=pack)
