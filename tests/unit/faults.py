@@ -110,9 +110,15 @@ class FaultyBackend:
         return self.inner.borrow(refs)
 
     def adopt_keys(
-        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+        self,
+        shard: int,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        shared_prefix: int = 0,
+        starts: Sequence[int] | None = None,
+        pack: bool = False,
     ) -> list[Any]:
-        return self.inner.adopt_keys(shard, keys, spec, shared_prefix)
+        return self.inner.adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return self.inner.put_blocks(blocks)

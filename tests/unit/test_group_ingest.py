@@ -11,9 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from routeplay.core import RouteSpec, read_response
+from routeplay.core import Handle, RouteSpec, read_response
 from routeplay.core.wires import Engine
-from routeplay.errors import HandleError
+from routeplay.errors import DuplicateExperts, MisuseError, RouteplayError
 from routeplay.rollout import Origin, RolloutState, Status, continuation
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.rollout.lifecycle import ingest_group, sample_holder
@@ -71,6 +71,7 @@ def step(
     return [
         c.finish(store, h).extend(tokens, (0.0,) * new_tokens, version)
         for c, h in zip(conts, handles, strict=True)
+        if isinstance(h, Handle)
     ]
 
 
@@ -119,13 +120,106 @@ def test_a_group_of_resumes_writes_only_the_rows_each_history_lacks() -> None:
     assert store.stats().live_payloads == 0
 
 
-def test_an_engine_key_cannot_join_a_group_write() -> None:
+def key_step(
+    store: RouteStore,
+    fake: FakeLmdeployKey,
+    states: list[RolloutState],
+    truths: list[npt.NDArray[np.uint8]],
+    new_tokens: int,
+    version: int,
+) -> list[RolloutState | RouteplayError]:
+    """One group request on the LMDeploy key path: every answer's key holds the whole
+    sequence; the group's keys are adopted in one call."""
+    conts = [continuation(s) for s in states]
+    routings = [
+        read_response(
+            Engine.LMDEPLOY,
+            fake.respond(rows, prompt_tokens=s.tokens, completion_tokens=new_tokens),
+            SPEC,
+        )
+        for s, rows in zip(states, truths, strict=True)
+    ]
+    out = ingest_group(conts, routings, writer=store, weight_version=version, spec=SPEC)
+    tokens = tuple(range(500, 500 + new_tokens))
+    finished: list[RolloutState | RouteplayError] = []
+    for cont, result in zip(conts, out, strict=True):
+        if isinstance(result, RouteplayError):
+            cont.abandon()
+            finished.append(result)
+        else:
+            finished.append(cont.finish(store, result).extend(tokens, (0.0,) * new_tokens, version))
+    return finished
+
+
+def key_store() -> tuple[RouteStore, FakeLmdeployKey, LocalBackend]:
     backend = LocalBackend("keys", shards=1, ttl_s=600.0)
     store = RouteStore(StoreConfig(run="keys"), backend)
-    fake = FakeLmdeployKey(spec=SPEC, put=backend.engine_store().put)
+    return store, FakeLmdeployKey(spec=SPEC, put=backend.engine_store().put), backend
+
+
+def routed(results: list[RolloutState | RouteplayError]) -> list[RolloutState]:
+    return [r for r in results if isinstance(r, RolloutState)]
+
+
+def test_a_group_of_engine_keys_stores_its_prompt_once_then_only_new_rows() -> None:
+    store, fake, backend = key_store()
+    truths = group_truths(4)
+    first = routed(
+        key_step(store, fake, members(4), [t[: PROMPT + FIRST] for t in truths], FIRST, 0)
+    )
+    stats = store.stats()
+    assert stats.live_payloads == 1  # one payload for the group
+    assert stats.shared_prefix_bytes_saved == 3 * SPEC.nbytes(PROMPT)
+    assert stats.live_bytes == SPEC.nbytes(PROMPT) + 4 * SPEC.nbytes(FIRST - 1)
+    interrupted = [s.with_status(Status.ABORTED, "abort") for s in first]
+    resumed = routed(key_step(store, fake, interrupted, truths, SECOND, 1))
+    after = store.stats()
+    assert after.live_payloads == 2
+    assert after.live_bytes - stats.live_bytes == 4 * SPEC.nbytes(SECOND)  # new rows only
+    for state, rows in zip(resumed, truths, strict=True):
+        assert state.routing is not None
+        np.testing.assert_array_equal(
+            store.read(state.routing), rows[: PROMPT + FIRST + SECOND - 1]
+        )
+        versions = state.routing.weight_versions()
+        assert set(versions[: PROMPT + FIRST - 1]) == {0}
+        assert set(versions[-SECOND:]) == {1}
+        state.release()
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+    assert backend.engine_store().stats().live_keys == 0
+
+
+def test_a_bad_key_in_a_group_costs_only_its_member() -> None:
+    store, fake, backend = key_store()
+    truths = group_truths(4)
+    rows = [t[: PROMPT + FIRST] for t in truths]
+    rows[2] = rows[2].copy()
+    rows[2][PROMPT + 1, 1] = rows[2][PROMPT + 1, 1, 0]  # a duplicated expert in row 13
+    out = key_step(store, fake, members(4), rows, FIRST, 0)
+    assert isinstance(out[2], DuplicateExperts)
+    assert "row 13" in str(out[2])
+    good = routed(out)
+    assert [s.sample_id for s in good] == ["m0", "m1", "m3"]
+    stats = store.stats()
+    assert stats.live_payloads == 1  # the three others: still one payload, prompt once
+    assert stats.shared_prefix_bytes_saved == 2 * SPEC.nbytes(PROMPT)
+    for state in good:
+        assert state.routing is not None
+        np.testing.assert_array_equal(
+            store.read(state.routing), rows[int(state.sample_id[1])][: PROMPT + FIRST - 1]
+        )
+        state.release()
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+    assert backend.engine_store().stats().live_keys == 0  # the bad key was consumed too
+
+
+def test_a_group_of_keys_needs_the_spec() -> None:
+    store, fake, _ = key_store()
     [state] = members(1)
-    body = fake.respond(truth(PROMPT + FIRST - 1, 3), prompt_tokens=PROMPT, completion_tokens=FIRST)
-    with pytest.raises(HandleError, match="engine-store key"):
+    body = fake.respond(truth(PROMPT + FIRST, 3), prompt_tokens=PROMPT, completion_tokens=FIRST)
+    with pytest.raises(MisuseError, match="spec"):
         ingest_group(
             [continuation(state)],
             [read_response(Engine.LMDEPLOY, body, SPEC)],

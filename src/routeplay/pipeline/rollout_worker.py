@@ -15,7 +15,8 @@ shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
 - the members of one group (``rollout_group``: fresh ones, resumes, retries or next
   turns; ``converse_group``: both turns of a group's conversations) write their new rows
   as one payload, fresh members' verified-equal prompt rows once (wires that carry the
-  rows; key-store wires adopt each member's key);
+  rows put them; key-store wires adopt the members' keys together, each from its
+  history's end);
 - a member whose request or answer fails is set aside with its error in its place, and
   the rest of its group goes on.
 
@@ -35,14 +36,14 @@ from typing import Any
 import httpx
 
 from routeplay.core import read_response
-from routeplay.core.handle import Handle
+from routeplay.core.handle import EngineKey, Handle
 from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
 from routeplay.core.wires.base import Completion
-from routeplay.errors import EngineUnavailable, MalformedPayload
+from routeplay.errors import EngineUnavailable, MalformedPayload, RouteplayError
 from routeplay.rollout import ADAPTERS, RolloutState, Status
-from routeplay.rollout.adapters import ProducerWriter, new_rows
+from routeplay.rollout.adapters import ProducerWriter, check_continues
 from routeplay.rollout.lifecycle import Continuation, continuation, ingest_group, store_turn
 from routeplay.rollout.releasing import attach_notes
 from routeplay.rollout.state import release_states
@@ -110,8 +111,8 @@ class WorkerShell(RoutesProducer):
     ) -> list[RolloutState | Exception]:
         """Generate (or resume, or run the next turn of) the members of one group and
         write their new rows as one payload (``ingest_group``: fresh members' verified-
-        equal prompt rows once). Key-store wires (the engine stores whole arrays) run
-        the members one by one.
+        equal prompt rows once). On key-store wires (the engine stores whole arrays) the
+        members' keys are adopted together the same way, each from its history's end.
 
         A member whose continuation, request or answer fails is set aside with its error
         in its place (its input keeps its lease for the caller to release); the others
@@ -123,8 +124,6 @@ class WorkerShell(RoutesProducer):
             >>> [type(s).__name__ for s in out]
             ['RolloutState', 'RolloutState', 'MalformedPayload', 'RolloutState']
         """
-        if self._wire.key_store:
-            return [self._settled(s, m, version) for s, m in zip(states, samplings, strict=True)]
         with ExitStack() as stack:
             opened = [self._open(stack, state) for state in states]
             asked = [
@@ -141,6 +140,7 @@ class WorkerShell(RoutesProducer):
                 [answer.routing for _, _, answer in good],
                 writer=self._writer,
                 weight_version=version,
+                spec=self._spec,
             )
             written = {i: handle for (i, _, _), handle in zip(good, handles, strict=True)}
             return self._finish_all(opened, asked, written, version)
@@ -153,7 +153,8 @@ class WorkerShell(RoutesProducer):
 
     def _ask(self, cont: Continuation, sampling: Sampling) -> _Answered | Exception:
         """One member's request and its answer, decoded and checked against the member's
-        history (``new_rows``), or the error that refused it."""
+        history (``check_continues``), or the error that refused it (an engine key it
+        refuses is freed: nobody will adopt it)."""
         state = cont.state
         where = f"sample {state.sample_id}"
         start = self._wire.routing_start(cont.rows)
@@ -163,16 +164,27 @@ class WorkerShell(RoutesProducer):
             routing = read_response(
                 self._wire.engine, answer, self._spec, where=where, start_row=start
             )
-            new_rows(routing, cont.history)  # refuses it here, not for the whole group
         except Exception as exc:  # this member is set aside; the group goes on
             return _portable(exc)
+        try:
+            check_continues(routing, cont.history)  # refuses it here, not for the group
+        except Exception as exc:
+            if routing.key is not None:
+                self._free_refused(routing.key, exc)
+            return _portable(exc)
         return _Answered(completion=completion, routing=routing)
+
+    def _free_refused(self, key: EngineKey, error: Exception) -> None:
+        try:
+            self._store.free_key(key)
+        except Exception as failure:
+            attach_notes(error, [failure], f"freeing engine key {key.key}")
 
     def _finish_all(
         self,
         opened: list[Continuation | Exception],
         asked: list[_Answered | Exception],
-        handles: dict[int, Handle],
+        handles: dict[int, Handle | RouteplayError],
         version: int,
     ) -> list[RolloutState | Exception]:
         out: list[RolloutState | Exception] = []
@@ -182,8 +194,10 @@ class WorkerShell(RoutesProducer):
                     out.append(cont)
                 elif isinstance(answer, Exception):
                     out.append(_abandoned(cont, answer))
+                elif isinstance(handle := handles[index], RouteplayError):
+                    out.append(_abandoned(cont, _portable(handle)))  # its key was refused
                 else:
-                    out.append(self._finish(cont, handles[index], answer.completion, version))
+                    out.append(self._finish(cont, handle, answer.completion, version))
         except BaseException as exc:
             _, errors = release_states([s for s in out if isinstance(s, RolloutState)])
             attach_notes(exc, errors, "releasing the group's finished members")
@@ -198,14 +212,6 @@ class WorkerShell(RoutesProducer):
         except Exception as exc:
             return _portable(exc)
         return _finished(routed, completion, version)
-
-    def _settled(
-        self, state: RolloutState, sampling: Sampling, version: int
-    ) -> RolloutState | Exception:
-        try:
-            return self.rollout(state, sampling, version)
-        except Exception as exc:  # this member is set aside; the group goes on
-            return _portable(exc)
 
     def _request(
         self, state: RolloutState, sampling: Sampling, start: int

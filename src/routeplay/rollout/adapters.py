@@ -8,8 +8,11 @@ not have yet are stored and appended as a new segment:
   ``current[len(history):]`` (never the whole array again: no duplicated rows);
 - a response whose request asked for rows from a start row (SGLang, vLLM) must start
   at or before ``len(history)``;
-- an engine-store key (LMDeploy, XTuner's SGLang) stays lazy: it is adopted by the store
-  without being read, and the handle points at its rows ``[len(history), T)``.
+- an engine-store key (LMDeploy, XTuner's SGLang) holds the whole sequence: it is
+  adopted from row ``len(history)`` (``RouteStore.adopt_key(start_row=...)``), so the
+  store keeps only rows ``[len(history), T)``, sliced where the key is validated; the
+  history rows behind the key are dropped there (not compared with the history's own:
+  ``routeplay.store.key_check`` says why).
 
 Where routing sits in each body is ``routeplay.core.wires``' business; adapters only
 call it.
@@ -29,7 +32,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import expected_rows
 from routeplay.core.wires import ENGINES, Engine, EngineRouting, read_response
 from routeplay.core.wires import vllm as vllm_wire
-from routeplay.errors import HandleError, RowCountMismatch
+from routeplay.errors import HandleError, RouteplayError, RowCountMismatch
 
 if TYPE_CHECKING:  # both load Ray; adapters only call them
     from routeplay.store.client import RouteStore
@@ -42,6 +45,7 @@ __all__ = [
     "ProducerWriter",
     "RoutesWriter",
     "VllmInProcessAdapter",
+    "check_continues",
     "new_rows",
     "stitch",
 ]
@@ -52,7 +56,9 @@ class RoutesWriter(Protocol):
 
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle: ...
 
-    def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle: ...
+    def adopt_key(
+        self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
+    ) -> Handle: ...
 
     def free_key(self, key: EngineKey) -> bool: ...
 
@@ -70,9 +76,35 @@ class ProducerWriter:
         """Stage in the producer, adopted by a shard: one object-store write."""
         return self.producer.put_routes(self.store, routes, weight_version=weight_version)
 
-    def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
-        """Engine-store keys stay lazy: adopted without reading."""
-        return self.store.adopt_key(key, spec, weight_version=weight_version)
+    def adopt_key(
+        self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
+    ) -> Handle:
+        """Engine-store keys stay lazy: adopted without reading (rows from ``start_row``)."""
+        return self.store.adopt_key(key, spec, weight_version=weight_version, start_row=start_row)
+
+    def adopt_keys_each(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
+    ) -> list[Handle | RouteplayError]:
+        """A group's engine-store keys, adopted together (``RouteStore.adopt_keys_each``).
+
+        Example:
+            >>> out = writer.adopt_keys_each(keys, spec, pack=True)  # doctest: +SKIP
+        """
+        return self.store.adopt_keys_each(
+            keys,
+            spec,
+            weight_version=weight_version,
+            shared_prefix=shared_prefix,
+            start_rows=start_rows,
+            pack=pack,
+        )
 
     def free_key(self, key: EngineKey) -> bool:
         """Drop a key nobody will read."""
@@ -186,13 +218,15 @@ def stitch(
 ) -> Handle:
     """The sample's routing after this response: history rows, then only the new rows."""
     kept = history if history is not None else Handle(spec)
-    _check_total(routing, kept)
+    _check_total(routing, kept.rows)
     if routing.key is not None:
         if routing.key.rows <= kept.rows:  # nothing new: never adopt what no handle keeps
             writer.free_key(routing.key)
             return kept
-        adopted = writer.adopt_key(routing.key, spec, weight_version=weight_version)
-        return kept + adopted[kept.rows :]
+        adopted = writer.adopt_key(
+            routing.key, spec, weight_version=weight_version, start_row=kept.rows
+        )
+        return kept + adopted
     fresh = new_rows(routing, history)
     if fresh is None:
         return kept
@@ -216,7 +250,7 @@ def new_rows(routing: EngineRouting, history: Handle | None) -> Routes | None:
             found="an engine key",
             hint="Adopt keys one by one (stitch) or with RouteStore.adopt_keys.",
         )
-    _check_total(routing, history if history is not None else Handle(routes.spec))
+    _check_total(routing, kept)
     if routes.start_row > kept:
         raise HandleError(
             "the response skips rows the history does not have",
@@ -227,12 +261,26 @@ def new_rows(routing: EngineRouting, history: Handle | None) -> Routes | None:
     return fresh if fresh.rows else None
 
 
-def _check_total(routing: EngineRouting, kept: Handle) -> None:
+def check_continues(routing: EngineRouting, history: Handle | None) -> None:
+    """Refuse an answer that cannot continue ``history`` (the checks ``stitch`` makes,
+    for carried rows and engine keys alike), before anything is written: a group's
+    member is set aside on its own.
+
+    Example:
+        >>> check_continues(read_response("lmdeploy", body, spec), cont.history)  # doctest: +SKIP
+    """
+    if routing.routes is not None:
+        new_rows(routing, history)
+        return
+    _check_total(routing, history.rows if history is not None else 0)
+
+
+def _check_total(routing: EngineRouting, kept: int) -> None:
     total = _total_rows(routing)
-    if total is not None and total < kept.rows:
+    if total is not None and total < kept:
         raise RowCountMismatch(
             "the resumed response has fewer rows than the history it continues",
-            expected=f"at least {kept.rows} rows",
+            expected=f"at least {kept} rows",
             found=f"{total} rows",
         )
 

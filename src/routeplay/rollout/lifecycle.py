@@ -23,7 +23,10 @@ calls them and never re-derives the order of leases:
 
 The members of one GRPO group (fresh, resumed or next turns alike) can replace step 2
 with one ``ingest_group``: their new rows are written together as *one* payload (the
-group's verified-equal prompt rows once), then each member finishes on its own.
+group's verified-equal prompt rows once), then each member finishes on its own. Engine
+keys (LMDeploy, XTuner's SGLang) are adopted together the same way (only the rows past
+each history, the prompt once); a member whose answer or key is refused gets its typed
+error in its place and costs only itself.
 
 Failure paths: leaving a ``Continuation`` without ``finish`` (an engine error, a bad
 body) ends the borrowed lease only. The input state's own lease is never touched before
@@ -43,8 +46,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from routeplay.core.handle import Handle
-from routeplay.errors import MisuseError
-from routeplay.rollout.adapters import EngineAdapter, RoutesWriter, new_rows
+from routeplay.errors import MisuseError, RouteplayError
+from routeplay.rollout.adapters import EngineAdapter, RoutesWriter, check_continues, new_rows
+from routeplay.rollout.releasing import attach_notes
 from routeplay.rollout.sample_routing import (
     LeaseSource,
     PrefixSource,
@@ -58,6 +62,7 @@ from routeplay.rollout.state import Origin, RolloutState, RoutingKind
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from routeplay.core.handle import EngineKey
     from routeplay.core.routes import Routes
     from routeplay.core.spec import RouteSpec
     from routeplay.core.wires import EngineRouting
@@ -80,8 +85,9 @@ __all__ = [
 
 
 class BatchWriter(Protocol):
-    """What ``ingest_group`` writes through: ``RouteStore.put_many`` (or a producer's
-    ``ProducerWriter.put_many``)."""
+    """What ``ingest_group`` writes through: ``RouteStore`` (or a producer's
+    ``ProducerWriter``): ``put_many`` for rows carried in the answers, ``adopt_keys_each``
+    and ``free_key`` for engine-store keys."""
 
     def put_many(
         self,
@@ -91,6 +97,19 @@ class BatchWriter(Protocol):
         shared_prefix: int = 0,
         pack: bool = False,
     ) -> list[Handle]: ...
+
+    def adopt_keys_each(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
+    ) -> list[Handle | RouteplayError]: ...
+
+    def free_key(self, key: EngineKey) -> bool: ...
 
 
 def borrow_prefix(traces: PrefixSource, state: RolloutState) -> Exported | None:
@@ -250,36 +269,91 @@ def ingest_group(
     *,
     writer: BatchWriter,
     weight_version: int,
-) -> list[Handle]:
+    spec: RouteSpec | None = None,
+) -> list[Handle | RouteplayError]:
     """Each member's routing after its answer (``Continuation.ingest`` for a whole
-    group): the rows each history lacks are written in one ``put_many`` as one payload.
-    When every member is fresh (no history) and has the same prompt, the prompt's rows
-    are shared where verified equal (stored once, the saving counted).
+    group), or the typed error that refused the member's answer: the rows each history
+    lacks are written in one call as one payload. When every member is fresh (no
+    history) and has the same prompt, the prompt's rows are shared where verified equal
+    (stored once, the saving counted).
 
-    Ownership: as for ``ingest``, the handles hold no lease yet; finish each member.
-    Answers must carry their rows (an engine-store key is adopted one by one).
+    Rows carried in the answers go through one ``put_many``; engine-store keys through
+    one ``adopt_keys_each`` (``spec`` required), each key from its history's end, so a
+    resume or a later turn stores only its new rows. A member whose answer cannot
+    continue its history, or whose key is refused (metadata, rows, run, consumed,
+    expired), is set aside with its error; the others are written together.
+
+    Ownership: as for ``ingest``, the handles hold no lease yet; finish each member (a
+    set-aside member's continuation is for the caller to abandon).
 
     Example:
-        >>> handles = ingest_group(conts, answers, writer=store, weight_version=3)  # doctest: +SKIP
-        >>> routed = [c.finish(store, h) for c, h in zip(conts, handles)]
+        >>> out = ingest_group(conts, answers, writer=w, weight_version=3, spec=s)  # doctest: +SKIP
+        >>> routed = [c.finish(store, h) for c, h in zip(conts, out) if isinstance(h, Handle)]
     """
     for cont in conts:
         cont._check_open("ingest an answer")
-    fresh = [new_rows(routing, cont.history) for cont, routing in zip(conts, routings, strict=True)]
-    written = iter(
-        writer.put_many(
-            [rows for rows in fresh if rows is not None],
+    pairs = list(zip(conts, routings, strict=True))
+    out: list[Handle | RouteplayError | None] = [None] * len(pairs)
+    carried: list[tuple[int, Routes]] = []
+    keyed: list[tuple[int, EngineKey]] = []
+    for index, (cont, routing) in enumerate(pairs):
+        try:
+            check_continues(routing, cont.history)
+            if routing.key is None:
+                rows = new_rows(routing, cont.history)
+                if rows is None:
+                    out[index] = _kept(cont, routing, spec)
+                else:
+                    carried.append((index, rows))
+            elif routing.key.rows <= cont.rows:  # nothing new: never adopt what none keeps
+                writer.free_key(routing.key)
+                out[index] = _kept(cont, routing, spec)
+            else:
+                keyed.append((index, routing.key))
+        except RouteplayError as exc:
+            out[index] = exc
+    if carried:
+        written = writer.put_many(
+            [rows for _, rows in carried],
             weight_version=weight_version,
-            shared_prefix=_shared_prompt(conts),
+            shared_prefix=_shared_prompt([conts[i] for i, _ in carried]),
             pack=True,
         )
+        for (index, _), handle in zip(carried, written, strict=True):
+            out[index] = _kept(conts[index], routings[index], spec) + handle
+    if keyed:
+        adopted = writer.adopt_keys_each(
+            [key for _, key in keyed],
+            _key_spec(conts, spec),
+            weight_version=weight_version,
+            shared_prefix=_shared_prompt([conts[i] for i, _ in keyed]),
+            start_rows=[conts[i].rows for i, _ in keyed],
+            pack=True,
+        )
+        for (index, _), result in zip(keyed, adopted, strict=True):
+            kept = _kept(conts[index], routings[index], spec)
+            out[index] = kept + result if isinstance(result, Handle) else result
+    return [result for result in out if result is not None]
+
+
+def _kept(cont: Continuation, routing: EngineRouting, spec: RouteSpec | None) -> Handle:
+    """The member's history, or an empty handle of its spec."""
+    if cont.history is not None:
+        return cont.history
+    if routing.routes is not None:
+        return Handle(routing.routes.spec)
+    return Handle(_key_spec([cont], spec))
+
+
+def _key_spec(conts: Sequence[Continuation], spec: RouteSpec | None) -> RouteSpec:
+    if spec is not None:
+        return spec
+    raise MisuseError(
+        "adopting engine-store keys in a group needs the model's spec",
+        expected="ingest_group(..., spec=spec)",
+        found="spec=None",
+        where=f"group of {', '.join(c.state.sample_id for c in conts[:3])}",
     )
-    handles = []
-    for cont, routing, rows in zip(conts, routings, fresh, strict=True):
-        assert routing.routes is not None  # new_rows refused keys
-        kept = cont.history if cont.history is not None else Handle(routing.routes.spec)
-        handles.append(kept + next(written) if rows is not None else kept)
-    return handles
 
 
 def _shared_prompt(conts: Sequence[Continuation]) -> int:

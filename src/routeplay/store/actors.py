@@ -21,12 +21,12 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
-from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
+from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardApi
-from routeplay.store.writes import Part, plan_batch
+from routeplay.store.writes import Part
 
 __all__ = [
     "EngineStoreActor",
@@ -136,17 +136,28 @@ class StoreShardShell(_Reaped):
         return self._locked(lambda: self._shard.adopt_many(refs, payloads, saved_bytes))
 
     def adopt_keys(
-        self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+        self,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        shared_prefix: int = 0,
+        starts: list[int] | None = None,
+        pack: bool = False,
     ) -> list[Any]:
         """Consume engine keys and have their rows validated and narrowed once, on the
         engine store's node; this shard owns the canonical blocks the validator returns.
         One call to each engine store for all its keys; validations run in parallel.
+        ``starts``: per key, the first row to keep (a resume's or a later turn's
+        history is not stored again; the rows before it go with the raw payload).
 
-        Returns a StoreRef per key, or the error that refused it (a refused key is freed
-        by its engine store). The shard does not wait for the validator: a reader's
-        fetch of the block does (and gets the validation error, if any). The engine's
-        raw payload stays alive as the validator's argument until it is done, then goes.
+        Returns a StoreRef per key (a tuple of them in a group), or the error that
+        refused it (a refused key is freed by its engine store). Alone, a key's block is
+        not waited for: a reader's fetch of the block does (and gets the validation
+        error, if any). A group (``shared_prefix`` or ``pack``) is validated together
+        and waited for; a member whose rows are refused gets its error, the others are
+        stored. The engine's raw payload stays alive as the validator's argument until
+        it is done, then goes.
         """
+        begin = starts if starts is not None else [0] * len(keys)
         out: list[Any] = [None] * len(keys)
         by_engine: dict[tuple[str, str], list[int]] = {}
         for index, key in enumerate(keys):
@@ -160,44 +171,63 @@ class StoreShardShell(_Reaped):
                 what=f"{namespace}/{name}: take {len(picked)} keys",
             )
             validator = self._validator(node)
-            if shared_prefix > 0 and not any(isinstance(t, BaseException) for t in taken):
-                group = self._adopt_group(validator, picked, taken, spec, shared_prefix)
-                for index, stored in zip(indices, group, strict=True):
+            good = [
+                (index, key, wrapped[0])
+                for index, key, wrapped in zip(indices, picked, taken, strict=True)
+                if not isinstance(wrapped, BaseException)
+            ]
+            for index, wrapped in zip(indices, taken, strict=True):
+                if isinstance(wrapped, BaseException):
+                    out[index] = wrapped  # refused by its metadata, freed by its store
+            if good and (shared_prefix > 0 or pack):
+                group = self._adopt_group(validator, good, begin, spec, shared_prefix, pack)
+                for (index, _, _), stored in zip(good, group, strict=True):
                     out[index] = stored
                 continue
-            for index, key, wrapped in zip(indices, picked, taken, strict=True):
-                if isinstance(wrapped, BaseException):
-                    out[index] = wrapped
-                    continue
-                block = validator.canonical.remote(wrapped[0], key, spec)
-                out[index] = self._adopt_block(block, key.rows, spec.nbytes(key.rows))
+            for index, key, ref in good:
+                start = begin[index]
+                block = validator.canonical.remote(ref, key, spec, start)
+                rows = key.rows - start
+                out[index] = self._adopt_block(block, rows, spec.nbytes(rows))
         return out
 
     def _adopt_group(
         self,
         validator: Any,
-        keys: list[EngineKey],
-        taken: list[Any],
+        good: list[tuple[int, EngineKey, Any]],
+        starts: list[int],
         spec: RouteSpec,
         shared_prefix: int,
-    ) -> list[tuple[StoreRef, ...]]:
+        pack: bool,
+    ) -> list[Any]:
         """Keys of one group (a GRPO group's samples): validated together near the
-        engine, their verified-equal prompt rows stored once (``routeplay.store.writes``).
-        Waited for (the layout depends on the rows); returns each key's StoreRefs."""
-        raw = [wrapped[0] for wrapped in taken]
-        token, samples, payloads, saved = ray_calls.get(
-            validator.canonical_group.remote(keys, spec, shared_prefix, *raw),
+        engine, their verified-equal prompt rows stored once (``routeplay.store.writes``),
+        one payload when ``pack``. Waited for (the layout depends on the rows); returns
+        each key's rows as (StoreRef, start, stop) ranges, or the error that refused its
+        rows (only that member)."""
+        keys = [key for _, key, _ in good]
+        begin = [starts[index] for index, _, _ in good]
+        raw = [ref for _, _, ref in good]
+        token, outcomes, samples, payloads, saved = ray_calls.get(
+            validator.canonical_group.remote(keys, spec, begin, shared_prefix, pack, *raw),
             timeout_s=self._timeout_s,
             what=f"validate a group of {len(keys)} engine keys",
         )
-        del raw, taken
+        del raw, good  # the raw payloads go now: only the laid-out rows are kept
+        stored: list[StoreRef] = []
         count = sum(p.blocks for p in payloads)
-        refs = validator.take.options(num_returns=count).remote(token)
-        blocks = [refs] if count == 1 else list(refs)
-        # Written on the engine's node before we answer (as for a producer's blocks).
-        ray.wait(blocks, num_returns=count, timeout=self._timeout_s, fetch_local=False)
-        stored = self._locked(lambda: self._shard.adopt_many(blocks, payloads, saved))
-        return [tuple(stored[p.array] for p in parts) for parts in samples]
+        if count:
+            refs = validator.take.options(num_returns=count).remote(token)
+            blocks = [refs] if count == 1 else list(refs)
+            # Written on the engine's node before we answer (as for a producer's blocks).
+            ray.wait(blocks, num_returns=count, timeout=self._timeout_s, fetch_local=False)
+            stored = self._locked(lambda: self._shard.adopt_many(blocks, payloads, saved))
+        return [
+            outcome
+            if isinstance(outcome, BaseException)
+            else tuple((stored[p.array], p.start, p.stop) for p in samples[outcome])
+            for outcome in outcomes
+        ]
 
     def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
@@ -364,30 +394,42 @@ class KeyValidatorShell:
         self._outbox = PayloadOutbox()
 
     def canonical_group(
-        self, keys: list[EngineKey], spec: RouteSpec, shared_prefix: int, *payloads: Any
-    ) -> tuple[str, tuple[tuple[Part, ...], ...], list[StoredPayload], int]:
-        """Validate a group's payloads and lay them out (shared prompt rows once); the
-        arrays wait here until the shard takes them, so the shard owns the blocks."""
-        batch = [canonical_routes(p, k, spec) for p, k in zip(payloads, keys, strict=True)]
+        self,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        starts: list[int],
+        shared_prefix: int,
+        pack: bool,
+        *payloads: Any,
+    ) -> tuple[str, tuple[Any, ...], tuple[tuple[Part, ...], ...], list[StoredPayload], int]:
+        """Validate a group's payloads (rows from each start) and lay the accepted ones
+        out (``key_check.canonical_group``); the arrays wait here until the shard takes
+        them, so the shard owns the blocks. Returns the staging token, each key's
+        outcome (its sample index, or its error), the samples' parts, the payloads and
+        the bytes the shared prefix saved."""
+        group = canonical_group(
+            payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack
+        )
         del payloads
-        layout = plan_batch(batch, prefix_rows=shared_prefix)
-        token = self._outbox.stage_many(tuple(layout.arrays))
+        layout = group.layout
+        token = self._outbox.stage_many(tuple(layout.arrays)) if layout.arrays else ""
         stored = [
             StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
             for a in layout.arrays
         ]
-        return token, layout.samples, stored, layout.saved_bytes
+        return token, group.outcomes, layout.samples, stored, layout.saved_bytes
 
     def take(self, token: str) -> Any:
         """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
         return self._outbox.take(token)
 
     def canonical(
-        self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
+        self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec, start: int = 0
     ) -> npt.NDArray[np.unsignedinteger]:
-        """The key's rows, validated and canonical; Ray resolved ``payload`` from this
-        node's object store (zero copy), so the only write is the compact result."""
-        return canonical_rows(payload, key, spec)
+        """The key's rows from ``start``, validated and canonical; Ray resolved
+        ``payload`` from this node's object store (zero copy), so the only write is the
+        compact result (the history rows before ``start`` are never copied)."""
+        return canonical_rows(payload, key, spec, start)
 
 
 # The Ray actor classes (typed Any: ray.remote's result has no useful static type).

@@ -24,10 +24,9 @@ from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
-from routeplay.store.key_check import canonical_routes, canonical_rows, take_checked_many
+from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.shard import StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardCall
-from routeplay.store.writes import plan_batch
 
 __all__ = ["Backend", "LocalBackend", "RayBackend", "Settled"]
 
@@ -75,10 +74,19 @@ class Backend(Protocol):
         ...
 
     def adopt_keys(
-        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+        self,
+        shard: int,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        shared_prefix: int = 0,
+        starts: Sequence[int] | None = None,
+        pack: bool = False,
     ) -> list[Any]:
-        """Per key: a StoreRef, a tuple of StoreRefs (a shared prompt, then its own rows),
-        or the error that refused it."""
+        """Per key: a StoreRef (all its rows), a tuple of ``(StoreRef, start, stop)`` row
+        ranges (a group's: a shared prompt, then its own rows), or the error that refused
+        it. ``starts``: per key, the first row stored (rows before it are dropped where
+        the key is validated); ``shared_prefix`` or ``pack`` make the keys one group
+        (laid out together, a refused member set aside)."""
         ...
 
     def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]: ...
@@ -175,10 +183,19 @@ class RayBackend:
         return ray_calls.get(pending, timeout_s=self._timeout_s, what=what)
 
     def adopt_keys(
-        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+        self,
+        shard: int,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        shared_prefix: int = 0,
+        starts: Sequence[int] | None = None,
+        pack: bool = False,
     ) -> list[Any]:
         """One call: the shard consumes the keys and validates them on the engine's node."""
-        pending = self._shards[shard].adopt_keys.remote(list(keys), spec, shared_prefix)
+        begin = list(starts) if starts is not None else None
+        pending = self._shards[shard].adopt_keys.remote(
+            list(keys), spec, shared_prefix, begin, pack
+        )
         # The shard itself waits up to timeout_s for the engine store; give it room.
         what = f"adopt {len(keys)} engine keys"
         return list(ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what))
@@ -287,51 +304,76 @@ class LocalBackend:
         return [ref.value() for ref in wrapped]  # what a block reference is here: the value
 
     def adopt_keys(
-        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int = 0
+        self,
+        shard: int,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        shared_prefix: int = 0,
+        starts: Sequence[int] | None = None,
+        pack: bool = False,
     ) -> list[Any]:
         """The same steps as the Ray shard, in process: check, consume, validate, adopt."""
-        if shared_prefix > 0:
-            return self._adopt_group(shard, keys, spec, shared_prefix)
-        out: list[Any] = []
+        begin = list(starts) if starts is not None else [0] * len(keys)
         with self._lock:
-            for key in keys:
-                store = self.engine_store(key.actor, key.namespace)
-                [taken] = take_checked_many(store, [key], spec, self._shards[shard].run)
-                if isinstance(taken, BaseException):
-                    out.append(taken)
-                    continue
-                try:
-                    block = _LocalBlock(canonical_rows(taken[0].value(), key, spec))
-                except RouteplayError as exc:  # on Ray the reader's fetch raises it
-                    out.append(exc)
-                    continue
-                nbytes = spec.nbytes(key.rows)
-                out.append(self._shards[shard].adopt([block], key.rows, nbytes, 0))
-        return out
-
-    def _adopt_group(
-        self, shard: int, keys: Sequence[EngineKey], spec: RouteSpec, shared_prefix: int
-    ) -> list[Any]:
-        with self._lock:
-            taken = []
-            for key in keys:
-                [result] = take_checked_many(
+            taken = [
+                take_checked_many(
                     self.engine_store(key.actor, key.namespace),
                     [key],
                     spec,
                     self._shards[shard].run,
-                )
-                if isinstance(result, BaseException):
-                    return [result]
-                taken.append(canonical_routes(result[0].value(), key, spec))
-            layout = plan_batch(taken, prefix_rows=shared_prefix)
-            blocks = [_LocalBlock(array) for array in layout.arrays]
-            payloads = [
-                StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
-                for a in layout.arrays
+                )[0]
+                for key in keys
             ]
-            stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
-        return [tuple(stored[p.array] for p in parts) for parts in layout.samples]
+            if shared_prefix > 0 or pack:
+                return self._adopt_group(shard, keys, taken, begin, spec, shared_prefix, pack)
+            out: list[Any] = []
+            for key, wrapped, start in zip(keys, taken, begin, strict=True):
+                if isinstance(wrapped, BaseException):
+                    out.append(wrapped)
+                    continue
+                try:
+                    block = _LocalBlock(canonical_rows(wrapped[0].value(), key, spec, start))
+                except RouteplayError as exc:  # on Ray the reader's fetch raises it
+                    out.append(exc)
+                    continue
+                rows = key.rows - start
+                out.append(self._shards[shard].adopt([block], rows, spec.nbytes(rows), 0))
+        return out
+
+    def _adopt_group(
+        self,
+        shard: int,
+        keys: Sequence[EngineKey],
+        taken: list[Any],
+        starts: list[int],
+        spec: RouteSpec,
+        shared_prefix: int,
+        pack: bool,
+    ) -> list[Any]:
+        good = [i for i, wrapped in enumerate(taken) if not isinstance(wrapped, BaseException)]
+        group = canonical_group(
+            [taken[i][0].value() for i in good],
+            [keys[i] for i in good],
+            spec,
+            [starts[i] for i in good],
+            shared_prefix=shared_prefix,
+            pack=pack,
+        )
+        layout = group.layout
+        blocks = [_LocalBlock(array) for array in layout.arrays]
+        payloads = [
+            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+            for a in layout.arrays
+        ]
+        stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
+        out = list(taken)
+        for i, outcome in zip(good, group.outcomes, strict=True):
+            out[i] = (
+                outcome
+                if isinstance(outcome, BaseException)
+                else tuple((stored[p.array], p.start, p.stop) for p in layout.samples[outcome])
+            )
+        return out
 
     def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""

@@ -31,6 +31,7 @@ from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, MisuseError, RouteplayError, RunMismatch
 from routeplay.store.backend import Backend, LocalBackend, RayBackend
+from routeplay.store.key_check import check_start_rows
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.reads import BlockPins, Reader
@@ -344,13 +345,27 @@ class RouteStore:
         [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
         return _handles(layout, stored, spec, weight_version)
 
-    def adopt_key(self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0) -> Handle:
+    def adopt_key(
+        self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
+    ) -> Handle:
         """Take an engine-store key over in one call: the shard consumes the key (a key
         whose metadata does not fit ``spec`` is freed, not leaked, and refused) and has
         its rows validated and narrowed once, on the engine store's node, into a block
         the shard owns. Readers only copy; the trainer node pulls compact bytes. A
-        payload with up to ``key.trailing_rows`` extra rows keeps ``[0, rows)`` (a slice)."""
-        return self.adopt_keys([key], spec, weight_version=weight_version)[0]
+        payload with up to ``key.trailing_rows`` extra rows keeps ``[0, rows)`` (a slice).
+
+        ``start_row=S`` (a resume or a later turn: the history's rows) stores only the
+        rows ``[S, rows)``: the handle covers those ``rows - S`` rows, to append to the
+        history; the rows before ``S`` are dropped on the engine's node, unread by
+        anyone (``routeplay.store.key_check`` says why they are not compared).
+
+        Example:
+            new = store.adopt_key(routing.key, spec, weight_version=2, start_row=history.rows)
+            handle = history + new
+        """
+        return self.adopt_keys([key], spec, weight_version=weight_version, start_rows=[start_row])[
+            0
+        ]
 
     def adopt_keys(
         self,
@@ -359,29 +374,73 @@ class RouteStore:
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
     ) -> list[Handle]:
         """``adopt_key`` for a batch in one call (one engine-store call per engine store,
         validations in parallel on the engine's node). A refused key is freed and its
         error raised; keys of the batch adopted before it expire unleased (TTL).
 
         ``shared_prefix=P`` (the keys of one GRPO group): validated together, and the
-        first ``P`` rows that are verified equal across keys are stored once, as in
-        ``put_many``; this call then waits for the validation (the layout depends on it).
+        first ``P`` stored rows that are verified equal across keys are stored once, as
+        in ``put_many``; ``pack`` stores the group as one payload. Either makes this call
+        wait for the validation (the layout depends on it). ``start_rows``: per key, as
+        ``adopt_key``'s ``start_row``. ``adopt_keys_each`` sets refused keys aside.
 
         Example:
             handles = store.adopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
         """
-        if not keys:
-            return []
-        keys = [self.scoped(key) for key in keys]
-        self._releases.settle(wait=False)
-        shard = self._pick_shard(keys[0].key)
-        results = self._backend.adopt_keys(shard, keys, spec, shared_prefix)
+        results = self.adopt_keys_each(
+            keys,
+            spec,
+            weight_version=weight_version,
+            shared_prefix=shared_prefix,
+            start_rows=start_rows,
+            pack=pack,
+        )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+        return [result for result in results if isinstance(result, Handle)]
+
+    def adopt_keys_each(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
+    ) -> list[Handle | RouteplayError]:
+        """``adopt_keys`` that sets a refused key aside: per key, its handle or the typed
+        error that refused it (its metadata, another run's, consumed, expired; in a group
+        its rows too), so one bad member of a group costs only that member and the
+        others are still written together (one payload with ``pack``). A key adopted
+        alone is validated without waiting: a bad row is raised by its first read.
+
+        Example:
+            out = store.adopt_keys_each(keys, spec, shared_prefix=600, pack=True)
+            good = [h for h in out if isinstance(h, Handle)]
+        """
+        if not keys:
+            return []
+        keys = [self.scoped(key) for key in keys]
+        starts = check_start_rows(keys, start_rows)
+        self._releases.settle(wait=False)
+        shard = self._pick_shard(keys[0].key)
+        results = self._backend.adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, RouteplayError):
+                raise result  # not a refusal of one key: the call failed
         return [
-            _handle_of(result if isinstance(result, tuple) else (result,), spec, weight_version)
+            result
+            if isinstance(result, RouteplayError)
+            else _handle_of(
+                result if isinstance(result, tuple) else ((result, 0, result.rows),),
+                spec,
+                weight_version,
+            )
             for result in results
         ]
 
@@ -685,10 +744,13 @@ class RouteStore:
         return Handle.of(segment)
 
 
-def _handle_of(stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int) -> Handle:
+def _handle_of(
+    ranges: Sequence[tuple[StoreRef, int, int]], spec: RouteSpec, weight_version: int
+) -> Handle:
+    """A handle of stored row ranges ``(payload, start, stop)``, in order."""
     segments = [
-        Segment(source=ref, start=0, stop=ref.rows, spec=spec, weight_version=weight_version)
-        for ref in stored
+        Segment(source=ref, start=start, stop=stop, spec=spec, weight_version=weight_version)
+        for ref, start, stop in ranges
     ]
     return Handle(spec, segments)
 
