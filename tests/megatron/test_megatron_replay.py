@@ -450,6 +450,10 @@ def test_sessions_refuse_routers_without_replay_and_a_second_session() -> None:
     plain = Chunk(transformer_config(SPEC, moe_enable_routing_replay=False), range(3), SPEC)
     with pytest.raises(MisuseError, match="moe_enable_routing_replay"):
         MegatronReplay(plain, SPEC)
+    older = Chunk(transformer_config(SPEC), range(3), SPEC)
+    del older.routers()[1].router_replay.replay_backward_list  # a RouterReplay without a FIFO
+    with pytest.raises(MisuseError, match="replay_backward_list"):
+        MegatronReplay(older, SPEC)
     chunk = Chunk(transformer_config(SPEC), range(3), SPEC)
     with MegatronReplay(chunk, SPEC), pytest.raises(MisuseError, match="another"):
         MegatronReplay(chunk, SPEC)

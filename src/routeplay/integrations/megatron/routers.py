@@ -94,6 +94,18 @@ def find_megatron_routers(
     return tuple(sorted(found, key=lambda r: (r.chunk, r.decoder_layer)))
 
 
+REPLAY_FEATURES = (
+    "router_replay_action",
+    "set_router_replay_action",
+    "clear_router_replay_action",
+    "target_topk_idx",
+    "recorded_topk_idx",
+    "replay_backward_list",
+)
+"""What ``MegatronReplay`` reads and sets on each router's ``RouterReplay``: checked by
+feature, not by version (``docs/megatron.md``)."""
+
+
 def _mtp_types() -> tuple[type, ...]:
     """Megatron's multi-token-prediction modules, where this release has them.
 
@@ -112,11 +124,22 @@ def _site(
     chunk: int, name: str, router: Any, columns: dict[int, int], spec: RouteSpec
 ) -> MegatronRouter:
     where = f"chunk {chunk}, {name or type(router).__name__}"
-    if router.router_replay is None:
+    replay = getattr(router, "router_replay", None)
+    if replay is None:
         raise MisuseError(
             "the router was built without a RouterReplay",
             where=where,
             hint="Build the model with TransformerConfig(moe_enable_routing_replay=True).",
+        )
+    missing = [name for name in REPLAY_FEATURES if not hasattr(replay, name)]
+    if missing:
+        raise MisuseError(
+            "this megatron-core's RouterReplay lacks what the session drives",
+            expected=list(REPLAY_FEATURES),
+            found=f"missing {missing}",
+            where=where,
+            hint="routeplay is tested with megatron-core 0.16.1; use a release whose "
+            "RouterReplay has per-instance actions and a backward FIFO.",
         )
     if router.layer_number is None:
         raise MisuseError(
