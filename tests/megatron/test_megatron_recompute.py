@@ -91,11 +91,17 @@ MODES: dict[str, tuple[dict[str, Any], int]] = {
 }
 
 
-def build(mtp: bool = False, **overrides: Any) -> GPTModel:
+def build(
+    mtp: bool = False,
+    spec: RouteSpec = SPEC,
+    pre_process: bool = True,
+    post_process: bool = True,
+    **overrides: Any,
+) -> GPTModel:
     """The same weights for every mode (seeded), attention-free MoE layers."""
     config = TransformerConfig(
         **{
-            "num_layers": SPEC.num_layers,
+            "num_layers": spec.num_layers,
             "hidden_size": 16,
             "ffn_hidden_size": 32,
             "num_attention_heads": 2,
@@ -125,6 +131,8 @@ def build(mtp: bool = False, **overrides: Any) -> GPTModel:
         transformer_layer_spec=layer,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
+        pre_process=pre_process,
+        post_process=post_process,
         mtp_block_spec=get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
         if mtp
         else None,
