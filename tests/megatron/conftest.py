@@ -1,7 +1,7 @@
 """Real Megatron-Core on CPU: a gloo process group of one rank, and two GPU assumptions patched.
 
 Megatron-Core's ``TopKRouter`` runs on CPU once two things are worked around, only for the
-duration of each test (``monkeypatch`` restores both):
+duration of each test (``helpers.cpu_patches`` restores them):
 
 - ``Router.gating`` moves CPU-initialized gate weights to ``torch.cuda.current_device()``
   on first use (there is no GPU here): ``torch.cuda.current_device`` answers ``"cpu"``, so
@@ -9,6 +9,11 @@ duration of each test (``monkeypatch`` restores both):
 - ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, a name
   ``moe_utils`` binds only when Transformer Engine imports: it is set to None, which
   selects Megatron's own ``torch.mm`` path.
+
+Megatron's ``CheckpointFunction`` (full and selective ``"moe"`` recompute) saves and restores
+the CUDA RNG state: ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` keep no CUDA state
+(the CPU state is saved as well). Its schedules make one token counter with
+``device="cuda"``: ``helpers.cpu_schedule()`` makes it on the CPU, around the schedule call.
 
 Larger layouts (TP, CP, PP ranks) are simulated rank by rank in this one process: every
 simulated rank gets the routers (and layer numbers) Megatron would build for it and the
@@ -33,8 +38,8 @@ pytest.importorskip(
 
 with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed" x5
     warnings.simplefilter("ignore")
+    from helpers import cpu_patches
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
 
@@ -58,15 +63,14 @@ def megatron_world() -> Iterator[None]:
 
 
 @pytest.fixture
-def megatron_cpu(megatron_world: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Per test: the two CPU patches, one thread, and a clean global replay registry."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+def megatron_cpu(megatron_world: None) -> Iterator[None]:
+    """Per test: the CPU patches, one thread, and a clean global replay registry."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     RouterReplay.clear_global_router_replay_instances()
     try:
-        yield
+        with cpu_patches():
+            yield
     finally:
         RouterReplay.clear_global_router_replay_instances()
         torch.set_num_threads(threads)

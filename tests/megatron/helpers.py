@@ -10,15 +10,19 @@ verl's ``preprocess_packed_seqs`` rule), indexed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
@@ -29,6 +33,40 @@ from routeplay.store import RouteStore, StoreConfig
 from routeplay.train import Materializer, MicroBatchRoutes, PackingPlan, pack_samples
 
 HIDDEN = 16
+
+
+@contextlib.contextmanager
+def cpu_patches() -> Iterator[None]:
+    """Megatron-Core's GPU assumptions, patched for the block (see ``conftest.py``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        patch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+        # CheckpointFunction saves and restores the CUDA RNG state around the recompute
+        # (the CPU state, which is what drives these tests, is saved too).
+        patch.setattr(
+            megatron_random,
+            "_get_cuda_rng_state",
+            lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8),
+        )
+        patch.setattr(megatron_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+        yield
+
+
+class _CudaTensorsOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensors Megatron's schedules create with ``device="cuda"`` are made on the CPU."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if kwargs.get("device") == "cuda":  # the schedules' token counter
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def cpu_schedule() -> contextlib.AbstractContextManager[Any]:
+    """Around a ``get_forward_backward_func()`` call on CPU."""
+    return _CudaTensorsOnCpu()
 
 
 @dataclass(frozen=True)

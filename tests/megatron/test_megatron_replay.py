@@ -327,7 +327,7 @@ def test_recompute_replays_each_forward_in_order() -> None:
 
         router.register_forward_hook(keep)
     x = features(64)[:, None, :]
-    with MegatronReplay(chunk, SPEC, recompute=True) as session:
+    with MegatronReplay(chunk, SPEC) as session:
         losses = []
         for i, mb in enumerate(mbs):  # forwards of every micro-batch first (pipeline warm-up)
             current[0] = i
@@ -355,16 +355,14 @@ def test_recompute_replays_each_forward_in_order() -> None:
 def test_an_unannounced_recompute_is_refused_not_routed_natively() -> None:
     from torch.utils.checkpoint import checkpoint
 
-    chunk = Chunk(
-        transformer_config(SPEC), range(1), RouteSpec(num_layers=1, top_k=2, num_experts=8)
-    )
     spec = RouteSpec(num_layers=1, top_k=2, num_experts=8)
+    chunk = Chunk(transformer_config(SPEC), range(1), spec)
     mb = Step(spec, [40], pack_length=64).micro_batches(MegatronLayout())[0]
     [router] = chunk.routers()
-    with MegatronReplay(chunk, spec) as session:  # the config says: no recompute
+    with MegatronReplay(chunk, spec, recompute=False) as session:  # "nothing is recomputed"
         with session.replay(mb):
             loss = checkpoint(_loss, router, features(64)[:, None, :], use_reentrant=False)
-        with pytest.raises(MisuseError, match="recompute=True"):
+        with pytest.raises(MisuseError, match="recompute=False"):
             loss.backward()
     check_global_state_clear()
 
@@ -442,7 +440,7 @@ def test_ids_out_of_range_wrong_shapes_and_row_counts_are_refused(
 def test_routers_of_multi_token_prediction_layers_are_left_native() -> None:
     chunk = Chunk(transformer_config(SPEC), range(3), SPEC)
     mtp = Chunk(transformer_config(SPEC), range(1), RouteSpec(num_layers=1, top_k=2, num_experts=8))
-    mtp.is_mtp_layer = True  # as Megatron marks MultiTokenPredictionLayer
+    mtp.is_mtp_layer = True  # as later Megatron-Core releases mark MTP routers
     chunk.mtp = mtp
     routers = find_megatron_routers(chunk, SPEC)
     assert [r.name for r in routers] == [f"decoder.layers.{i}.mlp.router" for i in range(3)]
@@ -452,6 +450,10 @@ def test_sessions_refuse_routers_without_replay_and_a_second_session() -> None:
     plain = Chunk(transformer_config(SPEC, moe_enable_routing_replay=False), range(3), SPEC)
     with pytest.raises(MisuseError, match="moe_enable_routing_replay"):
         MegatronReplay(plain, SPEC)
+    older = Chunk(transformer_config(SPEC), range(3), SPEC)
+    del older.routers()[1].router_replay.replay_backward_list  # a RouterReplay without a FIFO
+    with pytest.raises(MisuseError, match="replay_backward_list"):
+        MegatronReplay(older, SPEC)
     chunk = Chunk(transformer_config(SPEC), range(3), SPEC)
     with MegatronReplay(chunk, SPEC), pytest.raises(MisuseError, match="another"):
         MegatronReplay(chunk, SPEC)

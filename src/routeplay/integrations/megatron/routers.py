@@ -54,8 +54,9 @@ def find_megatron_routers(
     pipeline stages (``chunk`` indexes it). Each router needs a ``RouterReplay``
     (``TransformerConfig.moe_enable_routing_replay=True``) and a layer number; its decoder
     layer must be a MoE layer of ``spec`` and, if ``layout`` knows ``num_layers``, one that
-    chunk builds. Routers inside multi-token-prediction layers (``is_mtp_layer``) are left
-    out: engines route no rows for them, so they keep routing natively.
+    chunk builds. Routers inside multi-token-prediction layers (a ``MultiTokenPrediction``
+    block or layer, or a module with a true ``is_mtp_layer``) are left out: engines route no
+    rows for them, so they keep routing natively.
 
     Example:
         >>> routers = find_megatron_routers(model_chunks, spec, layout=layout)
@@ -67,10 +68,11 @@ def find_megatron_routers(
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     columns = {decoder: column for column, decoder in enumerate(spec.moe_layer_indices())}
     found: list[MegatronRouter] = []
+    mtp_types = _mtp_types()
     for chunk, module in enumerate(chunks):
         mtp: list[str] = []  # multi-token-prediction layers route natively (no engine rows)
         for name, sub in module.named_modules():
-            if getattr(sub, "is_mtp_layer", False):
+            if isinstance(sub, mtp_types) or getattr(sub, "is_mtp_layer", False):
                 mtp.append(name + ".")
             elif isinstance(sub, TopKRouter) and not any(name.startswith(p) for p in mtp):
                 found.append(_site(chunk, name, sub, columns, spec))
@@ -92,15 +94,52 @@ def find_megatron_routers(
     return tuple(sorted(found, key=lambda r: (r.chunk, r.decoder_layer)))
 
 
+REPLAY_FEATURES = (
+    "router_replay_action",
+    "set_router_replay_action",
+    "clear_router_replay_action",
+    "target_topk_idx",
+    "recorded_topk_idx",
+    "replay_backward_list",
+)
+"""What ``MegatronReplay`` reads and sets on each router's ``RouterReplay``: checked by
+feature, not by version (``docs/megatron.md``)."""
+
+
+def _mtp_types() -> tuple[type, ...]:
+    """Megatron's multi-token-prediction modules, where this release has them.
+
+    Megatron-Core 0.16 marks MTP layers by type only (``MultiTokenPredictionBlock`` /
+    ``Layer``); later releases also pass ``is_mtp_layer`` to the router, read above.
+    """
+    try:
+        from megatron.core.transformer import multi_token_prediction as mtp
+    except ImportError:
+        return ()
+    names = ("MultiTokenPredictionBlock", "MultiTokenPredictionLayer")
+    return tuple(getattr(mtp, n) for n in names if isinstance(getattr(mtp, n, None), type))
+
+
 def _site(
     chunk: int, name: str, router: Any, columns: dict[int, int], spec: RouteSpec
 ) -> MegatronRouter:
     where = f"chunk {chunk}, {name or type(router).__name__}"
-    if router.router_replay is None:
+    replay = getattr(router, "router_replay", None)
+    if replay is None:
         raise MisuseError(
             "the router was built without a RouterReplay",
             where=where,
             hint="Build the model with TransformerConfig(moe_enable_routing_replay=True).",
+        )
+    missing = [name for name in REPLAY_FEATURES if not hasattr(replay, name)]
+    if missing:
+        raise MisuseError(
+            "this megatron-core's RouterReplay lacks what the session drives",
+            expected=list(REPLAY_FEATURES),
+            found=f"missing {missing}",
+            where=where,
+            hint="routeplay is tested with megatron-core 0.16.1; use a release whose "
+            "RouterReplay has per-instance actions and a backward FIFO.",
         )
     if router.layer_number is None:
         raise MisuseError(

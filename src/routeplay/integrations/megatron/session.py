@@ -17,12 +17,24 @@ a forward hook clears them right after:
   into Megatron's sequence-major flattening). Megatron gathers the router's live scores at
   those ids, so the gate keeps its gradient;
 - backward recompute (activation checkpointing): ``REPLAY_BACKWARD`` with the ids of the
-  forward being recomputed. Megatron pops them from ``replay_backward_list`` (a FIFO per
-  router, so pipeline schedules with several micro-batches in flight stay aligned); the
-  session keeps only a small marker per in-flight forward and re-widens the layer when
+  forward being recomputed. Megatron pops them from ``replay_backward_list``; the session
+  keeps a small marker per forward that may still be recomputed (a FIFO per router, so
+  schedules with several micro-batches in flight stay aligned) and re-widens the layer when
   its recompute starts, so no int64 copy waits for the backward;
 - record: ``RECORD``, then the chosen ids are taken out compactly (uint8, int32 past 256
   experts) and Megatron's copy is dropped.
+
+Which forwards keep a marker (what really happens, not the config): every replayed or
+recorded router forward of a block entered with grad enabled. A forward that runs under
+``no_grad`` inside such a block is the first pass of a reentrant checkpoint (Megatron's
+``CheckpointFunction``, i.e. ``recompute_granularity="full"`` and selective ``"moe"``;
+``torch.utils.checkpoint(use_reentrant=True)``): its marker waits for the recompute. A
+forward that runs with grad builds its graph; it is recomputed only inside a non-reentrant
+``torch.utils.checkpoint``, and that recompute comes before the gradient reaches the
+router's output, so when that gradient arrives with the marker still queued the forward
+was not checkpointed (``recompute_method="block"`` past ``recompute_num_layers``,
+``"moe_act"``, no recompute) and its marker is dropped. A block entered under ``no_grad``
+(old log-probs) keeps nothing.
 
 Replay refuses what would misroute before the router runs: ids out of range or repeated
 in a row (zero padding), wrong shapes, and a token count other than the router's input.
@@ -113,8 +125,10 @@ class Recording:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _add(self, moe_layer: int, ids: torch.Tensor) -> None:
-        self._layers.setdefault(moe_layer, []).append(ids.detach().to(self._dtype))
+    def _add(self, moe_layer: int, ids: torch.Tensor) -> torch.Tensor:
+        compact = ids.detach().to(self._dtype)
+        self._layers.setdefault(moe_layer, []).append(compact)
+        return compact
 
 
 ReplayInput: TypeAlias = "RoutesLike | MicroBatchRoutes | Recording"
@@ -144,6 +158,8 @@ class _Replaying:
     """Where each layer's ids come from."""
     scatter: bool
     """Rows are the CP-local stream: keep this TP rank's part."""
+    grad: bool
+    """Grad mode at block entry: a block under ``no_grad`` is never recomputed."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -152,18 +168,22 @@ class _Recording:
 
     recording: Recording
     """Receives each router's chosen ids."""
+    grad: bool
+    """Grad mode at block entry: a block under ``no_grad`` is never recomputed."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(slots=True, kw_only=True, eq=False)
 class _Pending:
-    """A forward whose recompute will replay the same ids; widened only then."""
+    """A forward whose recompute, if it comes, replays the same ids; widened only then."""
 
-    mode: _Replaying
+    mode: _Replaying | _Recording
     """The block the forward ran in (its source outlives the block until the recompute)."""
     seq: int
     """Sequence length the router saw."""
     batch: int
     """Batch size the router saw."""
+    recorded: torch.Tensor | None = None
+    """A recorded forward's compact ids (set once the router has chosen)."""
 
 
 class MegatronReplay:
@@ -172,10 +192,11 @@ class MegatronReplay:
     ``model`` is the rank's model (or its list of model chunks with virtual pipeline
     stages), built with ``moe_enable_routing_replay=True``. ``layout`` (default: one rank)
     gives the TP rank for ``sp_scatter`` and, with ``num_layers``, checks that each chunk
-    holds the layers it should. ``recompute`` says whether routers run again in the
-    backward (activation recompute); None reads it from the routers' config (``full``
-    granularity, or ``selective`` with ``moe``). ``check_ids=False`` skips the id checks
-    (range, distinct) for routes already validated.
+    holds the layers it should. Recomputes in the backward (Megatron's full or selective
+    ``"moe"`` recompute, ``torch.utils.checkpoint``) replay the ids of the forward they
+    recompute, whatever the config says; ``recompute=False`` says no router is ever
+    recomputed, so no forward keeps a marker (a recompute then raises). ``check_ids=False``
+    skips the id checks (range, distinct) for routes already validated.
 
     Example:
         >>> with MegatronReplay(model_chunks, spec, layout=layout) as session:
@@ -194,18 +215,18 @@ class MegatronReplay:
         spec: RouteSpec,
         *,
         layout: MegatronLayout | None = None,
-        recompute: bool | None = None,
+        recompute: bool = True,
         check_ids: bool = True,
     ) -> None:
         self.spec = spec
         self.layout = layout or MegatronLayout()
         self.routers = find_megatron_routers(model, spec, layout=layout)
         self._check_ids = check_ids
-        self._recompute = (
-            _recomputes(self.routers[0].module.config) if recompute is None else recompute
-        )
+        self._recompute = recompute
         self._modes: dict[int, _Replaying | _Recording] = {}
         self._pending: dict[int, deque[_Pending]] = {id(r): deque() for r in self.routers}
+        self._running: dict[int, _Pending] = {}  # marker of the forward a router is in
+        self._trained: set[int] = set()  # routers replayed or recorded with grad at entry
         self._counts = {"replayed": 0, "recomputes": 0, "recorded": 0}
         self._hooks: list[Any] = []
         self._closed = False
@@ -237,9 +258,12 @@ class MegatronReplay:
         materializer built with ``layout.coords()``. With ``sp_scatter=True`` the rows are
         the CP-local stream and this TP rank takes its part (as Megatron scatters the
         sequence). Run the backward after the block or inside it; either way the recompute
-        replays the forward's ids.
+        replays the forward's ids. Entered under ``torch.no_grad()`` (old log-probs), the
+        block's forwards keep nothing for a recompute.
         """
-        mode = _Replaying(source=self._source(routes, chunk), scatter=sp_scatter)
+        mode = _Replaying(
+            source=self._source(routes, chunk), scatter=sp_scatter, grad=torch.is_grad_enabled()
+        )
         if sp_scatter and isinstance(mode.source, Recording):
             raise MisuseError(
                 "a recording is already in router order: replay it without sp_scatter"
@@ -251,7 +275,7 @@ class MegatronReplay:
     def record(self, *, chunk: int = 0) -> Iterator[Recording]:
         """Record what model chunk ``chunk``'s routers choose in the block's forwards (R2)."""
         recording = Recording(self.spec)
-        with self._mode(chunk, _Recording(recording=recording)):
+        with self._mode(chunk, _Recording(recording=recording, grad=torch.is_grad_enabled())):
             yield recording
 
     def stats(self) -> MegatronReplayStats:
@@ -274,6 +298,7 @@ class MegatronReplay:
             self._hooks.clear()
             for queue in self._pending.values():
                 queue.clear()
+            self._running.clear()
             self._modes.clear()
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -365,42 +390,76 @@ class MegatronReplay:
             seq, batch = int(hidden.shape[0]), int(hidden.shape[1]) if hidden.dim() == 3 else 1
             device = _device_of(module)
             if in_backward():
-                if not queue:
-                    if self._counts["replayed"]:  # a replayed forward went unrecorded
-                        raise MisuseError(
-                            "a router is recomputed in the backward but its forward left no ids",
-                            where=router.name,
-                            hint="Pass recompute=True to MegatronReplay (activation recompute "
-                            "is on), and replay every forward of the step.",
-                        )
-                    replay.clear_router_replay_action()
-                    return
-                pending = queue.popleft()
-                ids = self._ids(router, pending.mode, pending.seq, pending.batch, device)
-                replay.replay_backward_list = [ids]
-                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-                self._counts["recomputes"] += 1
+                self._recompute_starts(router, seq, batch, device)
                 return
             mode = self._modes.get(router.chunk)
             if isinstance(mode, _Replaying):
                 replay.target_topk_idx = self._ids(router, mode, seq, batch, device)
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-                if self._recompute and torch.is_grad_enabled():
-                    queue.append(_Pending(mode=mode, seq=seq, batch=batch))
             elif isinstance(mode, _Recording):
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
             else:
                 replay.clear_router_replay_action()
+                return
+            if mode.grad:  # a training forward: it may be recomputed
+                self._trained.add(id(router))
+                if self._recompute:
+                    pending = _Pending(mode=mode, seq=seq, batch=batch)
+                    queue.append(pending)
+                    self._running[id(router)] = pending
 
         return hook
 
+    def _recompute_starts(
+        self, router: MegatronRouter, seq: int, batch: int, device: torch.device
+    ) -> None:
+        """A backward recompute of ``router``: hand it the ids of the oldest kept forward."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay, queue = router.replay, self._pending[id(router)]
+        if not queue:
+            if id(router) not in self._trained:  # a native forward: so is its recompute
+                replay.clear_router_replay_action()
+                return
+            raise MisuseError(
+                "a router is recomputed in the backward but no forward of it is waiting "
+                "for its recompute",
+                where=router.name,
+                hint="MegatronReplay was built with recompute=False: drop it."
+                if not self._recompute
+                else "Keep the session open from the step's first forward to its last "
+                "backward (around the whole forward_backward_func call), replay every "
+                "training forward with grad enabled, and run each backward once.",
+            )
+        pending = queue.popleft()
+        if (pending.seq, pending.batch) != (seq, batch):
+            raise RowCountMismatch(
+                "a recompute sees other tokens than the forward it would replay",
+                expected=f"[{pending.seq}, {pending.batch}] (seq, batch)",
+                found=f"[{seq}, {batch}]",
+                where=f"MoE layer {router.moe_layer} ({router.name})",
+                hint="Run the backwards of a router's forwards in the order of the forwards.",
+            )
+        if isinstance(pending.mode, _Replaying):
+            ids = self._ids(router, pending.mode, seq, batch, device)
+        else:
+            assert pending.recorded is not None  # set when the recorded forward ended
+            ids = pending.recorded.to(device=device, dtype=torch.int64)
+        replay.replay_backward_list = [ids]
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        self._counts["recomputes"] += 1
+
     def _after(self, router: MegatronRouter) -> Any:
-        replay = router.replay
+        replay, queue = router.replay, self._pending[id(router)]
 
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            mode = None if in_backward() else self._modes.get(router.chunk)
+            backward = in_backward()
+            mode = None if backward else self._modes.get(router.chunk)
+            pending = None if backward else self._running.pop(id(router), None)
             if isinstance(mode, _Recording) and replay.recorded_topk_idx is not None:
-                mode.recording._add(router.moe_layer, replay.recorded_topk_idx)
+                ids = mode.recording._add(router.moe_layer, replay.recorded_topk_idx)
+                if pending is not None:
+                    pending.recorded = ids
                 self._counts["recorded"] += 1
             elif isinstance(mode, _Replaying):
                 self._counts["replayed"] += 1
@@ -409,6 +468,15 @@ class MegatronReplay:
             replay.target_topk_idx = None
             replay.replay_backward_list = []
             replay.clear_router_replay_action()
+            if pending is not None and torch.is_grad_enabled():
+                # This forward built its graph, so it is recomputed only by a non-reentrant
+                # checkpoint, and that recompute runs before the gradient reaches these
+                # probabilities. Still queued when it does: nothing recomputes this forward.
+                probs = output[0]
+                if probs.requires_grad:
+                    probs.register_hook(_dropper(queue, pending))
+                else:  # no gradient will ever reach this router
+                    _drop(queue, pending)
 
         return hook
 
@@ -441,11 +509,17 @@ class MegatronReplay:
         return ids.reshape(tokens, -1)
 
 
-def _recomputes(config: Any) -> bool:
-    """Whether Megatron re-runs routers in the backward under this config."""
-    granularity = getattr(config, "recompute_granularity", None)
-    modules = getattr(config, "recompute_modules", None) or ()
-    return granularity == "full" or (granularity == "selective" and "moe" in modules)
+def _drop(queue: deque[_Pending], pending: _Pending) -> None:
+    """Forget a forward's marker if it is still queued (its recompute has not come)."""
+    if pending in queue:  # identity (eq=False); gone if recomputed or the session closed
+        queue.remove(pending)
+
+
+def _dropper(queue: deque[_Pending], pending: _Pending) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        _drop(queue, pending)
+
+    return hook
 
 
 def _device_of(router: torch.nn.Module) -> torch.device:

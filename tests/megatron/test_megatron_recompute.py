@@ -1,0 +1,398 @@
+"""Replay through Megatron-Core's own training step: ``get_forward_backward_func()`` over
+several micro-batches of a real ``GPTModel`` (MoE layers, local experts, CPU), in every
+activation-recompute mode a user turns on.
+
+Each mode is checked against what Megatron really ran: the ``routing_map`` of every router
+call, forward and backward recompute, per micro-batch, must name exactly the replayed ids
+(chosen to differ from the router's own choice, so ignoring replay fails), the gradients
+must equal those of the same step without recompute, and nothing may stay queued when the
+step ends. Plus: old-logprob passes under ``no_grad`` keep nothing, and the routers of
+multi-token-prediction layers stay native.
+
+The layers are attention-free (``IdentityOp`` in place of self-attention): Megatron's
+``DotProductAttention`` forks the CUDA RNG tracker even with dropout 0, which needs a GPU;
+routing does not depend on attention.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (pip install 'routeplay[megatron]')"
+)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from helpers import cpu_patches, cpu_schedule, random_routing, routing_ids
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+from routeplay.core import RouteSpec  # noqa: E402
+from routeplay.errors import MisuseError  # noqa: E402
+from routeplay.integrations.megatron import MegatronReplay  # noqa: E402
+from routeplay.train.replay_core import in_backward  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("megatron_cpu"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+SPEC = RouteSpec(num_layers=3, top_k=2, num_experts=8)
+SEQ, BATCH, MICRO_BATCHES, VOCAB = 6, 2, 3, 32
+TOKENS = SEQ * BATCH
+
+# Megatron's config fields per mode, and how many router calls each step recomputes.
+MODES: dict[str, tuple[dict[str, Any], int]] = {
+    "none": ({}, 0),
+    "full-uniform-1": (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        3,
+    ),
+    "full-uniform-3": (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 3},
+        3,
+    ),
+    "full-block-1": (  # only the first layer of the chunk is recomputed
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+        1,
+    ),
+    "selective-moe": ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, 3),
+    # "moe_act" checkpoints only the experts' activation (Megatron's output-discarding
+    # CheckpointWithoutOutput): routers are not re-run. It needs moe_grouped_gemm in the
+    # config; grouped experts (TE, or the grouped_gemm CUDA kernels, bf16) cannot be built
+    # on CPU, so the experts stay local and only the config is the user's. (0.16.1's
+    # CheckpointWithoutOutput itself needs Transformer Engine: ``fp8 is not None`` is True
+    # for its default ``fp8=False``, so it reads TE's FP8GlobalStateManager.)
+    "selective-moe_act": (
+        {
+            "recompute_granularity": "selective",
+            "recompute_modules": ["moe_act"],
+            "moe_grouped_gemm": True,
+        },
+        0,
+    ),
+}
+
+
+def build(
+    mtp: bool = False,
+    spec: RouteSpec = SPEC,
+    pre_process: bool = True,
+    post_process: bool = True,
+    **overrides: Any,
+) -> GPTModel:
+    """The same weights for every mode (seeded), attention-free MoE layers."""
+    config = TransformerConfig(
+        **{
+            "num_layers": spec.num_layers,
+            "hidden_size": 16,
+            "ffn_hidden_size": 32,
+            "num_attention_heads": 2,
+            "num_moe_experts": SPEC.num_experts,
+            "moe_router_topk": SPEC.top_k,
+            "moe_enable_routing_replay": True,
+            "use_cpu_initialization": True,
+            "moe_router_load_balancing_type": "none",
+            "add_bias_linear": False,
+            "moe_token_dispatcher_type": "allgather",
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            **({"mtp_num_layers": 1} if mtp else {}),
+            **overrides,
+        }
+    )
+    layer = get_gpt_layer_local_spec(num_experts=SPEC.num_experts, moe_grouped_gemm=False)
+    layer.submodules.input_layernorm = IdentityOp  # nothing to normalize for: no attention
+    # A spec (not the bare class): the MTP layer reads the attention's mask type from it.
+    layer.submodules.self_attention = ModuleSpec(
+        module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal}
+    )
+    layer.submodules.self_attn_bda = IdentityFuncOp
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=pre_process,
+        post_process=post_process,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
+        if mtp
+        else None,
+    )
+
+
+def step_routes(seed: int = 7) -> list[np.ndarray]:
+    """Per micro-batch ``[BATCH * SEQ, L, K]`` rows, batch-major (as a materializer gives)."""
+    return [random_routing(SPEC, TOKENS, seed + i) for i in range(MICRO_BATCHES)]
+
+
+def router_order(routes: np.ndarray) -> np.ndarray:
+    """Batch-major rows in Megatron's sequence-major token order, experts sorted."""
+    rows = routes.reshape(BATCH, SEQ, *routes.shape[1:]).transpose(1, 0, 2, 3)
+    return np.sort(rows.reshape(TOKENS, *routes.shape[1:]), axis=-1)
+
+
+class Calls:
+    """Every routing map each decoder router produced, tagged (micro-batch, layer, backward)."""
+
+    def __init__(self, model: GPTModel) -> None:
+        self.micro_batch = -1  # the latest forward's micro-batch (no-pipelining: 1F1B)
+        self.maps: dict[tuple[int, int, bool], list[Any]] = {}
+        for layer, transformer_layer in enumerate(model.decoder.layers):
+            transformer_layer.mlp.router.register_forward_hook(self._keep(layer))
+
+    def _keep(self, layer: int) -> Any:
+        def hook(module: Any, args: Any, out: Any) -> None:
+            key = (self.micro_batch, layer, in_backward())
+            self.maps.setdefault(key, []).append(out[1].detach().clone())
+
+        return hook
+
+
+def train_step(
+    model: GPTModel,
+    session: MegatronReplay | None,
+    routes: list[np.ndarray],
+    calls: Calls | None = None,
+) -> list[Any]:
+    """One step through Megatron's own schedule; returns each micro-batch's loss."""
+    tokens = iter(
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(i))
+        for i in range(MICRO_BATCHES)
+    )
+    count = iter(range(MICRO_BATCHES))
+
+    def forward_step(data: Iterator[Any], model: Any) -> tuple[Any, Any]:
+        batch, i = next(data), next(count)
+        if calls is not None:
+            calls.micro_batch = i
+        position_ids = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+        if session is None:
+            output = model(batch, position_ids, None, labels=batch)
+        else:
+            with session.replay(routes[i]):
+                output = model(batch, position_ids, None, labels=batch)
+
+        def loss_func(losses: Any) -> tuple[Any, dict[str, Any]]:
+            loss = losses.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    with cpu_schedule():
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=tokens,
+            model=[model],
+            num_microbatches=MICRO_BATCHES,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            forward_only=False,
+        )
+    return [o["loss"] for o in out]
+
+
+def grads(model: GPTModel) -> dict[str, Any]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def reference(megatron_world: None) -> tuple[list[Any], dict[str, Any]]:
+    """The step without recompute (in a session, replaying the same routes)."""
+    with cpu_patches(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build()
+        try:
+            with MegatronReplay(model, SPEC) as session:
+                losses = train_step(model, session, step_routes())
+        finally:
+            RouterReplay.clear_global_router_replay_instances()
+    return losses, grads(model)
+
+
+def check_routing(calls: Calls, routes: list[np.ndarray], recomputed: int) -> None:
+    for i, mb in enumerate(routes):
+        want = router_order(mb)
+        for layer in range(SPEC.num_layers):
+            [forward] = calls.maps[i, layer, False]
+            np.testing.assert_array_equal(routing_ids(forward), want[:, layer])
+            again = calls.maps.get((i, layer, True), [])
+            assert len(again) == (1 if layer < recomputed else 0)
+            for routing_map in again:
+                assert torch.equal(routing_map, forward)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_training_step_replays_the_ids_in_forward_and_recompute(
+    mode: str, reference: tuple[list[Any], dict[str, Any]]
+) -> None:
+    fields, recomputed = MODES[mode]
+    model = build(**fields)
+    calls = Calls(model)
+    routes = step_routes()
+    with MegatronReplay(model, SPEC) as session:
+        losses = train_step(model, session, routes, calls)
+        stats = session.stats()
+    assert stats.pending == 0  # also the layers "block" does not recompute
+    assert stats.replayed == MICRO_BATCHES * SPEC.num_layers
+    assert stats.recomputes == MICRO_BATCHES * recomputed
+    check_routing(calls, routes, recomputed)
+    ref_losses, ref_grads = reference
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    got = grads(model)
+    assert got.keys() == ref_grads.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_replay_really_changes_the_routing_and_the_gradients(
+    reference: tuple[list[Any], dict[str, Any]],
+) -> None:
+    """The routes differ from the router's own choice: ignoring them would fail the above."""
+    model = build(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    calls = Calls(model)
+    train_step(model, None, step_routes(), calls)  # native, no session
+    differ = [
+        float((routing_ids(calls.maps[i, layer, False][0]) != router_order(mb)[:, layer]).mean())
+        for i, mb in enumerate(step_routes())
+        for layer in range(SPEC.num_layers)
+    ]
+    assert min(differ) > 0.3
+    native = grads(model)
+    assert any(not torch.allclose(native[n], g) for n, g in reference[1].items())
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_torch_checkpoint_around_layers_replays_each_forward(
+    reentrant: bool, reference: tuple[list[Any], dict[str, Any]]
+) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    model = build()
+    calls = Calls(model)
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, layer: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = layer
+
+        def forward(self, hidden_states: Any, **kwargs: Any) -> Any:
+            def run(hidden: Any) -> Any:
+                return self.inner(hidden_states=hidden, **kwargs)
+
+            return checkpoint(run, hidden_states, use_reentrant=reentrant)
+
+    model.decoder.layers = torch.nn.ModuleList(Checkpointed(ly) for ly in model.decoder.layers)
+    routes = step_routes()
+    with MegatronReplay(model, SPEC) as session:
+        losses = train_step(model, session, routes, calls)
+        stats = session.stats()
+    assert stats.pending == 0
+    assert stats.recomputes == MICRO_BATCHES * SPEC.num_layers
+    check_routing(calls, routes, SPEC.num_layers)
+    torch.testing.assert_close(losses, reference[0], rtol=1e-5, atol=0)
+    for name, grad in grads(model).items():
+        ref = reference[1][name.replace(".inner.", ".")]
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_several_forwards_in_flight_recompute_in_order() -> None:
+    """Pipeline warm-up: every micro-batch's forward before the first backward."""
+    model = build(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    calls = Calls(model)
+    routes = step_routes()
+    tokens = [
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(i))
+        for i in range(MICRO_BATCHES)
+    ]
+    position_ids = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    with MegatronReplay(model, SPEC) as session:
+        losses = []
+        for i in range(MICRO_BATCHES):
+            calls.micro_batch = i
+            with session.replay(routes[i]):
+                losses.append(model(tokens[i], position_ids, None, labels=tokens[i]).mean())
+        assert session.stats().pending == MICRO_BATCHES * SPEC.num_layers
+        for i, loss in enumerate(losses):
+            calls.micro_batch = i
+            loss.backward()
+        assert session.stats().pending == 0
+    check_routing(calls, routes, SPEC.num_layers)
+
+
+def test_an_old_logprob_pass_under_no_grad_keeps_nothing() -> None:
+    model = build(recompute_granularity="selective", recompute_modules=["moe"])
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    with MegatronReplay(model, SPEC) as session:
+        for routes in step_routes():
+            with torch.no_grad(), session.replay(routes):
+                model(tokens, position_ids, None)
+        assert session.stats().pending == 0
+        assert session.stats().replayed == MICRO_BATCHES * SPEC.num_layers
+
+
+def test_a_recompute_nobody_kept_is_refused_with_a_true_hint() -> None:
+    model = build(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    [routes, *_] = step_routes()
+    with MegatronReplay(model, SPEC, recompute=False) as session:
+        with session.replay(routes):
+            loss = model(tokens, position_ids, None, labels=tokens).mean()
+        assert session.stats().pending == 0
+        with pytest.raises(MisuseError, match="recompute=False"):
+            loss.backward()
+    with MegatronReplay(model, SPEC) as session:
+        with session.replay(routes):
+            loss = model(tokens, position_ids, None).sum()  # logits: no in-place loss
+        loss.backward(retain_graph=True)
+        assert session.stats().recomputes == SPEC.num_layers
+        with pytest.raises(MisuseError, match="run each backward once"):
+            loss.backward()  # recomputes again forwards already recomputed
+
+
+def test_routers_of_multi_token_prediction_layers_stay_native() -> None:
+    model = build(
+        mtp=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    mtp = [r for r in routers if all(r is not ly.mlp.router for ly in model.decoder.layers)]
+    assert len(mtp) == 1
+    seen: list[tuple[Any, Any, Any]] = []
+
+    def keep(module: Any, args: Any, out: Any) -> None:
+        with torch.no_grad():  # what the router's own top-k picks from the same scores
+            logits = module.gating(args[0]).view(-1, SPEC.num_experts)
+        native = torch.topk(logits, SPEC.top_k, dim=-1).indices.sort(dim=-1).values
+        seen.append((module.router_replay.router_replay_action, out[1].detach(), native))
+
+    mtp[0].register_forward_hook(keep)
+    calls = Calls(model)
+    routes = step_routes()
+    with MegatronReplay(model, SPEC) as session:
+        train_step(model, session, routes, calls)
+        assert session.stats().pending == 0
+    check_routing(calls, routes, SPEC.num_layers)
+    assert len(seen) == 2 * MICRO_BATCHES  # forward and recompute of each micro-batch
+    for action, routing_map, native in seen:
+        assert action is None
+        np.testing.assert_array_equal(routing_ids(routing_map), native.numpy())
