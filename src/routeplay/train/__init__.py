@@ -1,6 +1,7 @@
 """routeplay.train: the learner side. Rank-local, bounded routing materialization
 (``Materializer`` over a ``PackingPlan``) and router replay inside torch / HF
-transformers MoE models (``replay``, ``record``).
+transformers MoE models (``replay``, ``record``), and the live routing drift of a replay
+(``DriftMeter``).
 
 Names are resolved on first use (PEP 562), so ``import routeplay.train.packing`` or the
 materializer loads neither torch nor Ray: a trainer process pays only for what it uses.
@@ -15,6 +16,13 @@ from typing import TYPE_CHECKING, Any
 from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
+    from routeplay.train.drift import (
+        DRIFT_BY_DEFAULT,
+        DriftMeter,
+        LayerDrift,
+        RoutingDrift,
+        logprob_gaps,
+    )
     from routeplay.train.hf import find_routers, model_spec, record, replay
     from routeplay.train.materializer import (
         Materializer,
@@ -41,6 +49,11 @@ if TYPE_CHECKING:
     from routeplay.train.routers import FAMILIES
 
 _HOME = {
+    "DRIFT_BY_DEFAULT": "drift",
+    "DriftMeter": "drift",
+    "LayerDrift": "drift",
+    "RoutingDrift": "drift",
+    "logprob_gaps": "drift",
     "FAMILIES": "routers",
     "Materializer": "materializer",
     "MaterializerStats": "materializer",
@@ -65,7 +78,10 @@ _HOME = {
 }
 
 __all__ = [
+    "DRIFT_BY_DEFAULT",
     "FAMILIES",
+    "DriftMeter",
+    "LayerDrift",
     "Materializer",
     "MaterializerStats",
     "MicroBatchRoutes",
@@ -77,9 +93,11 @@ __all__ = [
     "ReplaySource",
     "ReplayStats",
     "RouteRecorder",
+    "RoutingDrift",
     "find_routers",
     "local_ranges",
     "local_tokens",
+    "logprob_gaps",
     "model_spec",
     "pack_samples",
     "padding_rows",
