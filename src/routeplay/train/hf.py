@@ -174,7 +174,8 @@ def replay(
 
 def _meter(drift: DriftMeter | bool | None, spec: RouteSpec, mask: Any) -> DriftMeter | None:
     if isinstance(drift, DriftMeter):
-        if drift.spec != spec:
+        geometry = (spec.num_layers, spec.top_k, spec.num_experts)
+        if (drift.spec.num_layers, drift.spec.top_k, drift.spec.num_experts) != geometry:
             raise SpecMismatch(
                 "the drift meter was made for another model spec",
                 expected=spec.describe(),
