@@ -15,6 +15,9 @@ test to replay it exactly, or rerun with ``--hypothesis-seed=N``
 
 from __future__ import annotations
 
+import copy
+import tracemalloc
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -130,6 +133,65 @@ def test_read_completion(case: tuple[Engine, RouteSpec, int, Any]) -> None:
         f"read_completion-{engine.value}",
         lambda: ENGINES[engine].read_completion(value, where="fuzz"),
     )
+
+
+MEMORY_BOUND = 4 << 20
+"""Bytes one LMDeploy completion read may allocate, whatever the body (4 MB strings and
+100,000-deep lists among them): it never copies or formats an unbounded value."""
+
+
+@cache
+def lmdeploy_completion_seeds() -> tuple[Any, ...]:
+    """LMDeploy's real bodies (the builder's, conformance-tested against the independent
+    encoders): ``/generate`` and chat, and ``/generate`` streams split one chunk per
+    token the way ``generate_stream_generator`` sends them."""
+    bodies = [body for engine, _, _, body in seed_bodies() if engine is Engine.LMDEPLOY]
+    generates = [b for b in bodies if "output_ids" in b]
+    return (*bodies, *(_as_stream(b) for b in generates))
+
+
+def _as_stream(body: dict[str, Any]) -> list[dict[str, Any]]:
+    ids, meta = body["output_ids"], body["meta_info"]
+    chunks = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        part = copy.deepcopy(meta) if last else {**meta, "finish_reason": None}
+        part["routed_experts"] = meta["routed_experts"] if last else None
+        part["output_token_logprobs"] = [meta["output_token_logprobs"][i]]
+        part["completion_tokens"] = i + 1
+        chunks.append({"text": "", "output_ids": [token], "meta_info": part})
+    return chunks
+
+
+@FUZZ
+@given(st.data(), st.booleans())
+def test_lmdeploy_completion_reader(data: st.DataObject, required: bool) -> None:
+    """The /generate and chat completion reader and both stream joins: typed refusals
+    only, no hang (``check``), and bounded memory."""
+    seeds = lmdeploy_completion_seeds()
+    seed = seeds[data.draw(st.integers(0, len(seeds) - 1), label="seed")]
+    value = materialize(data.draw(mutated(seed)) if data.draw(st.integers(0, 7)) else seed)
+    wire = ENGINES[Engine.LMDEPLOY]
+
+    def read() -> object:
+        body = wire.join_stream(value, where="fuzz") if isinstance(value, list) else value
+        return wire.read_completion(body, where="fuzz", require_logprobs=required)
+
+    tracemalloc.start()
+    try:
+        check("read_completion-lmdeploy-real", read)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MEMORY_BOUND, f"{peak} bytes allocated reading one body"
+
+
+def test_every_lmdeploy_completion_seed_is_read() -> None:
+    wire = ENGINES[Engine.LMDEPLOY]
+    for seed in lmdeploy_completion_seeds():
+        body = wire.join_stream(seed, where="seed") if isinstance(seed, list) else seed
+        if "output_ids" in body or "choices" in body:
+            assert wire.read_completion(body, where="seed").finish_reason == "length"
 
 
 def test_every_seed_body_is_read() -> None:

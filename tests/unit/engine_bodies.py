@@ -14,6 +14,18 @@ Facts they follow:
 - LMDeploy: nested lists (uint16 values) or a 56-hex key; ``/generate``:
   ``meta_info``; chat: ``choices[i].routed_experts`` (final chunk when streaming);
   ``/v1/messages``: top level, counts in ``usage.input_tokens/output_tokens``.
+  Completion fields from LMDeploy's source (``serve/openai/endpoints/generate.py``,
+  ``serve/openai/protocol.py``, ``serve/openai/chat_completions/serving.py``): a
+  ``/generate`` body is ``GenerateReqOutput`` (``text``, ``output_ids``, ``meta_info``) with
+  ``GenerateReqMetaOutput`` (``prompt_tokens``, ``completion_tokens``, ``finish_reason``
+  as ``{"type": reason}``, ``output_token_logprobs`` as ``[[logprob, id], ...]`` or null
+  without ``return_logprob``, ``routed_experts``), every field dumped, nulls included;
+  a stream sends one such object per engine yield (that yield's ids and pairs, counts so
+  far, ``finish_reason`` and routing on the last). Chat is ``model_dump()`` of
+  ``ChatCompletionResponse``: each choice has ``message``, ``logprobs``,
+  ``output_token_logprobs``, ``finish_reason``, ``output_ids`` (``return_token_ids``),
+  ``routed_experts``; a stream chunk is ``model_dump(exclude_none=True)`` with ``delta``,
+  and ``include_usage`` adds a last chunk with ``choices: []`` and ``usage``.
 """
 
 from __future__ import annotations
@@ -171,38 +183,119 @@ def sglang_stream_chunk(routed: object, *, chat: bool = True) -> dict[str, Any]:
 # --------------------------------------------------------------------------- LMDeploy
 
 
-def lmdeploy_generate(routed: object, prompt: int, completion: int) -> dict[str, Any]:
+def lmdeploy_pairs(ids: list[int], logprobs: list[float]) -> list[list[Any]] | None:
+    """``output_token_logprobs``: ``(tok_logprobs[tok], tok)`` per output id, JSON lists;
+    an empty list is sent as null (``output_token_logprobs or None``)."""
+    return [[lp, tok] for tok, lp in zip(ids, logprobs, strict=True)] or None
+
+
+def _lmdeploy_tokens(completion: int) -> tuple[list[int], list[float]]:
+    ids = [100 + 3 * i for i in range(completion)]
+    return ids, [-0.125 * (i + 1) for i in range(completion)]
+
+
+def lmdeploy_generate(
+    routed: object,
+    prompt: int,
+    completion: int,
+    *,
+    finish: str | None = "length",
+    logprobs: bool = True,
+    tokens: tuple[list[int], list[float]] | None = None,
+) -> dict[str, Any]:
+    """``GenerateReqOutput`` of a non-streaming ``/generate`` (``_inner_call``);
+    ``tokens``: the generated (ids, log-probabilities), else made-up ones."""
+    ids, lps = _lmdeploy_tokens(completion) if tokens is None else tokens
     return {
-        "text": "x",
-        "token_ids": list(range(completion)),
-        "logprobs": [0.0] * completion,
-        "finish_reason": "length",
+        "text": "x" * completion,
+        "output_ids": ids,
         "meta_info": {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
+            "finish_reason": None if finish is None else {"type": finish},
+            "output_token_logprobs": lmdeploy_pairs(ids, lps) if logprobs else None,
             "routed_experts": routed,
         },
     }
 
 
+def lmdeploy_generate_stream(
+    routed: object, prompt: int, completion: int, *, finish: str = "length"
+) -> list[dict[str, Any]]:
+    """``generate_stream_generator``: one ``GenerateReqOutput`` per engine yield (here one
+    token each), ``finish_reason`` and routing on the last yield only; the counts are
+    cumulative (``generate_token_len``)."""
+    ids, lps = _lmdeploy_tokens(completion)
+    chunks = []
+    for i in range(completion):
+        last = i == completion - 1
+        chunks.append(
+            {
+                "text": "x",
+                "output_ids": [ids[i]],
+                "meta_info": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": i + 1,
+                    "finish_reason": {"type": finish} if last else None,
+                    "output_token_logprobs": [[lps[i], ids[i]]],
+                    "routed_experts": routed if last else None,
+                },
+            }
+        )
+    return chunks
+
+
 def lmdeploy_chat(
-    routed: object, prompt: int, completion: int, *, final_chunk: bool = False
+    routed: object,
+    prompt: int,
+    completion: int,
+    *,
+    final_chunk: bool = False,
+    finish: str = "length",
+    token_ids: bool = True,
+    pairs: bool = True,
+    openai_logprobs: bool = False,
 ) -> dict[str, Any]:
-    message = "delta" if final_chunk else "message"
-    return {
+    """A non-streaming chat body (``ChatCompletionResponse.model_dump()``), or with
+    ``final_chunk`` the last chunk of a stream (``exclude_none``, no usage: that comes in
+    its own chunk) carrying the whole answer's ids as one engine yield."""
+    ids, lps = _lmdeploy_tokens(completion)
+    choice: dict[str, Any] = {"index": 0}
+    if final_chunk:
+        choice["delta"] = {"role": "assistant", "content": "x"}
+    else:
+        choice["message"] = {
+            "role": "assistant",
+            "content": "x",
+            "reasoning_content": None,
+            "tool_calls": None,
+        }
+    choice["logprobs"] = (
+        {
+            "content": [
+                {"token": "x", "bytes": [120], "logprob": lp, "top_logprobs": []} for lp in lps
+            ]
+        }
+        if openai_logprobs
+        else None
+    )
+    choice["output_token_logprobs"] = lmdeploy_pairs(ids, lps) if pairs else None
+    choice["finish_reason"] = finish
+    choice["output_ids"] = ids if token_ids else None
+    choice["routed_experts"] = routed
+    body: dict[str, Any] = {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk" if final_chunk else "chat.completion",
+        "created": 1,
         "model": "internlm",
-        "choices": [
-            {
-                "index": 0,
-                message: {"role": "assistant", "content": ""},
-                "finish_reason": "length",
-                "routed_experts": routed,
-            }
-        ],
-        "usage": _usage(prompt, completion),
+        "choices": [choice],
     }
+    if final_chunk:
+        body["choices"] = [{k: v for k, v in choice.items() if v is not None}]
+        return body
+    usage = {**_usage(prompt, completion), "prompt_tokens_details": None}
+    usage["completion_tokens_details"] = None
+    return {**body, "usage": usage, "service_tier": None}
 
 
 def lmdeploy_messages(routed: object, prompt: int, completion: int) -> dict[str, Any]:
@@ -245,6 +338,39 @@ def sglang_stream(routed: object, prompt: int, completion: int) -> list[dict[str
 
 
 def lmdeploy_stream(routed: object, prompt: int, completion: int) -> list[dict[str, Any]]:
-    """A chat stream: content deltas, then the final chunk carrying routing and usage."""
-    content = [_delta_chunk(0, "x", chat=True) for _ in range(completion - 1)]
-    return [*content, lmdeploy_chat(routed, prompt, completion, final_chunk=True)]
+    """A chat stream with ``return_token_ids``, ``return_logprob`` and ``include_usage``:
+    one chunk per token (its id and pair), ``finish_reason`` and routing on the last,
+    then the usage chunk (``choices: []``)."""
+    ids, lps = _lmdeploy_tokens(completion)
+    chunks: list[dict[str, Any]] = []
+    for i in range(completion):
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": "x"},
+            "output_token_logprobs": [[lps[i], ids[i]]],
+            "output_ids": [ids[i]],
+        }
+        if i == completion - 1:
+            choice["finish_reason"] = "length"
+            choice["routed_experts"] = routed
+        if routed is None:
+            choice.pop("routed_experts", None)
+        chunks.append(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "internlm",
+                "choices": [choice],
+                "usage": None,
+            }
+        )
+    usage = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "internlm",
+        "choices": [],
+        "usage": _usage(prompt, completion),
+    }
+    return [*chunks, usage]

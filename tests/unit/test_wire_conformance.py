@@ -177,7 +177,9 @@ def test_lmdeploy_trims_the_stop_token_from_the_answer_but_not_from_the_stored_a
     keyed = lmdeploy.build_body(
         [stopped], SPEC, BodyOptions(endpoint="generate", include_stop=False, put=put)
     )
-    assert inline["token_ids"] == list(stopped.token_ids[:-1])
+    done = engine_wire("lmdeploy").read_completion(inline, where="trimmed")
+    assert done.token_ids == stopped.token_ids[:-1]  # ids, pairs and counts lose it
+    assert done.logprobs == stopped.logprobs[:-1]
     rows = PROMPT + COMPLETION - 2  # the counts lost the stop token
     routes = read_response("lmdeploy", inline, SPEC).routes
     assert routes is not None
@@ -233,7 +235,15 @@ def _independent(name: str, gen: Any, start: int, key: str | None, spec: RouteSp
     if name == "sglang":
         return eb.sglang_generate(eb.sglang_payload(rows, spec, start), prompt, generated)
     routed = key if key is not None else eb.lmdeploy_payload(rows, spec)
-    return eb.lmdeploy_generate(routed, prompt, generated)
+    tokens = (list(gen.token_ids), list(gen.logprobs))
+    return eb.lmdeploy_generate(routed, prompt, generated, finish=gen.finish_reason, tokens=tokens)
+
+
+def _fields(value: Any) -> Any:
+    """The field names of a body at every level of objects (values aside)."""
+    if isinstance(value, dict):
+        return {name: _fields(inner) for name, inner in value.items()}
+    return type(value).__name__ if value is None else "value"
 
 
 @pytest.mark.parametrize("name", WIRE_NAMES)
@@ -260,3 +270,8 @@ def test_the_reference_server_answers_like_the_engine_it_imitates(
     ours = read_response(engine_name, body, engine.spec, start_row=start)
     same(ours, read_response(engine_name, theirs, engine.spec, start_row=start))
     assert fmt.read_completion(body).token_ids == gen.token_ids
+    if fmt.engine.value == "lmdeploy":  # LMDeploy's real body, field by field
+        sent = json.loads(json.dumps(body))
+        assert _fields(sent) == _fields(theirs)
+        assert fmt.read_completion(sent) == fmt.read_completion(theirs)
+        assert fmt.read_completion(sent).logprobs == pytest.approx(gen.logprobs)

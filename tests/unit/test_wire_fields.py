@@ -26,6 +26,8 @@ BODY_FIELDS = frozenset(
         "return_routed_experts",
         "return_meta_info",
         "include_stop_str_in_output",
+        "return_logprob",
+        "return_token_ids",
         "meta_info",
         "sglext",
         "sgl_ext",
@@ -79,6 +81,7 @@ def test_the_wire_modules_do_name_the_fields() -> None:
         for _, value in _field_literals(path.read_text(encoding="utf-8"))
     }
     assert {"routed_experts", "meta_info", "sglext", "choices", "usage"} <= names
+    assert {"output_ids", "output_token_logprobs", "return_logprob"} <= names
     assert len(MODULES) > 20
 
 

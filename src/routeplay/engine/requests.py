@@ -48,6 +48,9 @@ class Job:
     """Whether routing was asked for."""
     include_stop: bool = True
     """LMDeploy: keep the stop token in the answer."""
+    logprobs: bool = True
+    """Whether log-probabilities were asked for (LMDeploy ``return_logprob``, off by
+    default as in LMDeploy; the other engines' bodies always carry them)."""
 
 
 Seed = Annotated[StrictInt | None, Field(ge=-(2**63), lt=2**64)]
@@ -94,6 +97,7 @@ class _LmdeployRequest(_Body):
     stop_token_ids: list[StrictInt] | None = None
     routing: bool = Field(False, alias=lmdeploy_wire.RETURN_FIELD)
     include_stop: bool = Field(False, alias=lmdeploy_wire.INCLUDE_STOP_FIELD)
+    logprobs: bool = Field(False, alias=lmdeploy_wire.RETURN_LOGPROB_FIELD)
 
 
 def parse_request(wire: WireFormat, body: dict[str, Any]) -> Job:
@@ -132,6 +136,7 @@ def parse_request(wire: WireFormat, body: dict[str, Any]) -> Job:
         stops=m.stop_token_ids,
         routing=m.routing,
         include_stop=m.include_stop,
+        logprobs=m.logprobs,
     )
 
 

@@ -177,6 +177,7 @@ class WireHandler:
             return_routing=job.routing,
             put=self._put if self.format.key_store else None,
             include_stop=job.include_stop,
+            return_logprob=job.logprobs,
         )
         return self.format.protocol.build_body([answer], self.engine.spec, options)
 

@@ -70,7 +70,9 @@ class EngineWire(Protocol):
         self, body: object, spec: RouteSpec, *, choice: int, start_row: int, where: str
     ) -> EngineRouting: ...
 
-    def read_completion(self, body: object, *, where: str) -> Completion: ...
+    def read_completion(
+        self, body: object, *, where: str, require_logprobs: bool = True
+    ) -> Completion: ...
 
     def join_stream(self, chunks: Sequence[object], *, where: str) -> Any: ...
 
@@ -153,9 +155,21 @@ class WireFormat:
             start_row=start_row,
         )
 
-    def read_completion(self, body: object, *, where: str = "") -> Completion:
-        """Generated ids, log-probabilities and finish reason of one answer body."""
-        return self.protocol.read_completion(body, where=where or self.name)
+    def read_completion(
+        self, body: object, *, where: str = "", require_logprobs: bool = True
+    ) -> Completion:
+        """Generated ids, log-probabilities and finish reason of one answer body. A body
+        without log-probabilities is refused, naming the missing field, unless
+        ``require_logprobs`` is False: then it reads with ``has_logprobs=False``.
+
+        Example:
+            >>> done = wire("lmdeploy-key").read_completion(body)  # doctest: +SKIP
+            >>> done.token_ids, done.logprobs, done.finish_reason  # doctest: +SKIP
+            ((17, 4), (-0.25, -1.5), 'length')
+        """
+        return self.protocol.read_completion(
+            body, where=where or self.name, require_logprobs=require_logprobs
+        )
 
 
 WIRES: Final[dict[str, WireFormat]] = {

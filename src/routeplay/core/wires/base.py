@@ -120,9 +120,12 @@ class Completion:
     token_ids: tuple[int, ...]
     """Generated ids, in order."""
     logprobs: tuple[float, ...]
-    """Engine log-probability of each generated id."""
+    """Engine log-probability of each generated id (empty when ``has_logprobs`` is False)."""
     finish_reason: str
     """``stop``, ``length`` or ``abort`` (interrupted by ``stop_after``)."""
+    has_logprobs: bool = True
+    """False when the body carried no log-probabilities and the caller read it with
+    ``require_logprobs=False``; ``logprobs`` is then empty, whatever ``token_ids`` holds."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -166,6 +169,8 @@ class BodyOptions:
     """Engine-store put (key mode: LMDeploy on Ray, XTuner-patched SGLang); None: inline."""
     include_stop: bool = True
     """LMDeploy ``include_stop_str_in_output``: False trims the stop token from the answer."""
+    return_logprob: bool = True
+    """LMDeploy ``return_logprob``: False answers ``output_token_logprobs: null``."""
     return_meta_info: bool = False
     """SGLang chat ``return_meta_info``: routing in each choice's ``meta_info``."""
     stream: bool = False
@@ -256,16 +261,17 @@ def count(holder: object, name: str, where: str) -> int | None:
 
 
 def openai_choice_counts(
-    body: Mapping[str, Any], picked: Mapping[str, Any], where: str
+    body: Mapping[str, Any], picked: Mapping[str, Any], where: str, *, ids: str = "token_ids"
 ) -> tuple[int | None, int | None]:
     """Prompt and completion tokens of one choice: ``usage`` sums over choices, so with
-    several choices the completion count comes from the choice's own ``token_ids``."""
+    several choices the completion count comes from the choice's own generated ids
+    (``ids``: vLLM's ``token_ids``, LMDeploy's ``output_ids``)."""
     usage = body.get("usage")
     prompt = count(usage, "prompt_tokens", where)
     choices = body.get("choices")
     if isinstance(choices, list) and len(choices) == 1:
         return prompt, count(usage, "completion_tokens", where)
-    token_ids = picked.get("token_ids")
+    token_ids = picked.get(ids)
     return prompt, len(token_ids) if isinstance(token_ids, list) else None
 
 
@@ -360,13 +366,15 @@ def _found_rows(exc: RowCountMismatch) -> int | None:
 
 
 def completion(ids: object, logprobs: object, reason: object, *, where: str) -> Completion:
-    """A ``Completion`` from the raw JSON values, or a refusal (never a raw TypeError)."""
+    """A ``Completion`` from the raw JSON values, or a refusal (never a raw TypeError).
+    ``logprobs`` None: the body carried none (``has_logprobs`` False), read only when the
+    caller said it does not need them."""
     if not isinstance(reason, str):
         raise MalformedPayload(
             "finish reason must be a string", expected="str", found=describe(reason), where=where
         )
     id_list = sequence(ids, "generated ids", where)
-    logprob_list = sequence(logprobs, "log-probabilities", where)
+    logprob_list = () if logprobs is None else sequence(logprobs, "log-probabilities", where)
     # Ints only (a bool, float or string id is a broken body, not something to coerce);
     # log-probabilities may be any JSON number.
     if not all(type(i) is int for i in id_list) or not all(
@@ -387,8 +395,13 @@ def completion(ids: object, logprobs: object, reason: object, *, where: str) -> 
             found=describe(logprob_list),
             where=where,
         ) from exc
-    done = Completion(token_ids=tuple(id_list), logprobs=floats, finish_reason=reason)
-    if len(done.logprobs) != len(done.token_ids):
+    done = Completion(
+        token_ids=tuple(id_list),
+        logprobs=floats,
+        finish_reason=reason,
+        has_logprobs=logprobs is not None,
+    )
+    if done.has_logprobs and len(done.logprobs) != len(done.token_ids):
         raise MalformedPayload(
             "one log-probability per generated id",
             expected=len(done.token_ids),

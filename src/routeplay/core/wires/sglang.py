@@ -131,14 +131,20 @@ class SglangWire:
         generated = count(usage, "completion_tokens", where) if len(choices) == 1 else None
         return _routing(payload, spec, prompt, generated, start, path)
 
-    def read_completion(self, body: object, *, where: str) -> Completion:
-        """Generated ids, log-probabilities and finish reason of a ``/generate`` body."""
+    def read_completion(
+        self, body: object, *, where: str, require_logprobs: bool = True
+    ) -> Completion:
+        """Generated ids, log-probabilities and finish reason of a ``/generate`` body; one
+        without ``output_token_logprobs`` is refused unless ``require_logprobs`` is False."""
         if isinstance(body, list) and len(body) == 1:
             body = body[0]  # a one-prompt batch answers a list
         top = mapping(body, "sglang response body", where)
         meta = field(top, META, where)
-        pairs = field(meta, "output_token_logprobs", where)
-        logprobs = [_first(p, where) for p in sequence(pairs, "output_token_logprobs", where)]
+        logprobs = None
+        if require_logprobs or _get(meta, "output_token_logprobs") is not None:
+            pairs = field(meta, "output_token_logprobs", where)
+            listed = sequence(pairs, "output_token_logprobs", where)
+            logprobs = [_first(p, where) for p in listed]
         reason = field(field(meta, "finish_reason", where), "type", where)
         return completion(field(top, "output_ids", where), logprobs, reason, where=where)
 
@@ -268,6 +274,10 @@ def _key(
         )
     rows = rows_expected(prompt, generated, 0)
     return store_key(payload, rows=rows, namespace=KEY_NAMESPACE, trailing_rows=0, path=path)
+
+
+def _get(holder: object, name: str) -> object:
+    return holder.get(name) if isinstance(holder, Mapping) else None
 
 
 def _first(entry: object, where: str) -> object:

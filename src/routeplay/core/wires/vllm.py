@@ -102,11 +102,16 @@ class VllmWire:
             engine=Engine.VLLM, prompt_tokens=prompt, completion_tokens=generated, routes=routes
         )
 
-    def read_completion(self, body: object, *, where: str) -> Completion:
-        """Generated ids, log-probabilities and finish reason of a completions body."""
+    def read_completion(
+        self, body: object, *, where: str, require_logprobs: bool = True
+    ) -> Completion:
+        """Generated ids, log-probabilities and finish reason of a completions body; a
+        choice without ``logprobs`` is refused unless ``require_logprobs`` is False."""
         top = mapping(body, "vllm response body", where)
         picked = item(field(top, "choices", where), 0, "choices", where)
-        logprobs = field(field(picked, "logprobs", where), "token_logprobs", where)
+        logprobs = None
+        if require_logprobs or picked.get("logprobs") is not None:
+            logprobs = field(field(picked, "logprobs", where), "token_logprobs", where)
         ids = field(picked, "token_ids", where)
         return completion(ids, logprobs, field(picked, "finish_reason", where), where=where)
 
