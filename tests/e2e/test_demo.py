@@ -1,4 +1,5 @@
-"""The demo end to end, two steps per engine wire format, and the CLI once.
+"""The demo end to end: two steps per engine wire format, and the default recipe once
+through the CLI, exactly as ``make demo`` runs it (its report, JSON and PNG).
 
 Each run goes through partial resumes, stale retries (the smoke recipe's staleness 0
 makes step 0's leftover group stale in step 1), two-turn trace sessions and R3 training,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,7 @@ from routeplay.core.wires import WIRE_NAMES, wire
 from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.model import EngineConfig
 from routeplay.engine.server import WireHandler
+from routeplay.pipeline import demo as demo_module
 from routeplay.pipeline.config import recipe
 from routeplay.pipeline.demo import run_demo
 from routeplay.pipeline.report import MAX_WRITES_PER_PAYLOAD, DemoReport
@@ -131,19 +134,6 @@ def test_worker_requests_fit_the_engine_server(name: str) -> None:
         assert routing.routes.stop_row == len(resumed_prompt) + 1
 
 
-@pytest.mark.usefixtures("ray_local")
-def test_the_cli_writes_a_report_and_a_plot(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    report, plot = tmp_path / "report.json", tmp_path / "timeline.png"
-    argv = ["demo", "--recipe", "smoke", "--engine-format", "sglang"]
-    status = main([*argv, "--json", str(report), "--plot", str(plot)])
-    assert status == 0
-    data = json.loads(report.read_text())
-    assert set(REQUIRED) <= set(data)
-    assert data["routing_mismatches"] == data["leaked_leases"] == data["leaked_bytes"] == 0
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 R3_FIELDS = (
     "route_disagreement",
     "tokens_any_layer",
@@ -158,14 +148,55 @@ R3_FIELDS = (
 BYTES_FIELDS = ("payload_bytes_mean", "writes_per_payload", "prompt_bytes_saved")
 
 
-@pytest.mark.usefixtures("ray_local")
-def test_the_json_report_carries_the_r3_and_bytes_objects(tmp_path: Path) -> None:
-    # The smoke model disagrees on few routes, so only what holds at any size is asserted:
-    # replay leaves no mismatch, nothing leaks, and the figures are consistent.
-    path = tmp_path / "report.json"
-    argv = ["demo", "--recipe", "smoke", "--engine-format", "vllm", "--seed", "2"]
-    assert main([*argv, "--json", str(path), "--no-plot"]) == 0
-    data = json.loads(path.read_text())
+def test_the_default_recipe_is_the_r3_model() -> None:
+    # The geometry and init the issue measured paper-like disagreement with; the trainer
+    # in float32 against the bf16 engine.
+    config = recipe("default")
+    engine = config.engine
+    assert (engine.num_layers, engine.num_experts, engine.top_k) == (24, 128, 8)
+    assert (engine.expert_init_scale, engine.lm_head_init_scale) == (1.5, 16.0)
+    assert (engine.dtype, config.trainer.dtype) == ("bfloat16", "float32")
+    lo, _ = config.rollout.prompt_tokens
+    row_bytes = engine.num_layers * engine.top_k  # uint8 ids (128 experts)
+    assert lo * row_bytes > 100 * 1024  # a fresh payload is over Ray's inline limit
+
+
+@pytest.fixture(scope="module")
+def default_run(
+    ray_local: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[DemoReport, dict[str, Any], Path]:
+    """The default recipe run exactly as ``make demo`` runs it: the CLI with its JSON
+    report and PNG. The report object is the one the CLI rendered (a spy on
+    ``run_demo`` keeps it), so the figures, the JSON and the plot come from one run."""
+    out = tmp_path_factory.mktemp("demo")
+    report_path, plot = out / "report.json", out / "timeline.png"
+    reports: list[DemoReport] = []
+
+    def spy(*args: Any, **kwargs: Any) -> DemoReport:
+        reports.append(run_demo(*args, **kwargs))
+        return reports[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo_module, "run_demo", spy)
+        status = main(["demo", "--json", str(report_path), "--plot", str(plot)])
+    assert status == 0
+    [report] = reports
+    return report, json.loads(report_path.read_text()), plot
+
+
+def test_the_cli_writes_a_report_and_a_plot(
+    default_run: tuple[DemoReport, dict[str, Any], Path],
+) -> None:
+    _, data, plot = default_run
+    assert set(REQUIRED) <= set(data)
+    assert data["routing_mismatches"] == data["leaked_leases"] == data["leaked_bytes"] == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_json_report_carries_the_r3_and_bytes_objects(
+    default_run: tuple[DemoReport, dict[str, Any], Path],
+) -> None:
+    _, data, _ = default_run
     r3, sizes = data["r3"], data["bytes"]
     assert set(R3_FIELDS) <= set(r3)
     assert set(BYTES_FIELDS) <= set(sizes)
@@ -184,7 +215,7 @@ def test_the_json_report_carries_the_r3_and_bytes_objects(tmp_path: Path) -> Non
     )
     assert sizes["writes_per_payload"] == data["writes_per_payload"]
     # No byte written twice: at most the payloads' bytes plus each object's few hundred
-    # bytes of Ray serialization (a smoke payload is only 100-300 bytes itself).
+    # bytes of Ray serialization.
     overhead = 512 * data["object_store_objects_written"]
     assert data["object_store_bytes_written"] <= data["payload_bytes"] * 1.02 + overhead
     assert sizes["written_per_stored_byte"] == pytest.approx(
@@ -194,24 +225,12 @@ def test_the_json_report_carries_the_r3_and_bytes_objects(tmp_path: Path) -> Non
     assert data["trainer_dtype"] == "float32"
 
 
-def test_the_default_recipe_is_the_r3_model() -> None:
-    # The geometry and init the issue measured paper-like disagreement with; the trainer
-    # in float32 against the bf16 engine.
-    config = recipe("default")
-    engine = config.engine
-    assert (engine.num_layers, engine.num_experts, engine.top_k) == (24, 128, 8)
-    assert (engine.expert_init_scale, engine.lm_head_init_scale) == (1.5, 16.0)
-    assert (engine.dtype, config.trainer.dtype) == ("bfloat16", "float32")
-    lo, _ = config.rollout.prompt_tokens
-    row_bytes = engine.num_layers * engine.top_k  # uint8 ids (128 experts)
-    assert lo * row_bytes > 100 * 1024  # a fresh payload is over Ray's inline limit
-
-
-@pytest.mark.usefixtures("ray_local")
-def test_the_default_run_shows_what_the_r3_paper_shows() -> None:
+def test_the_default_run_shows_what_the_r3_paper_shows(
+    default_run: tuple[DemoReport, dict[str, Any], Path],
+) -> None:
     # The main job's own claims (issue: "the main job shows what the R3 paper shows"),
     # on the default recipe exactly as `make demo` runs it.
-    report = run_demo(recipe("default"))
+    report, _, _ = default_run
     figures = {k: v for k, v in report.to_json().items() if k not in ("timeline", "r3")}
     assert report.ok, figures  # no mismatch, no leak, one write per payload
     assert (report.leaked_leases, report.leaked_bytes, report.failed_rollouts) == (0, 0, 0)

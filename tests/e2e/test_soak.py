@@ -6,24 +6,42 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from routeplay.cli.main import main
+from routeplay.pipeline import soak as soak_module
 from routeplay.pipeline.config import recipe
 from routeplay.pipeline.faults import FAULT_KINDS, FaultConfig
 from routeplay.pipeline.soak import SoakConfig, run_soak
+from routeplay.pipeline.soak_report import SoakReport
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.usefixtures("ray_local")
-def test_every_fault_fires_and_every_invariant_holds() -> None:
+def test_every_fault_fires_and_every_invariant_holds(tmp_path: Path) -> None:
     # One step per fault kind: each_at_least_once forces kind i at step i if the draws
     # have not fired it yet. Workers are killed mid-job: the pool revokes the leases a
     # dead worker took under its jobs' holder names (its new lease, a borrowed prefix).
-    faults = FaultConfig(seed=5)
-    report = run_soak(SoakConfig(steps=len(FAULT_KINDS), faults=faults, key_ttl_s=3.0))
+    # Run through the CLI (`routeplay soak`), with a spy keeping the report it rendered.
+    out = tmp_path / "soak.json"
+    reports: list[SoakReport] = []
+
+    def spy(*args: Any, **kwargs: Any) -> SoakReport:
+        reports.append(run_soak(*args, **kwargs))
+        return reports[-1]
+
+    argv = ["soak", "--steps", str(len(FAULT_KINDS)), "--seed", "5", "--key-ttl", "3"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(soak_module, "run_soak", spy)
+        status = main([*argv, "--json", str(out)])
+    [report] = reports
+    data = json.loads(out.read_text())
+    assert status == 0
+    assert data["ok"], data["broken"]
+    assert data["faults_fired"] == report.faults_fired
     assert report.broken == ()
     assert all(report.faults_fired[kind] > 0 for kind in FAULT_KINDS), report.faults_fired
     assert report.samples_trained > 0
@@ -57,14 +75,3 @@ def test_group_writes_under_faults_lose_only_the_faulty_members() -> None:
     assert report.untyped_errors == 0
     assert (report.leaked_leases, report.leaked_bytes) == (0, 0)
     assert report.object_store_excess_bytes == 0
-
-
-@pytest.mark.usefixtures("ray_local")
-def test_cli_writes_the_report(tmp_path: Path) -> None:
-    out = tmp_path / "soak.json"
-    status = main(["soak", "--steps", "1", "--rate", "0", "--key-ttl", "1", "--json", str(out)])
-    data = json.loads(out.read_text())
-    assert status == 0
-    assert data["ok"], data["broken"]
-    assert data["faults_fired"]["stale_retry"] == 1  # forced at step 0, the only one
-    assert sum(data["faults_fired"].values()) == 1

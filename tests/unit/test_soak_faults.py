@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from routeplay.cli.soak_command import soak_config
 from routeplay.errors import AlreadyReleased, MisuseError, RoutesLost, SpecMismatch
 from routeplay.pipeline.faults import (
     FAULT_KINDS,
@@ -67,3 +68,23 @@ def test_classify_names_our_errors_and_flags_premature_releases() -> None:
     assert is_premature_release(AlreadyReleased("x"))
     assert is_premature_release(RoutesLost("x"))
     assert not is_premature_release(SpecMismatch("x"))
+
+
+def test_the_soak_command_s_options_set_every_rate_the_seed_and_the_wire() -> None:
+    # `routeplay soak --rate R` drives every fault kind's rate; the seed seeds both the
+    # fault draws and the demo (the e2e soak runs the command end to end).
+    config = soak_config(
+        steps=3,
+        seed=7,
+        rate=0.0,
+        key_ttl=1.0,
+        kill_between_jobs=True,
+        num_cpus=None,
+        engine_format="sglang",
+    )
+    assert all(config.faults.rate(kind) == 0.0 for kind in FAULT_KINDS)
+    assert (config.steps, config.key_ttl_s, config.faults.seed, config.demo.seed) == (3, 1.0, 7, 7)
+    assert config.faults.worker_kill_in_flight is False
+    assert config.demo.wire == "sglang"
+    # At rate 0 only the forced faults fire: stale_retry at step 0, the next kind at 1, ...
+    assert _draws(config.faults, 3) == [frozenset({kind}) for kind in FAULT_KINDS[:3]]
