@@ -1,7 +1,6 @@
 """routeplay.train: the learner side. Rank-local, bounded routing materialization
 (``Materializer`` over a ``PackingPlan``) and router replay inside torch / HF
-transformers MoE models (``replay``, ``record``), and the live routing drift of a replay
-(``DriftMeter``).
+transformers MoE models (``replay``, ``record``).
 
 Trainers that decide for themselves fit too (``docs/replay.md``, XTuner's flow): their own
 packs (``PackingPlan.from_packs``, whole padding packs for DP included), their SP split
@@ -23,13 +22,6 @@ from typing import TYPE_CHECKING, Any
 from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
-    from routeplay.train.drift import (
-        DRIFT_BY_DEFAULT,
-        DriftMeter,
-        LayerDrift,
-        RoutingDrift,
-        logprob_gaps,
-    )
     from routeplay.train.hf import find_routers, model_spec, record, replay
     from routeplay.train.materializer import (
         Materializer,
@@ -56,11 +48,6 @@ if TYPE_CHECKING:
     from routeplay.train.routers import FAMILIES
 
 _HOME = {
-    "DRIFT_BY_DEFAULT": "drift",
-    "DriftMeter": "drift",
-    "LayerDrift": "drift",
-    "RoutingDrift": "drift",
-    "logprob_gaps": "drift",
     "FAMILIES": "routers",
     "Materializer": "materializer",
     "MaterializerStats": "materializer",
@@ -85,10 +72,7 @@ _HOME = {
 }
 
 __all__ = [
-    "DRIFT_BY_DEFAULT",
     "FAMILIES",
-    "DriftMeter",
-    "LayerDrift",
     "Materializer",
     "MaterializerStats",
     "MicroBatchRoutes",
@@ -100,11 +84,9 @@ __all__ = [
     "ReplaySource",
     "ReplayStats",
     "RouteRecorder",
-    "RoutingDrift",
     "find_routers",
     "local_ranges",
     "local_tokens",
-    "logprob_gaps",
     "model_spec",
     "pack_samples",
     "padding_rows",
