@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RouteplayError
 from routeplay.rollout.adapters import EngineAdapter, RoutesWriter, check_continues, new_rows
-from routeplay.rollout.releasing import attach_notes
 from routeplay.rollout.sample_routing import (
     LeaseSource,
     PrefixSource,
