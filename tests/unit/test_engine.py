@@ -332,8 +332,7 @@ def test_each_wire_over_http_decodes_to_the_generation_routing(
         assert np.array_equal(read.routes.array, expected.routing[start:])
     tokens = {
         "vllm": lambda b: b["choices"][0]["token_ids"],
-        "sglang": lambda b: b["output_ids"],
-    }.get(wire, lambda b: b["token_ids"])(payload)
+    }.get(wire, lambda b: b["output_ids"])(payload)  # SGLang's and LMDeploy's /generate
     assert tuple(tokens) == expected.token_ids
 
 
