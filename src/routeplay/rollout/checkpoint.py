@@ -237,7 +237,7 @@ def _sample_record(
         routing = {
             "array": array,
             "segments": [list(seg) for seg in record.segments],
-            "prompt_tokens": record.prompt_tokens,
+            "prompt_length": record.prompt_tokens,
             "response_versions": list(record.response_versions),
         }
     return {
@@ -263,7 +263,7 @@ def _routing_record(record: dict[str, Any], arrays: Any) -> RoutingRecord:
     if routing is not None and arrays is not None and routing.get("array") is not None:
         array = arrays[routing["array"]]
         meta["segments"] = _segments(routing, record)
-        meta["prompt_tokens"] = routing.get("prompt_tokens")
+        meta["prompt_length"] = routing.get("prompt_length")
         meta["response_versions"] = routing.get("response_versions", [])
     return RoutingRecord.from_json(meta, array)
 

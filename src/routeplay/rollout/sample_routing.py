@@ -686,7 +686,7 @@ class RoutingRecord:
             "origin": self.origin.value,
             "retries": self.retries,
             "response_versions": list(self.response_versions),
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_length": self.prompt_tokens,
             "segments": [list(seg) for seg in self.segments],
         }
 
@@ -695,7 +695,7 @@ class RoutingRecord:
         """A record from ``to_json()`` and its array (a checkpoint is outside data: a
         record that does not parse raises ``MalformedPayload``)."""
         try:
-            prompt = meta.get("prompt_tokens")
+            prompt = meta.get("prompt_length")
             return cls(
                 sample_id=str(meta["sample_id"]),
                 session_id=meta.get("session_id"),
