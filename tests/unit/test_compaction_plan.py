@@ -207,8 +207,8 @@ def test_a_session_past_the_threshold_is_compacted_and_keeps_its_rows() -> None:
     exported = traces.export("s", keys[-1], "sample/a")  # a reader of the old rows
     assert exported is not None
     assert traces.stats().compactions == 0
-    more, rows = _conversation(store, traces, "s", turns=1, first=4)  # 5 segments: due
-    keys, expected = keys + more, expected + rows
+    more, last = _conversation(store, traces, "s", turns=1, first=4)  # 5 segments: due
+    keys, expected = keys + more, expected + last
     stats = traces.stats()
     assert (stats.compactions, stats.due) == (1, 0)
     for tokens, rows in zip(keys, expected, strict=True):
