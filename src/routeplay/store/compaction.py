@@ -59,10 +59,11 @@ __all__ = [
 ]
 
 DEFAULT_THRESHOLD = 64
-"""Segments a handle may have before its holder compacts it. Measured (the
-``segments_per_handle`` figures of ``benchmarks/segment_overhead.py``): on one node Ray
-costs about 45-55 us per stored object read, so 64 segments cost about 3 ms beyond the
-copy; compacting earlier buys little and costs a copy of the session's rows each time."""
+"""Segments a handle may have before its holder compacts it. Measured
+(``benchmarks/segment_overhead.py``, docs/compaction.md): acquire + read costs about
+1.5 ms plus 50 us per segment beyond the copy on one node, so 64 segments cost 3.6 ms
+(256: 12.9 ms, 1,000: 51 ms; compacted: 1.5 ms); compacting earlier buys under 2 ms a
+read and copies the session's rows more often."""
 
 Write = Callable[[Sequence[Routes]], list[Handle]]
 """Stores each array as one payload and returns a one-payload handle per array:
