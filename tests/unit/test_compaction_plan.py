@@ -259,3 +259,57 @@ def test_branches_of_a_session_share_one_compacted_prefix() -> None:
     assert store.stats().live_payloads == 3
     traces.close()
     assert store.leaks() == []
+
+
+def test_a_payload_holding_most_of_a_section_is_kept_and_only_the_rest_copied() -> None:
+    big, a, b, c = ref("big", 100), ref("a", 3), ref("b", 3), ref("c", 3)
+    tail = [seg(a, 0, 3), seg(b, 0, 3), seg(c, 0, 3)]
+    handle = Handle(SPEC, [seg(big, 0, 60, 1), seg(big, 60, 100, 2), *tail])
+    plan = plan_compaction([handle])
+    assert plan.rows_copied == 9
+    [rebuilt] = plan.rebuilt([ref("new", 9)])
+    assert rebuilt.sources() == (big, ref("new", 9))
+    np.testing.assert_array_equal(rebuilt.weight_versions(), handle.weight_versions())
+    # payloads each bigger than the rest after them are the shape a compacted
+    # session has already: nothing to copy
+    assert plan_compaction([Handle(SPEC, [seg(big, 0, 100), seg(a, 0, 3)])]).copied == ()
+
+
+def test_a_session_compacted_again_and_again_copies_each_row_a_logarithmic_number_of_times() -> (
+    None
+):
+    store = RouteStore.local(StoreConfig(run="compact-often"))
+    handle, lease, copied, rounds = Handle(SPEC), None, 0, 64
+    parts = []
+    for round_ in range(rounds):
+        turns = []
+        for turn in range(4):  # four turns a round, then the holder compacts
+            part = routing(3, seed=4 * round_ + turn)
+            parts.append(part.array)
+            new, held = store.put_leased(part, "test/turn", weight_version=round_)
+            handle, turns = handle + new, [*turns, held]
+        done = compact_handles(store, [handle], "session/s")
+        store.release_many(turns)
+        copied += done.report.rows_copied
+        [handle], [new] = done.handles, done.leases
+        assert new is not None
+        if lease is not None:
+            lease.release()
+        lease = new
+        assert len(handle.sources()) <= np.log2(round_ + 1) + 2
+    rows = handle.rows
+    np.testing.assert_array_equal(store.read(handle), np.concatenate(parts))
+    assert copied <= rows * (np.log2(rounds) + 2)  # not rows * rounds / 2, as recopying all
+    np.testing.assert_array_equal(handle.weight_versions(), np.arange(rows) // 12)
+    assert lease is not None
+    lease.release()
+    assert store.stats().live_payloads == 0
+
+
+def test_a_compacted_handle_of_many_version_runs_is_not_due_again() -> None:
+    one = ref("one", 10)
+    runs = Handle(SPEC, [seg(one, i, i + 1, version=i) for i in range(10)])
+    many = Handle(SPEC, [seg(ref(str(i), 1), 0, 1) for i in range(10)])
+    policy = CompactionPolicy(threshold=4)
+    assert (policy.due(runs), policy.due(many), policy.due(many[:4])) == (False, True, False)
+    assert not CompactionPolicy(threshold=4, auto=False).due(many)

@@ -11,8 +11,11 @@ version): an edge of the trie is a **section**, rows that exactly the same handl
 hold. So a prefix shared by several branches is one section (one payload, referenced by
 every branch) and each branch's private suffix is another; a handle that is a prefix of
 another one (an earlier turn of the same conversation) becomes a slice of it. A section
-whose rows already lie in one payload is kept as it is (nothing is copied twice);
-every other section is copied. A copied section keeps each row's weight version as a
+whose rows already lie in one payload is kept as it is (nothing is copied twice), and
+so are the leading payloads of a section that each hold more rows than the rest after
+them (an earlier compaction's: a long session compacted again copies its
+rows since then, so a row is copied O(log rows) times over the session's life); every
+other section is copied. A copied section keeps each row's weight version as a
 **run table**: one segment over the new payload per run of equal versions
 (``version_runs``).
 
@@ -184,13 +187,22 @@ def plan_compaction(handles: Sequence[Handle]) -> CompactionPlan:
             ends[index] = _insert(root, handles[index].segments)
     nodes, paths = _sections(root)
     leaf_at = {id(leaf): at for at, leaf in enumerate(paths)}
-    sections = tuple(node.edge for node in nodes)
-    order = {id(node): i for i, node in enumerate(nodes)}
+    sections: list[tuple[Segment, ...]] = []
+    copied: list[int] = []
+    order: dict[int, list[int]] = {}  # node -> its sections: a kept head, a tail
+    for node in nodes:
+        head, tail = _kept_head(node.edge)
+        order[id(node)] = []
+        for part, copy in ((head, False), (tail, _worth_copying(tail))):
+            if part:
+                order[id(node)].append(len(sections))
+                copied.extend([len(sections)] if copy else [])
+                sections.append(part)
     return CompactionPlan(
         spec=spec,
-        sections=sections,
-        copied=tuple(i for i, edge in enumerate(sections) if _worth_copying(edge)),
-        leaves=tuple(tuple(order[id(n)] for n in paths[leaf]) for leaf in paths),
+        sections=tuple(sections),
+        copied=tuple(copied),
+        leaves=tuple(tuple(i for n in paths[leaf] for i in order[id(n)]) for leaf in paths),
         handles=tuple(
             (leaf_at[id(ends[i].leaf)], handles[i].rows) if i in ends else (-1, 0)
             for i in range(len(handles))
@@ -211,6 +223,25 @@ def _one_spec(handles: Sequence[Handle]) -> RouteSpec:
                 where=f"handle {index}",
             )
     return spec
+
+
+def _kept_head(edge: tuple[Segment, ...]) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+    """``edge`` as (head kept as it is, tail to copy): the head is the leading payloads
+    each holding more rows than everything after it (an earlier compaction's,
+    a long prompt's). A session compacted again and again then copies the rows since
+    its last big payload, not its whole history: payload sizes at least halve along a
+    section, so a row is copied O(log rows) times and a section keeps O(log) payloads."""
+    left = sum(seg.rows for seg in edge)
+    cut = at = 0
+    while at < len(edge):
+        end = at
+        while end < len(edge) and edge[end].source == edge[at].source:
+            end += 1  # one payload's consecutive segments (its version runs)
+        rows = sum(seg.rows for seg in edge[at:end])
+        if rows <= left - rows:
+            break
+        left, cut, at = left - rows, end, end
+    return edge[:cut], edge[cut:]
 
 
 def _worth_copying(edge: tuple[Segment, ...]) -> bool:
