@@ -122,7 +122,12 @@ class _Node:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompactionPlan:
-    """Which rows of a set of handles are copied, and how each handle is rebuilt."""
+    """Which rows of a set of handles are copied, and how each handle is rebuilt.
+
+    Example:
+        >>> plan = plan_compaction(session_handles)  # doctest: +SKIP
+        >>> [plan.sections[i] for i in plan.copied]  # the rows a compaction copies
+    """
 
     spec: RouteSpec
     """Geometry of every handle."""
@@ -345,7 +350,12 @@ def _sections(root: _Node) -> tuple[list[_Node], dict[_Node, list[_Node]]]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompactionReport:
-    """What one compaction did (plain numbers, for stats and the bench)."""
+    """What one compaction did (plain numbers, for stats and the bench).
+
+    Example:
+        >>> traces.compact("s")  # doctest: +SKIP
+        CompactionReport(handles=12, segments_before=65, segments_after=2, ...)
+    """
 
     handles: int
     """Handles compacted together."""
@@ -361,7 +371,12 @@ class CompactionReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Compacted:
-    """The outcome of ``compact_handles``: rebuilt handles and the holder's new leases."""
+    """The outcome of ``compact_handles``: rebuilt handles and the holder's new leases.
+
+    Example:
+        >>> done = store.compact([old.handle], "driver/h")  # doctest: +SKIP
+        >>> new = done.leases[0] or old  # None: nothing was copied, keep the old lease
+    """
 
     handles: tuple[Handle, ...]
     """Per input, the rebuilt handle (the input itself where nothing of it was copied)."""
