@@ -8,8 +8,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.routeplay-installed
 TORCH_PIN := torch==2.13.0
+# pytest workers (pytest-xdist). Whole files go to one worker (--dist loadfile), so a
+# module's Ray instance and fixtures are shared as before; most of a Ray test's wall time
+# is waiting on other processes, so two workers use two cores well.
+PYTEST_WORKERS ?= 2
 
-.PHONY: setup test lint typecheck pytest demo bench clean
+.PHONY: setup test lint typecheck pytest coverage demo bench clean
 
 setup: $(STAMP)
 
@@ -27,7 +31,12 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/pytest tests
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile tests
+
+# Line and branch coverage of src/ (what a change to the suite must not lower).
+coverage: $(STAMP)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --cov=src/routeplay --cov-branch \
+	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
 test: lint typecheck pytest
 
@@ -44,4 +53,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer_paths.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .coverage

@@ -54,6 +54,19 @@ def test_every_workload_has_the_documented_figures(results: dict[str, object]) -
     assert results["config"]["mode"] == "smoke"  # type: ignore[index]
 
 
+def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, object]) -> None:
+    for w in results["workloads"]:  # type: ignore[attr-defined]
+        limit = w["limit"]
+        assert limit["cross_node_bytes"] == w["unique_bytes"]  # the workload's own bytes
+        assert limit["runs"] >= 5
+        assert w["limit_ms"] == min(limit["by_path"].values())
+        for path, ms in limit["by_path"].items():
+            assert ms == pytest.approx(limit["copy_ms"] + limit["pull_ms"][path], abs=0.02)
+            assert 0 < ms <= w[path]["median_ms"]
+        assert w["below_limit"] == []
+    assert results["goals"]["below_limit"] == []  # type: ignore[index]
+
+
 def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:
     plain, grpo = results["workloads"]  # type: ignore[misc]
     payload = plain["payload_bytes"]

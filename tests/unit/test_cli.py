@@ -305,13 +305,14 @@ def good_body(tmp_path: Path) -> Path:
 
 
 def test_missing_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    missing = tmp_path / "nope.json"
+    # A path longer than any terminal: the message keeps it whole (copyable), unwrapped.
+    missing = tmp_path / ("d" * 150) / "nope.json"
     status, out, err = run_cli(
         capsys, "inspect", str(missing), "--engine", "vllm", *cli_spec_args(SPEC), "--json"
     )
     assert status == EXIT_USAGE
     assert "usage error" in err
-    assert "nope.json" in err
+    assert str(missing) in err
     assert out == ""
 
 

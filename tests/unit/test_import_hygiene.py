@@ -116,7 +116,10 @@ NEEDS: dict[str, frozenset[str]] = {
     ),
     "routeplay.rollout.trace_actor": RAY,
     **dict.fromkeys(
-        [f"routeplay.bench.{name}" for name in ("measure", "report", "roles", "transfer_paths")],
+        [
+            f"routeplay.bench.{name}"
+            for name in ("limit", "measure", "report", "roles", "transfer_paths")
+        ],
         RAY,
     ),
     **dict.fromkeys(

@@ -3,8 +3,9 @@
 Nodes: a head (the store shards and the driver), the engine's node (the engine and
 LMDeploy's ``shared_store``), the rollout node and the trainer node (the SP ranks). Every
 figure of a workload comes from the same cluster in the same run: the three paths, the
-physical limit (warm memcpy bandwidth on the trainer node, and the raylet-to-raylet pull
-rate of one large object from the engine node), and Ray's own byte counters.
+physical limit (``routeplay.bench.limit``: the best pull of the workload's own bytes from
+the node each path's payloads live on, plus the SP ranks' copies), and Ray's own byte
+counters.
 
 Example:
     results = run_bench(BenchConfig.quick())
@@ -24,6 +25,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
+from routeplay.bench.limit import beaten, workload_limit
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.workloads import BenchConfig, Workload
 from routeplay.core import Handle, canonicalize, preset
@@ -37,7 +39,6 @@ __all__ = ["PATHS", "run_bench"]
 
 ROLES = ("head", "engine", "rollout", "trainer")
 PATHS = ("eager", "producer", "adopt")
-MiB = 1024 * 1024
 
 
 @contextmanager
@@ -141,10 +142,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+LIMIT_RUNS = 5
+"""Measurements of each part of a limit, the best kept (at least this many)."""
+
+
 def measure_workload(
-    store: RouteStore, w: Workload, roles: dict[str, str], runs: int, limits: dict[str, Any]
+    store: RouteStore, w: Workload, roles: dict[str, str], runs: int
 ) -> dict[str, Any]:
-    """Every path of one workload, the limit, and a check that all paths agree."""
+    """Every path of one workload, its limit, and a check that all paths agree."""
     bench = Bench(store, w, roles)
     digests = {path: bench.run(path, seed=1, check=True)["digests"] for path in PATHS}
     if len({tuple(d) for d in digests.values()}) != 1:
@@ -153,7 +158,7 @@ def measure_workload(
     for path in PATHS:
         timed = [bench.run(path, seed=2 + i) for i in range(runs)]
         per_path[path] = summarize(timed)
-    limit_ms = physical_limit_ms(w, limits)
+    limit = workload_limit(w, runs=max(LIMIT_RUNS, runs))
     entry: dict[str, Any] = {
         "name": w.name,
         "model": w.model,
@@ -166,7 +171,9 @@ def measure_workload(
         "eager_ms": per_path["eager"]["median_ms"],
         "routeplay_ms": per_path["producer"]["median_ms"],
         "adopt_ms": per_path["adopt"]["median_ms"],
-        "limit_ms": round(limit_ms, 1),
+        "limit_ms": limit["limit_ms"],
+        "limit": limit,
+        "below_limit": beaten({p: per_path[p]["median_ms"] for p in ("producer", "adopt")}, limit),
         "bytes_written": {p: per_path[p]["bytes_written"] for p in PATHS},
         "bytes_pulled": {p: per_path[p]["bytes_pulled"] for p in PATHS},
         "peak_rank_bytes": {p: per_path[p]["peak_rank_bytes"] for p in PATHS},
@@ -177,72 +184,13 @@ def measure_workload(
     return entry
 
 
-def physical_limit_ms(w: Workload, limits: dict[str, Any]) -> float:
-    """The issue's definition: the step's canonical bytes at warm memcpy bandwidth, plus
-    the bytes that must cross nodes (a shared prompt once) at the measured pull rate."""
-    memcpy, pull = float(limits["memcpy_Bps"]), float(limits["pull_Bps"])
-    return 1e3 * (w.payload_bytes / memcpy + w.unique_bytes / pull)
-
-
 def kill_all(actors: list[Any]) -> None:
     for actor in actors:
         ray.kill(actor)
 
 
-# -- the physical limit ---------------------------------------------------------------------
-@ray.remote(num_cpus=0)
-class _Probe:
-    def memcpy_Bps(self, nbytes: int, runs: int) -> float:
-        src = np.ones(nbytes, np.uint8)
-        dst = np.empty_like(src)
-        np.copyto(dst, src)  # warm: pages faulted in
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            np.copyto(dst, src)
-            times.append(time.perf_counter() - start)
-        return nbytes / statistics.median(times)
-
-    def make(self, nbytes: int) -> list[Any]:
-        ref = ray.put(np.ones(nbytes, np.uint8))
-        self._held = ref
-        return [ref]
-
-    def pull_s(self, wrapped: list[Any]) -> float:
-        start = time.perf_counter()
-        value = ray.get(wrapped[0], timeout=_DEADLINE_S)
-        elapsed = time.perf_counter() - start
-        del value
-        return elapsed
-
-
-def measure_limits(nbytes: int, runs: int) -> dict[str, Any]:
-    """Warm memcpy bandwidth on the trainer node; engine -> trainer pull rate of one large
-    object (after one warm-up pull; the median of ``runs`` fresh objects)."""
-    probe: Any = _Probe
-    engine = probe.options(**on("engine")).remote()
-    trainer = probe.options(**on("trainer")).remote()
-    memcpy = ray.get(trainer.memcpy_Bps.remote(nbytes, runs), timeout=_DEADLINE_S)
-    pulls = []
-    for _ in range(runs + 1):
-        wrapped = ray.get(engine.make.remote(nbytes), timeout=_DEADLINE_S)
-        pulls.append(ray.get(trainer.pull_s.remote(wrapped), timeout=_DEADLINE_S))
-        del wrapped
-    kill_all([engine, trainer])
-    timed = pulls[1:]
-    return {
-        "memcpy_Bps": memcpy,
-        "pull_Bps": nbytes / statistics.median(timed),
-        "pull_Bps_best": nbytes / min(timed),
-        "pull_ms": [round(t * 1e3, 1) for t in timed],
-        "probe_bytes": float(nbytes),
-    }
-
-
 # -- scaling --------------------------------------------------------------------------------
-def scaling(
-    store: RouteStore, config: BenchConfig, roles: dict[str, str], limits: dict[str, Any]
-) -> dict[str, Any]:
+def scaling(store: RouteStore, config: BenchConfig, roles: dict[str, str]) -> dict[str, Any]:
     """Tokens per sample and samples per step (all paths), segments per handle."""
     tokens = [
         _point(
@@ -250,7 +198,6 @@ def scaling(
             Workload(model="qwen3-235b-a22b", tokens=t, samples=2, sp=1),
             roles,
             config,
-            limits,
         )
         for t in config.scale_tokens
     ]
@@ -260,7 +207,6 @@ def scaling(
             Workload(model="qwen3-30b-a3b", tokens=8192, samples=n, sp=1),
             roles,
             config,
-            limits,
         )
         for n in config.scale_samples
     ]
@@ -277,7 +223,6 @@ def _point(
     w: Workload,
     roles: dict[str, str],
     config: BenchConfig,
-    limits: dict[str, Any],
 ) -> dict[str, Any]:
     bench = Bench(store, w, roles)
     out: dict[str, Any] = {"name": w.name, "tokens": w.tokens, "samples": w.samples}
@@ -286,7 +231,10 @@ def _point(
         out[f"{path}_ms"] = summarize(
             [bench.run(path, seed=2 + i) for i in range(config.scale_runs)]
         )["median_ms"]
-    out["limit_ms"] = round(physical_limit_ms(w, limits), 1)
+    limit = workload_limit(w, runs=max(LIMIT_RUNS, config.scale_runs))
+    out["limit_ms"] = limit["limit_ms"]
+    out["limit"] = limit
+    out["below_limit"] = beaten({p: out[f"{p}_ms"] for p in ("producer", "adopt")}, limit)
     kill_all([bench.engine, bench.rollout, *bench.ranks])
     return out
 
@@ -449,21 +397,16 @@ def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = print) -
     with cluster(config.store_bytes) as roles:
         store = StoreConfig(run="bench", resources=(("head", 0.01),), timeout_s=120).build()
         start_engine_store(resources={"engine": 0.01})
-        probe_bytes = {"full": 256 * MiB, "quick": 64 * MiB}.get(config.mode, 16 * MiB)
-        limits = measure_limits(probe_bytes, max(3, config.runs))
-        memcpy, pull = limits["memcpy_Bps"] / 1e9, limits["pull_Bps"] / 1e9
-        progress(f"limits: memcpy {memcpy:.2f} GB/s, pull {pull:.2f} GB/s")
         workloads = []
         for w in config.workloads:
             progress(f"workload {w.name}")
-            workloads.append(measure_workload(store, w, roles, config.runs, limits))
+            workloads.append(measure_workload(store, w, roles, config.runs))
         progress("scaling")
-        scale = scaling(store, config, roles, limits)
+        scale = scaling(store, config, roles)
         small = small_puts(store, config.small_samples)
         stats = store.stats()
         store.shutdown()
     return {
-        "limits": limits,
         "workloads": workloads,
         "scaling": scale,
         "small_puts": small,

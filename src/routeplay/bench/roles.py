@@ -8,7 +8,7 @@ or decoded in the rollout worker's memory) and ends when every SP rank holds its
   ``ray.get``s the whole sample, widens it to int64 and slices its rows.
 - **producer** (routeplay): the rollout worker hands its decoded canonical arrays to the
   store with one write (``put_routes_many``); ranks acquire the step in one call per
-  shard, copy their rows out of the blocks the grant carried, release without waiting.
+  shard, copy their rows out of the blocks the grant carried, release at the step's end.
 - **adopt** (routeplay, LMDeploy key): the rollout worker adopts each key (one call; the
   rows are validated and narrowed once on the engine's node); ranks read as above.
 
@@ -28,7 +28,7 @@ import ray
 
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, Handle, RouteSpec, canonicalize
-from routeplay.store import RoutesProducer, RouteStore, producer_actor
+from routeplay.store import Lease, RoutesProducer, RouteStore, producer_actor
 
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
@@ -141,6 +141,7 @@ class _BenchRank:
         self.sp_rank = sp_rank
         self.sp_size = sp_size
         self._buffers: dict[int, list[npt.NDArray[Any]]] = {}  # reused across steps
+        self._held: list[Lease] = []
 
     def read_eager(self, wrapped: list[list[Any]], check: bool = False) -> tuple[int, str]:
         """Whole sample, widened to int64, then sliced (peak: the int64 copy + the slices
@@ -162,14 +163,20 @@ class _BenchRank:
     def read_routeplay(
         self, handles: Sequence[Handle], holder: str, check: bool = False
     ) -> tuple[int, str]:
-        """One acquire per shard for the step, leased reads (no shard call), one release."""
+        """One acquire per shard for the step, leased reads (no shard call). The leases
+        are held until ``flush`` (the step's end, untimed), as a trainer holds them until
+        its step is done: a rank that released at once could free a payload another rank
+        of the step has not acquired yet (its last lease gone: ``RoutesLost``)."""
         requests = [(h, *rank_rows(h.rows, self.sp_rank, self.sp_size)) for h in handles]
         leases = self.store.acquire_many([(h, holder) for h in handles])
+        self._held.extend(leases)
         outs = self.store.read_many(requests, holder=holder, out=self._out(requests))
-        self.store.release_many(leases)
         return sum(o.nbytes for o in outs), _digest(outs) if check else ""
 
     def flush(self) -> None:
+        """The step is over: release its leases (one call per shard) and settle."""
+        held, self._held = self._held, []
+        self.store.release_many(held)
         self.store.flush()
 
     def _out(self, requests: Sequence[tuple[Handle, int, int]]) -> list[npt.NDArray[Any]]:

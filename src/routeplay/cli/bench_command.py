@@ -4,7 +4,8 @@ A thin command over ``routeplay.bench`` (``benchmarks/data_path.py`` is the same
 a script): eager vs routeplay's producer path vs the adopted-key path vs the physical
 limit, measured in one run; prints the tables, writes the results file (named for what,
 where and when) into ``--out-dir``, a copy to ``--json`` and the scaling PNG.
-Exit status: 0 on success, 2 when the paths delivered different rows, 1 on usage errors.
+Exit status: 0 on success, 2 when the paths delivered different rows or a path beat its
+physical limit (a lower bound: its measurement is off), 1 on usage errors.
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ def bench_command(
     import dataclasses
 
     from routeplay.bench.measure import run_bench
-    from routeplay.bench.report import scaling_table, workload_table, write_plot, write_results
+    from routeplay.bench.report import (
+        below_limit,
+        scaling_table,
+        workload_table,
+        write_plot,
+        write_results,
+    )
     from routeplay.bench.workloads import BenchConfig
 
     console = Console()
@@ -64,4 +71,11 @@ def bench_command(
     if plot:
         png = write_plot(results, path.with_suffix(".png"))
         console.print(f"plot: {png}", markup=False)
+    if beaten := below_limit(results):  # the limit is a lower bound: its measurement is off
+        Console(stderr=True).print(
+            "broken: a path beat its physical limit (a lower bound), so the limit was "
+            "mismeasured:\n  " + "\n  ".join(beaten),
+            markup=False,
+        )
+        return EXIT_BROKEN
     return EXIT_OK

@@ -93,7 +93,7 @@ def demo_command(
         if trainer_dtype is not None:
             config = config.replace(trainer=replace(config.trainer, dtype=trainer_dtype))
     except MisuseError as exc:
-        Console(stderr=True).print(f"usage error: {exc}", markup=False)
+        Console(stderr=True).print(f"usage error: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from exc
     try:
         with RichProgress(config.steps, console) as progress:

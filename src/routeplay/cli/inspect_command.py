@@ -47,7 +47,7 @@ def inspect_command(
         spec = _spec(layers, top_k, experts, model)
         text = path.read_bytes()
     except (typer.BadParameter, SpecMismatch, OSError) as exc:
-        Console(stderr=True).print(f"usage error: {exc}", markup=False)
+        Console(stderr=True).print(f"usage error: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from exc
     try:
         result = read_response(

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as exc:
         message = exc.format_message()
         if message:  # empty when the error was "no arguments, help shown"
-            Console(stderr=True).print(f"usage error: {message}", markup=False)
+            Console(stderr=True).print(f"usage error: {message}", markup=False, soft_wrap=True)
         return EXIT_USAGE
     except typer.Abort:
         Console(stderr=True).print("aborted")

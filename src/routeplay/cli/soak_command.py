@@ -75,7 +75,7 @@ def soak_command(
             engine_format=engine_format,
         )
     except MisuseError as exc:
-        Console(stderr=True).print(f"usage error: {exc}", markup=False)
+        Console(stderr=True).print(f"usage error: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from exc
     with RichProgress(config.steps, console) as progress:
         report = run_soak(config, progress)

@@ -92,11 +92,7 @@ def check_shape(shape: tuple[int, ...], spec: RouteSpec, *, where: str = "") -> 
 
 def check_range(array: IntArray, spec: RouteSpec, *, start_row: int = 0, where: str = "") -> None:
     """Refuse ids outside ``[0, num_experts)``; negative ids included."""
-    if array.size == 0:
-        return
-    # Viewing signed ints as unsigned maps negatives above every valid id: one max pass.
-    unsigned = array.view(array.dtype.str.replace("i", "u")) if array.dtype.kind == "i" else array
-    if int(unsigned.max()) < spec.num_experts:
+    if _in_range(array, spec):
         return
     bad = (array < 0) | (array >= spec.num_experts)
     row, layer, slot = np.unravel_index(int(np.argmax(bad)), array.shape)
@@ -195,25 +191,74 @@ def canonicalize(
 
     Order matters: shape and dtype first (cheap), then rows, range (before the cast, so
     nothing truncates silently), then the cast, then distinctness on the compact array.
+    The three run as one sweep over blocks of rows that stay in cache (``_sweep``):
+    each byte of the input is read from memory once and each output byte written once.
     """
     source = np.dtype(source_dtype if source_dtype is not None else array.dtype)
     check_dtype(array.dtype, spec, where=where)
     check_shape(array.shape, spec, where=where)
     if expected is not None:
         check_row_count(array.shape[0], expected, where=where)
-    if array.shape[1] != spec.num_layers:
-        # The engine sent every decoder layer: keep the MoE ones only.
-        array = array[:, list(spec.moe_layer_indices()), :]
-    check_range(array, spec, start_row=start_row, where=where)
-    canonical = np.ascontiguousarray(array, dtype=spec.dtype)
-    if canonical.flags.writeable and np.may_share_memory(canonical, array):
-        # The caller could mutate its buffer after validation; Routes must not change.
-        canonical = canonical.copy()
-    check_distinct(canonical, start_row=start_row, where=where)
+    layers = None if array.shape[1] == spec.num_layers else list(spec.moe_layer_indices())
+    # Already canonical and nobody can write to it (a Ray object, a decoder's own
+    # buffer made read-only): checked in place, never copied.
+    in_place = (
+        layers is None
+        and array.dtype == spec.dtype
+        and array.flags.c_contiguous
+        and not array.flags.writeable
+    )
+    canonical = array if in_place else np.empty((array.shape[0], *spec.row_shape), spec.dtype)
+    if not _sweep(array, layers, canonical, spec):
+        _raise_first_refusal(array, layers, spec, start_row=start_row, where=where)
     # A read-only view: Routes are immutable, and the caller's own flags stay untouched.
     canonical = canonical.view()
     canonical.flags.writeable = False
     return Routes(array=canonical, spec=spec, start_row=start_row, source_dtype=source.name)
+
+
+def _sweep(array: IntArray, layers: list[int] | None, out: IntArray, spec: RouteSpec) -> bool:
+    """Range check, cast into ``out`` (unless ``out`` is ``array``) and distinct check,
+    block by block of rows; False at the first block that fails either check (the
+    caller then finds and names the offender)."""
+    rows, top_k = array.shape[0], spec.top_k
+    if rows == 0:
+        return True
+    block_rows = max(1, _DISTINCT_BLOCK // spec.num_layers)
+    distinct = DistinctCheck(
+        top_k=top_k, max_pairs=min(rows, block_rows) * spec.num_layers, dtype=out.dtype
+    )
+    for lo in range(0, rows, block_rows):
+        block = array[lo : lo + block_rows]
+        if layers is not None:
+            block = block[:, layers, :]  # the MoE layers of an all-layers payload
+        if not _in_range(block, spec):
+            return False
+        target = out[lo : lo + block_rows]
+        if out is not array:
+            np.copyto(target, block, casting="unsafe")  # ids checked: the narrowing is exact
+        if not distinct.holds(target.reshape(-1, top_k)):
+            return False
+    return True
+
+
+def _in_range(array: IntArray, spec: RouteSpec) -> bool:
+    # Viewing signed ints as unsigned maps negatives above every valid id: one max pass.
+    unsigned = array.view(array.dtype.str.replace("i", "u")) if array.dtype.kind == "i" else array
+    return array.size == 0 or int(unsigned.max()) < spec.num_experts
+
+
+def _raise_first_refusal(
+    array: IntArray, layers: list[int] | None, spec: RouteSpec, *, start_row: int, where: str
+) -> None:
+    """The slow path, only for a refused array: the whole-array checks, in the documented
+    order (every range error before any distinctness error), name the first offender."""
+    selected = array if layers is None else array[:, layers, :]
+    check_range(selected, spec, start_row=start_row, where=where)
+    check_distinct(
+        np.ascontiguousarray(selected, dtype=spec.dtype), start_row=start_row, where=where
+    )
+    raise AssertionError("a block failed a check the whole array passes")  # unreachable
 
 
 def _at(where: str, row: int, layer: int, slot: int | None = None) -> str:

@@ -1,0 +1,168 @@
+"""The physical limit of a workload: a lower bound no path can beat, measured per run.
+
+A path's step (engine done -> every SP rank holds its rows) must at least move the
+step's cross-node bytes from the node where the path's payloads live to the trainer
+node, and each SP rank must copy its rows out. The limit is the best (fastest) of
+``runs`` measurements of exactly that, on the workload's own bytes and node pairs:
+
+- **pull**: the trainer node fetches, in one ``ray.get``, fresh objects of the sizes the
+  path stores (one per sample; a GRPO group's shared prompt once), from the node the
+  path's payloads live on: the rollout node for the producer path (its worker's blocks),
+  the engine node for the adopted-key path (validated next to LMDeploy's store);
+- **copy**: the workload's SP ranks on the trainer node copy their share of the step's
+  canonical bytes from warm memory into warm buffers, at once; each rank times its own
+  copy and the slowest rank counts (ranks that did not overlap only lower the figure).
+
+``limit = best pull + best copy``. The best of each part errs low, so the limit is a
+lower bound, and a path whose median beats it means the measurement is wrong: ``beaten``
+names such paths, and the bench says so and fails instead of printing a ratio below 1.
+(Adding the parts assumes no rank copies while another rank's bytes still cross; a path
+that overlapped them perfectly could gain at most the copy, a few per cent of the pull
+at 1 GB/s pulls and 10 GB/s copies: far below what any path's own calls cost.)
+
+Example:
+    limit = workload_limit(w, runs=5)
+    limit["by_path"]["adopt"]          # ms: engine node -> trainer node, then the copies
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from routeplay.bench.workloads import Workload
+
+_DEADLINE_S = 600.0
+"""Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
+
+SOURCE_NODE = {"producer": "rollout", "adopt": "engine"}
+"""Where each routeplay path's payloads live when the trainer ranks read them."""
+
+__all__ = ["SOURCE_NODE", "beaten", "object_sizes", "workload_limit"]
+
+
+def object_sizes(w: Workload) -> list[int]:
+    """Bytes of the objects a path stores for ``w``: one per sample, the shared prompt
+    of a GRPO group once (what crosses to the trainer node: ``w.unique_bytes``)."""
+    if not w.prompt_tokens:
+        return [w.spec.nbytes(w.rows)] * w.samples
+    suffix = w.spec.nbytes(w.rows - w.prompt_tokens)
+    return [w.spec.nbytes(w.prompt_tokens)] + [suffix] * w.samples
+
+
+def rank_shares(w: Workload) -> list[int]:
+    """Bytes each SP rank copies out: its rows of every sample."""
+    per_rank = [0] * w.sp
+    for rank in range(w.sp):
+        lo, hi = rank * w.rows // w.sp, (rank + 1) * w.rows // w.sp
+        per_rank[rank] = w.samples * w.spec.nbytes(hi - lo)
+    return per_rank
+
+
+@ray.remote(num_cpus=0)
+class _Source:
+    """Puts fresh objects on its node (the store a path's payloads live in)."""
+
+    def make(self, sizes: Sequence[int]) -> list[Any]:
+        self._held = [ray.put(np.ones(n, np.uint8)) for n in sizes]
+        return [self._held]  # wrapped: the caller gets references, not values
+
+    def drop(self) -> None:
+        self._held = []
+
+
+@ray.remote(num_cpus=0)
+class _Sink:
+    """The trainer node's side: pulls objects, or copies a rank's share."""
+
+    def pull_s(self, wrapped: list[list[Any]]) -> float:
+        start = time.perf_counter()
+        values = ray.get(wrapped[0], timeout=_DEADLINE_S)
+        elapsed = time.perf_counter() - start
+        del values
+        return elapsed
+
+    def warm(self, nbytes: int) -> None:
+        self._src = np.ones(nbytes, np.uint8)
+        self._dst = np.empty_like(self._src)
+        np.copyto(self._dst, self._src)  # pages faulted in, as a rank's reused buffers
+
+    def copy_s(self) -> float:
+        start = time.perf_counter()
+        np.copyto(self._dst, self._src)
+        return time.perf_counter() - start
+
+
+def _on(role: str) -> dict[str, Any]:
+    return {"resources": {role: 0.01}}
+
+
+def _best_pull_s(w: Workload, source_role: str, runs: int) -> float:
+    source_class: Any = _Source
+    sink_class: Any = _Sink
+    source = source_class.options(**_on(source_role)).remote()
+    sink = sink_class.options(**_on("trainer")).remote()
+    times: list[float] = []
+    for _ in range(runs):
+        wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
+        times.append(ray.get(sink.pull_s.remote(wrapped), timeout=_DEADLINE_S))
+        del wrapped
+        ray.get(source.drop.remote(), timeout=_DEADLINE_S)
+    for actor in (source, sink):
+        ray.kill(actor)
+    return min(times)
+
+
+def _best_copy_s(w: Workload, runs: int) -> float:
+    sink_class: Any = _Sink
+    ranks = [sink_class.options(**_on("trainer")).remote() for _ in range(w.sp)]
+    ray.get(
+        [rank.warm.remote(n) for rank, n in zip(ranks, rank_shares(w), strict=True)],
+        timeout=_DEADLINE_S,
+    )
+    slowest: list[float] = [
+        max(ray.get([rank.copy_s.remote() for rank in ranks], timeout=_DEADLINE_S))
+        for _ in range(runs)
+    ]
+    best = min(slowest)
+    for rank in ranks:
+        ray.kill(rank)
+    return best
+
+
+def workload_limit(w: Workload, *, runs: int) -> dict[str, Any]:
+    """The limit of each routeplay path of ``w`` (ms), from the best of ``runs`` runs of
+    each part; ``limit_ms`` is the lower of the two (the step's limit, any source).
+
+    Example:
+        workload_limit(Workload(model="qwen3-30b-a3b", tokens=8192, samples=4, sp=1), runs=5)
+    """
+    copy_ms = 1e3 * _best_copy_s(w, runs)
+    pull_ms = {path: 1e3 * _best_pull_s(w, role, runs) for path, role in SOURCE_NODE.items()}
+    by_path = {path: round(copy_ms + pull, 2) for path, pull in pull_ms.items()}
+    return {
+        "limit_ms": min(by_path.values()),
+        "by_path": by_path,
+        "copy_ms": round(copy_ms, 2),
+        "pull_ms": {path: round(ms, 2) for path, ms in pull_ms.items()},
+        "runs": runs,
+        "cross_node_bytes": sum(object_sizes(w)),
+    }
+
+
+def beaten(medians_ms: dict[str, float], limit: dict[str, Any]) -> list[str]:
+    """The paths whose median beat their limit: each one a measurement to distrust.
+
+    Example:
+        beaten({"producer": 40.0, "adopt": 90.0}, {"by_path": {"producer": 45.0, "adopt": 50}})
+        # ['producer: 40.0 ms < its limit 45.0 ms']
+    """
+    return [
+        f"{path}: {medians_ms[path]} ms < its limit {limit['by_path'][path]} ms"
+        for path in SOURCE_NODE
+        if medians_ms[path] < limit["by_path"][path]
+    ]

@@ -1,0 +1,52 @@
+"""The bench's physical limit: measured on the workload's own bytes (what crosses nodes,
+what each SP rank copies), and a path below it named, so the bench fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routeplay.bench.limit import beaten, object_sizes, rank_shares
+from routeplay.bench.report import below_limit
+from routeplay.bench.workloads import BenchConfig, Workload
+
+GRPO = Workload(model="qwen3-30b-a3b", tokens=1536, samples=4, sp=1, prompt_tokens=1024)
+
+
+def test_the_pulled_objects_are_the_workloads_cross_node_bytes() -> None:
+    for w in (*BenchConfig.full().workloads, GRPO):
+        assert sum(object_sizes(w)) == w.unique_bytes
+    assert len(object_sizes(GRPO)) == GRPO.samples + 1  # the shared prompt once
+
+
+def test_the_ranks_copy_every_row_of_the_step_once() -> None:
+    for w in BenchConfig.full().workloads:
+        shares = rank_shares(w)
+        assert len(shares) == w.sp
+        assert sum(shares) == w.payload_bytes
+
+
+LIMIT = {"by_path": {"producer": 45.0, "adopt": 50.0}}
+
+
+def test_a_path_faster_than_its_limit_is_named() -> None:
+    assert beaten({"producer": 46.0, "adopt": 50.0}, LIMIT) == []
+    assert beaten({"producer": 40.0, "adopt": 90.0}, LIMIT) == [
+        "producer: 40.0 ms < its limit 45.0 ms"
+    ]
+
+
+def test_below_limit_collects_workloads_and_scaling_points() -> None:
+    def point(name: str, lines: list[str]) -> dict[str, Any]:
+        return {"name": name, "below_limit": lines}
+
+    results = {
+        "workloads": [point("a", []), point("b", ["adopt: 1 ms < its limit 2 ms"])],
+        "scaling": {
+            "tokens_per_sample": [point("t", ["producer: 3 ms < its limit 4 ms"])],
+            "samples_per_step": [point("s", [])],
+        },
+    }
+    assert below_limit(results) == [
+        "b: adopt: 1 ms < its limit 2 ms",
+        "t: producer: 3 ms < its limit 4 ms",
+    ]
