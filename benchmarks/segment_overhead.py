@@ -1,6 +1,7 @@
 """Acquire + read of many-segment handles on a single-node local Ray store, with Ray's
-own floor for as many objects measured in the same run (the ``segments_per_handle``
-figures of ``routeplay bench``, without the 3-node cluster and the other workloads):
+own floor for as many objects measured in the same run, and the same handles after
+compaction with what compacting costs (the ``segments_per_handle`` figures of
+``routeplay bench``, without the 3-node cluster and the other workloads):
 
     PYTHONPATH=src .venv/bin/python benchmarks/segment_overhead.py [--segments 1 100 1000]
         [--runs 7] [--json PATH]

@@ -88,6 +88,9 @@ def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
     assert goals["writes_per_payload"]["producer"] <= METADATA  # type: ignore[index]
     segments = results["scaling"]["segments_per_handle"]  # type: ignore[index]
     assert [p["segments"] for p in segments] == [1, 50]
+    # compacted: the 50 payloads become one (one weight version), compacting is timed
+    assert [p["compacted_segments"] for p in segments] == [1, 1]
+    assert segments[1]["compact_ms"] > 0
     small = results["small_puts"]
     assert small["samples"] == 16  # type: ignore[index]
     assert small["put_many_per_s"] > 0  # type: ignore[index]

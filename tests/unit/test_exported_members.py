@@ -77,6 +77,8 @@ EXPORTS: dict[str, list[str]] = {
         "wire_layers",
     ],
     "routeplay.store": [
+        "Compacted",
+        "CompactionReport",
         "EngineStore",
         "EngineStoreStats",
         "LeakRecord",
@@ -95,6 +97,7 @@ EXPORTS: dict[str, list[str]] = {
     "routeplay.rollout": [
         "ADAPTERS",
         "BufferConfig",
+        "CompactionPolicy",
         "Continuation",
         "EngineAdapter",
         "Expiry",

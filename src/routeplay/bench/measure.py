@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster
 from routeplay.bench.limit import beaten, workload_limit
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.workloads import BenchConfig, Workload
-from routeplay.core import Handle, Routes, RouteSpec, canonicalize, preset
+from routeplay.core import Handle, canonicalize, preset
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
 
@@ -245,7 +245,10 @@ def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, A
     store (Ray's per-object cost included), on the in-process store (the same plain
     classes: routeplay's own per-segment metadata cost), and against Ray's floor for the
     same number of objects in the same run (``ray_floor_ms``: an actor hands the
-    references out, one ``ray.get`` fetches them all, the views are dropped)."""
+    references out, one ``ray.get`` fetches them all, the views are dropped). Then the
+    same handle compacted (``routeplay.store.compaction``): what compacting costs
+    (``compact_ms``: read every row once, write one payload, lease it) and what the
+    compacted handle costs to acquire and read (``compacted_*``)."""
     spec = preset("qwen3-30b-a3b")
     rows = 32768
     full = canonicalize(sample_routing(spec, rows, seed=7), spec).array
@@ -262,7 +265,13 @@ def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, A
     figures: dict[str, Any] = {"segments": segments, "copy_ms": round(copy * 1e3, 2)}
     local = RouteStore.local(StoreConfig(run="bench-segments"))
     for prefix, where in (("", store), ("local_", local)):
-        acquire, read = _acquire_read_s(where, spec, parts, out, runs)
+        # Separate puts, as the turns of a long session are: one payload per segment.
+        handle = Handle.concat(spec, [where.put(part) for part in parts])
+        assert len(handle.segments) == len(parts)  # one payload each: nothing merges
+        with _kept(where, handle):
+            acquire, read = _acquire_read_s(where, handle, out, runs)
+            if not prefix:
+                figures.update(_compacted(where, handle, out, runs, copy))
         figures[f"{prefix}acquire_ms"] = round(acquire * 1e3, 2)
         figures[f"{prefix}read_ms"] = round(read * 1e3, 2)
         figures[f"{prefix}acquire_read_ms"] = round((acquire + read) * 1e3, 2)
@@ -273,17 +282,23 @@ def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, A
     return figures
 
 
+@contextmanager
+def _kept(where: RouteStore, handle: Handle) -> Iterator[None]:
+    """The payloads outlive each timed lease through another client's lease; its pins
+    do not serve the timed reader, whose grant carries every block reference (as a
+    trainer rank's does)."""
+    keep = RouteStore(where.config, where.backend).acquire(handle, "bench/keep")
+    try:
+        yield
+    finally:
+        keep.release()
+        where.flush()
+
+
 def _acquire_read_s(
-    where: RouteStore, spec: RouteSpec, parts: list[Routes], out: np.ndarray, runs: int
+    where: RouteStore, handle: Handle, out: np.ndarray, runs: int
 ) -> tuple[float, float]:
     """Median seconds of a cold acquire and of the read of every row through it."""
-    # Separate puts, as the turns of a long session are: one payload per segment.
-    handle = Handle.concat(spec, [where.put(part) for part in parts])
-    assert len(handle.segments) == len(parts)  # one payload each: nothing merges
-    # The payloads outlive each timed lease through another client's lease; its pins
-    # do not serve the timed reader, whose grant carries every block reference (as a
-    # trainer rank's does).
-    keep = RouteStore(where.config, where.backend).acquire(handle, "bench/keep")
     acquires, reads = [], []
     for _ in range(runs + 1):
         start = time.perf_counter()
@@ -293,9 +308,33 @@ def _acquire_read_s(
         reads.append(time.perf_counter() - acquired)
         acquires.append(acquired - start)
         lease.release()
-    keep.release()
     where.flush()
     return statistics.median(acquires[1:]), statistics.median(reads[1:])
+
+
+def _compacted(
+    where: RouteStore, handle: Handle, out: np.ndarray, runs: int, copy: float
+) -> dict[str, Any]:
+    """Compact ``handle`` (as its holder would: the old payloads stay held), timed per
+    run; then the acquire + read of the compacted handle, as ``_acquire_read_s``."""
+    times, compacted = [], handle
+    for run in range(runs + 1):
+        start = time.perf_counter()
+        done = where.compact([handle], "bench/compacted")
+        times.append(time.perf_counter() - start)
+        [compacted], [lease] = done.handles, done.leases
+        if lease is not None and run < runs:
+            lease.release()  # a fresh payload each run; the last one is measured below
+    with _kept(where, compacted):
+        if lease is not None:
+            lease.release()
+        acquire, read = _acquire_read_s(where, compacted, out, runs)
+    return {
+        "compact_ms": round(statistics.median(times[1:]) * 1e3, 2),
+        "compacted_segments": len(compacted.segments),
+        "compacted_acquire_read_ms": round((acquire + read) * 1e3, 2),
+        "compacted_overhead_ms": round((acquire + read - copy) * 1e3, 2),
+    }
 
 
 @ray.remote(num_cpus=0)

@@ -155,11 +155,22 @@ def scaling_table(results: dict[str, Any]) -> Table:
             "",
             f"{point['acquire_read_ms']:.1f} (copy {point['copy_ms']:.1f}, overhead: "
             f"{point['overhead_ms']:.1f} on Ray, {point['local_overhead_ms']:.1f} in process; "
-            f"Ray's floor for as many objects {point['ray_floor_ms']:.1f})",
+            f"Ray's floor for as many objects {point['ray_floor_ms']:.1f})"
+            + _compacted_note(point),
             "",
             "",
         )
     return table
+
+
+def _compacted_note(point: dict[str, Any]) -> str:
+    """The compaction figures of a segments point (absent from older result files)."""
+    if "compact_ms" not in point:
+        return ""
+    return (
+        f"; compacted to {point['compacted_segments']} segment(s) in "
+        f"{point['compact_ms']:.1f}: overhead {point['compacted_overhead_ms']:.1f}"
+    )
 
 
 def goals(results: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +203,10 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
     out["segments_1000_overhead_ms"] = thousand[0]["overhead_ms"] if thousand else None
     out["segments_1000_local_overhead_ms"] = thousand[0]["local_overhead_ms"] if thousand else None
     out["segments_1000_ray_floor_ms"] = thousand[0]["ray_floor_ms"] if thousand else None
+    out["segments_1000_compacted_overhead_ms"] = (
+        thousand[0].get("compacted_overhead_ms") if thousand else None
+    )
+    out["segments_1000_compact_ms"] = thousand[0].get("compact_ms") if thousand else None
     out["below_limit"] = below_limit(results)
     small = results["small_puts"]
     out["small_puts_ratio_to_ray_put"] = round(small["put_many_per_s"] / small["ray_put_per_s"], 2)
@@ -239,6 +254,9 @@ def write_plot(results: dict[str, Any], path: Path) -> Path:
     xs = [p["segments"] for p in segs]
     axes[2].plot(xs, [p["overhead_ms"] for p in segs], marker="o", label="Ray store")
     axes[2].plot(xs, [p["local_overhead_ms"] for p in segs], marker="o", label="in process")
+    if segs and all("compacted_overhead_ms" in p for p in segs):
+        compacted = [p["compacted_overhead_ms"] for p in segs]
+        axes[2].plot(xs, compacted, marker="o", label="Ray store, compacted")
     axes[2].set_xscale("log")
     axes[2].set_xlabel("segments per handle (32k rows)")
     axes[2].set_ylabel("acquire + read beyond the copy, ms")

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         StalenessBasis,
         record_routings,
     )
+    from routeplay.rollout.session_compaction import CompactionPolicy
     from routeplay.rollout.sessions import SessionLedger
     from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
     from routeplay.rollout.token_trie import TokenTrie
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 _HOME = {
     "ADAPTERS": "adapters",
     "BufferConfig": "buffer",
+    "CompactionPolicy": "session_compaction",
     "Continuation": "lifecycle",
     "EngineAdapter": "adapters",
     "Exported": "trace_store",
@@ -114,6 +116,7 @@ _HOME = {
 __all__ = [
     "ADAPTERS",
     "BufferConfig",
+    "CompactionPolicy",
     "Continuation",
     "EngineAdapter",
     "Expiry",

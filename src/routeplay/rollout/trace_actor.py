@@ -11,31 +11,52 @@ answer in time, ``RoutesLost`` when it died; an error raised inside the actor, e
 
 The ownership rules are the plain class's (``routeplay.rollout.trace_store``): a lease
 the client returns (``export``, ``take_unreleased``) is the caller's to release.
+
+The actor is a producer (``routeplay.store.producer``): the rows it compacts are written
+through a store shard, which owns them, so a compacted session's payloads (and samples
+exported from them) survive the actor. A session that becomes due for compaction is
+compacted by a call the actor sends itself after answering the insert: the rollout
+worker that inserted does not wait for it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError
+from routeplay.rollout.session_compaction import CompactionPolicy
 from routeplay.rollout.trace_store import Exported, PrefixMatch, TraceStore, TraceStoreStats
 from routeplay.store import ray_calls
 from routeplay.store.client import RouteStore
+from routeplay.store.compaction import CompactionReport
 from routeplay.store.lease import Lease
+from routeplay.store.producer import RoutesProducer, producer_actor
 
 __all__ = ["TraceStoreActor", "TraceStoreClient", "TraceStoreConfig", "TraceStoreShell"]
 
 
-class TraceStoreShell:
-    """Ray actor shell: each method forwards to a ``TraceStore``."""
+class TraceStoreShell(RoutesProducer):
+    """Ray actor shell: each method forwards to a ``TraceStore``. In an actor, compacted
+    rows are written through a store shard and due sessions compacted by a call to
+    itself; in process (tests), as the plain class does."""
 
-    def __init__(self, store: RouteStore) -> None:
-        self._traces = TraceStore(store)
+    def __init__(self, store: RouteStore, policy: CompactionPolicy | None = None) -> None:
+        me = _this_actor()
+        if me is None:
+            self._traces = TraceStore(store, policy=policy)
+            return
+        self._traces = TraceStore(
+            store,
+            policy=policy,
+            write=functools.partial(self.put_routes_many, store),
+            schedule=me.compact_due.remote,  # runs after the call that made a session due
+        )
 
     def insert(self, session: str, token_ids: list[int], handle: Handle) -> None:
         self._traces.insert(session, token_ids, handle)
@@ -61,9 +82,24 @@ class TraceStoreShell:
     def stats(self) -> TraceStoreStats:
         return self._traces.stats()
 
+    def compact(self, session: str) -> CompactionReport | None:
+        return self._traces.compact(session)
 
-# The Ray actor class (typed Any: ray.remote's result has no useful static type).
-TraceStoreActor: Any = ray.remote(num_cpus=0)(TraceStoreShell)
+    def compact_due(self) -> list[CompactionReport]:
+        return self._traces.compact_due()
+
+
+def _this_actor() -> Any:
+    """The handle of the actor this code runs in, or None outside an actor (checked
+    without starting Ray: ``get_runtime_context`` would)."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return None
+    return ray.get_runtime_context().current_actor
+
+
+# The Ray actor class (typed Any: ray.remote's result has no useful static type); a
+# producer actor, so the shard can take the rows it compacts.
+TraceStoreActor: Any = producer_actor(TraceStoreShell, num_cpus=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +114,8 @@ class TraceStoreConfig:
     """Deadline of every call to the actor (seconds)."""
     num_cpus: float = 0.0
     """CPUs the actor reserves (0: it mostly waits on the route store)."""
+    compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
+    """When sessions are compacted (past 64 segments, automatically, by default)."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -91,7 +129,7 @@ class TraceStoreConfig:
 
     def build(self, store: RouteStore) -> TraceStoreClient:
         """Start the trace-store actor over ``store``; returns its client."""
-        actor = TraceStoreActor.options(num_cpus=self.num_cpus).remote(store)
+        actor = TraceStoreActor.options(num_cpus=self.num_cpus).remote(store, self.compaction)
         return TraceStoreClient(actor=actor, config=self)
 
 
@@ -146,6 +184,18 @@ class TraceStoreClient:
         """``TraceStore.take_unreleased``: the caller now owns these stuck leases."""
         leases: list[Lease] = self._call("take_unreleased", where="stuck leases")
         return leases
+
+    def compact(self, session: str) -> CompactionReport | None:
+        """``TraceStore.compact``, done by the actor: the session's rows copied once
+        into few payloads (None for an unknown session). The caller only waits; its
+        own leases are untouched.
+
+        Example:
+            >>> traces.compact("s1").segments_after  # doctest: +SKIP
+            1
+        """
+        report: CompactionReport | None = self._call("compact", session, where=f"session {session}")
+        return report
 
     def sessions(self) -> list[str]:
         """Live session ids."""

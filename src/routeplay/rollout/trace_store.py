@@ -24,9 +24,14 @@ so every exported row carries the weight version it was stored with (a later tur
 prompt rows stay at the version of the turn that produced them, and the replay
 buffer's staleness counts them).
 
-The trace store never writes payloads: a later turn's handle normally reuses the
-earlier turn's segments and appends only the new rows, so shared prefixes are stored
-once in the route store and the trie holds one node per inserted sequence.
+The trace store writes payloads only to compact: a later turn's handle normally reuses
+the earlier turn's segments and appends only the new rows, so shared prefixes are stored
+once in the route store and the trie holds one node per inserted sequence. A session
+whose handles pass ``CompactionPolicy.threshold`` segments is compacted
+(``routeplay.store.compaction``: each row copied once, a prefix shared by branches one
+payload, every row's weight version kept); the session leases the rebuilt handles
+first and ends its old leases after, so nothing held is freed early or leaked (leases
+of exported samples are never touched: they keep reading the old rows).
 
 This module is plain Python (no Ray): the Ray actor that serves it to rollout workers,
 and the typed client they call it through, live in ``routeplay.rollout.trace_actor``.
@@ -35,19 +40,24 @@ and the typed client they call it through, live in ``routeplay.rollout.trace_act
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple
 
 from routeplay.core.handle import Handle
-from routeplay.errors import HandleError
+from routeplay.errors import HandleError, RouteplayError
 from routeplay.rollout.releasing import attempt_each, raise_first
+from routeplay.rollout.session_compaction import CompactionPolicy
 from routeplay.rollout.token_trie import TokenTrie, as_key
+from routeplay.store.compaction import CompactionReport, Write, compact_handles
 from routeplay.store.lease import Lease
 
 if TYPE_CHECKING:  # the client loads Ray; the trace store only calls it
     from routeplay.store.client import RouteStore
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Exported",
@@ -117,18 +127,42 @@ class TraceStoreStats:
     sequences count twice here; their bytes live once in the route store)."""
     unreleased: int = 0
     """Leases whose release failed, kept for a retry or a revoke (not in ``leases``)."""
+    compactions: int = 0
+    """Session compactions that copied rows, since the start."""
+    due: int = 0
+    """Sessions past the compaction threshold, waiting for their compaction."""
 
 
 _NO_MATCH = PrefixMatch(matched=0, rows=0, handle=None)
 
 
 class TraceStore:
-    """Session tries of ``(Handle, Lease)`` entries over a ``RouteStore`` client."""
+    """Session tries of ``(Handle, Lease)`` entries over a ``RouteStore`` client.
 
-    def __init__(self, store: RouteStore) -> None:
+    Example:
+        >>> traces = TraceStore(store, policy=CompactionPolicy(threshold=64))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        store: RouteStore,
+        *,
+        policy: CompactionPolicy | None = None,
+        write: Write | None = None,
+        schedule: Callable[[], object] | None = None,
+    ) -> None:
+        """``write`` stores compacted rows (default: ``store.put_many``, owned by this
+        process; the actor shell writes through a store shard). ``schedule`` arranges a
+        later ``compact_due()`` call when a session becomes due (the actor sends it to
+        itself); without it a due session is compacted before ``insert`` returns."""
         self._store = store
         self._tries: dict[str, TokenTrie[TraceEntry]] = {}
         self._unreleased: dict[str, list[Lease]] = {}
+        self._policy = policy or CompactionPolicy()
+        self._write = write
+        self._schedule = schedule
+        self._due: dict[str, None] = {}  # sessions past the threshold, in order
+        self._compactions = 0
 
     # -- writing ----------------------------------------------------------------------
     def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
@@ -155,6 +189,60 @@ class TraceStore:
         old = trie.insert(tokens, TraceEntry(handle, lease))
         if old is not None:  # acquired first, so shared payloads never reach zero leases
             self._end(session, [old.lease])
+        if self._policy.due(handle) and session not in self._due:
+            self._due[session] = None
+            if self._schedule is not None:
+                self._schedule()
+            else:
+                self.compact_due()
+
+    # -- compacting -------------------------------------------------------------------
+    def compact(self, session: str) -> CompactionReport | None:
+        """Copy the session's rows once into few payloads (a prefix its branches share
+        stays one payload) and swap its entries to them; None for an unknown session.
+
+        The session leases the rebuilt handles, then ends its old leases (a failed
+        release is kept as unreleased, as everywhere here); exported samples keep
+        their own leases on the old rows. Readers are never blocked by it.
+
+        Example:
+            >>> traces.compact("s").segments_after  # doctest: +SKIP
+            1
+        """
+        self._due.pop(session, None)
+        trie = self._tries.get(session)
+        if trie is None:
+            return None
+        items = trie.items()
+        holder = session_holder(session)
+        done = compact_handles(self._store, [e.handle for _, e in items], holder, write=self._write)
+        replaced = []
+        for (tokens, old), handle, lease in zip(items, done.handles, done.leases, strict=True):
+            if lease is not None:
+                trie.insert(tokens, TraceEntry(handle, lease))
+                replaced.append(old.lease)
+        if replaced:
+            self._compactions += 1
+        raise_first(self._end(session, replaced), f"compacting session {session}")
+        return done.report
+
+    def compact_due(self) -> list[CompactionReport]:
+        """Compact every due session; one that fails is logged (nothing of it changed,
+        and its next insert past the threshold makes it due again), the others go on.
+
+        Example:
+            >>> traces.compact_due()  # doctest: +SKIP
+        """
+        reports = []
+        for session in list(self._due):
+            try:
+                report = self.compact(session)
+            except RouteplayError as exc:
+                log.warning("compacting trace session %s failed: %s", session, exc)
+                continue
+            if report is not None:
+                reports.append(report)
+        return reports
 
     # -- reading ----------------------------------------------------------------------
     def longest_prefix(self, session: str, token_ids: Iterable[int]) -> PrefixMatch:
@@ -198,6 +286,8 @@ class TraceStore:
             leases=sum(len(trie) for trie in tries),
             rows=sum(entry.handle.rows for trie in tries for entry in trie.values()),
             unreleased=sum(len(leases) for leases in self._unreleased.values()),
+            compactions=self._compactions,
+            due=len(self._due),
         )
 
     # -- releasing --------------------------------------------------------------------
@@ -255,6 +345,7 @@ class TraceStore:
 
     # -- internals --------------------------------------------------------------------
     def _release(self, session: str) -> tuple[int, list[Exception]]:
+        self._due.pop(session, None)
         trie = self._tries.pop(session, None)
         leases = [entry.lease for entry in trie.values()] if trie is not None else []
         leases += self._unreleased.pop(session, [])

@@ -6,7 +6,8 @@ Ray actors here are thin shells over plain classes (``LeaseTable``, ``StoreShard
 
 Where to read: the write path is ``client.RouteStore.put_many`` / ``put_staged_many`` /
 ``adopt_keys`` with ``writes`` (batch layout, shared prompt prefixes) and ``key_check``
-(adopted keys validated once, near the engine); the read path is ``reads`` (leased
+(adopted keys validated once, near the engine) and ``compaction`` (long handles' rows
+copied once into few payloads); the read path is ``reads`` (leased
 block references, one fetch per read) over ``read_plan``; leases are ``lease`` and
 ``lease_table``, releases in flight ``releases``. Every call to a shard is typed: built
 from a ``shard_api.ShardApi`` operation (``shard_call``), never from a method name.
@@ -24,6 +25,7 @@ from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
     from routeplay.store.client import RouteStore, StoreConfig, StoreStats
+    from routeplay.store.compaction import Compacted, CompactionReport
     from routeplay.store.engine_service import leave_engine_store, start_engine_store
     from routeplay.store.engine_store import EngineStore, EngineStoreStats
     from routeplay.store.lease import Lease
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
     from routeplay.store.producer import RoutesProducer, producer_actor
 
 _HOME = {
+    "Compacted": "compaction",
+    "CompactionReport": "compaction",
     "EngineStore": "engine_store",
     "EngineStoreStats": "engine_store",
     "LeakRecord": "lease_table",
@@ -48,6 +52,8 @@ _HOME = {
 }
 
 __all__ = [
+    "Compacted",
+    "CompactionReport",
     "EngineStore",
     "EngineStoreStats",
     "LeakRecord",

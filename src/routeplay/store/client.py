@@ -31,6 +31,7 @@ from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, MisuseError, RouteplayError, RunMismatch
 from routeplay.store.backend import Backend, LocalBackend, RayBackend
+from routeplay.store.compaction import Compacted, Write, compact_handles
 from routeplay.store.key_check import check_start_rows
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
@@ -632,6 +633,24 @@ class RouteStore:
                     self.scoped(source)
         self._releases.settle(wait=False)
         return self._reader.read_many(requests, holder=holder, out=out)
+
+    def compact(
+        self, handles: Sequence[Handle], holder: str, *, write: Write | None = None
+    ) -> Compacted:
+        """Copy the rows of long handles once into few payloads and lease the rebuilt
+        handles for ``holder``; end the old leases after this returns
+        (``routeplay.store.compaction``). The payloads are written from this process,
+        which then owns them (a driver), or by ``write`` (a producer actor passes its
+        ``put_routes_many`` bound to this store: a shard owns them). Trace sessions
+        compact themselves (``TraceStoreClient.compact``).
+
+        Example:
+            done = store.compact([history.handle], "driver/history")
+            if done.leases[0] is not None:  # None: nothing to copy, the old lease stays
+                history.release()           # after: the new lease already holds the rows
+                history = done.leases[0]    # one payload, a segment per version run
+        """
+        return compact_handles(self, handles, holder, write=write)
 
     # -- accounting -------------------------------------------------------------------
     def stats(self) -> StoreStats:
