@@ -30,11 +30,13 @@ recorded router forward of a block entered with grad enabled. A forward that run
 ``CheckpointFunction``, i.e. ``recompute_granularity="full"`` and selective ``"moe"``;
 ``torch.utils.checkpoint(use_reentrant=True)``): its marker waits for the recompute. A
 forward that runs with grad builds its graph; it is recomputed only inside a non-reentrant
-``torch.utils.checkpoint``, and that recompute comes before the gradient reaches the
-router's output, so when that gradient arrives with the marker still queued the forward
-was not checkpointed (``recompute_method="block"`` past ``recompute_num_layers``,
-``"moe_act"``, no recompute) and its marker is dropped. A block entered under ``no_grad``
-(old log-probs) keeps nothing.
+``torch.utils.checkpoint``, and only in the backward pass that reaches it: that checkpoint
+recomputes lazily, when the backward first unpacks a tensor the region saved, which may
+come after the gradient reaches the router's output (when the output is the region's
+output, or only ops that save nothing lie between). So the gradient reaching the output
+schedules a check at the end of that backward pass: a marker still queued then was not
+recomputed (``recompute_method="block"`` past ``recompute_num_layers``, ``"moe_act"``, no
+recompute) and is dropped. A block entered under ``no_grad`` (old log-probs) keeps nothing.
 
 Replay refuses what would misroute before the router runs: ids out of range or repeated
 in a row (zero padding), wrong shapes, and a token count other than the router's input.
@@ -515,8 +517,9 @@ class MegatronReplay:
             replay.clear_router_replay_action()
             if pending is not None and torch.is_grad_enabled():
                 # This forward built its graph, so it is recomputed only by a non-reentrant
-                # checkpoint, and that recompute runs before the gradient reaches these
-                # probabilities. Still queued when it does: nothing recomputes this forward.
+                # checkpoint, lazily, within the backward pass that reaches it (possibly
+                # after the gradient reaches these probabilities). Still queued when that
+                # pass ends: nothing recomputes this forward.
                 probs = output[0]
                 if probs.requires_grad:
                     probs.register_hook(_dropper(queue, pending))
@@ -561,8 +564,14 @@ def _drop(queue: deque[_Pending], pending: _Pending) -> None:
 
 
 def _dropper(queue: deque[_Pending], pending: _Pending) -> Any:
+    """A gradient hook on a forward's probabilities: drop its marker when the backward
+    pass now running ends, unless that pass recomputed the forward by then."""
+
     def hook(grad: torch.Tensor) -> None:
-        _drop(queue, pending)
+        # The engine runs queued callbacks once the current graph task has finished (the
+        # hook used by DDP and FSDP for their end-of-backward work).
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: _drop(queue, pending))
 
     return hook
 
