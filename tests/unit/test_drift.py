@@ -9,6 +9,7 @@ exactly ``n_l / N``, whatever the replay did to the hidden states of earlier lay
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,14 @@ from test_hf_replay import TOKENS, checkpointing_disable, checkpointing_enable, 
 
 from routeplay.core.spec import RouteSpec  # noqa: E402
 from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch  # noqa: E402
-from routeplay.train import DriftMeter, logprob_gaps, model_spec, record, replay  # noqa: E402
+from routeplay.train import (  # noqa: E402
+    DriftMeter,
+    RoutingDrift,
+    logprob_gaps,
+    model_spec,
+    record,
+    replay,
+)
 from routeplay.train.drift import differing_routes, route_overlap  # noqa: E402
 from routeplay.train.replay_core import RouteRecorder  # noqa: E402
 
@@ -282,3 +290,36 @@ def test_as_metrics_keys_are_stable() -> None:
     assert metrics["train/kl_k3"] == pytest.approx(
         (1 - 1 - math.log(1)) / 2 + (2 - 1 - math.log(2)) / 2
     )
+
+
+def test_figures_merge_as_their_sums_would() -> None:
+    # Two meters fed apart, merged on the host, equal one meter fed both.
+    spec = RouteSpec(num_layers=2, top_k=2, num_experts=4)
+    rng = np.random.default_rng(4)
+    parts = []
+    for part in range(2):
+        engine = np.stack([rng.permutation(4)[:2] for _ in range(10)]).reshape(5, 2, 2)
+        own = engine.copy()
+        for row in range(part + 1):  # a shifted pair of Z/4 is always another set
+            own[row, row % 2] = (engine[row, row % 2] + 1) % 4
+        lp = (rng.normal(size=4), np.log(rng.uniform(0.2, 1.0, size=4)))
+        parts.append((own, engine, lp))
+    both, merged = DriftMeter(spec), []
+    for own, engine, lp in parts:
+        alone = DriftMeter(spec)
+        for meter in (both, alone):
+            meter.compare(own, engine)
+            meter.logprobs(*lp)
+        merged.append(alone.drift())
+    whole, summed = both.drift(), merged[0] + merged[1]
+    assert (whole.differing, whole.tokens_differing) == (3, 3)
+    assert summed.layers == tuple(
+        dataclasses.replace(a, overlap=pytest.approx(a.overlap)) for a in whole.layers
+    )
+    assert (summed.tokens, summed.tokens_differing) == (whole.tokens, whole.tokens_differing)
+    assert summed.kl_k3 == pytest.approx(whole.kl_k3)
+    assert summed.logprob_gap == pytest.approx(whole.logprob_gap)
+    empty = RoutingDrift.empty(top_k=2)
+    assert empty + whole == whole + empty == whole
+    with pytest.raises(SpecMismatch):
+        whole + RoutingDrift.empty(top_k=3)

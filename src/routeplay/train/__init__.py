@@ -23,13 +23,8 @@ from typing import TYPE_CHECKING, Any
 from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
-    from routeplay.train.drift import (
-        DRIFT_BY_DEFAULT,
-        DriftMeter,
-        LayerDrift,
-        RoutingDrift,
-        logprob_gaps,
-    )
+    from routeplay.train.drift import DRIFT_BY_DEFAULT, DriftMeter, logprob_gaps
+    from routeplay.train.drift_figures import LayerDrift, RoutingDrift
     from routeplay.train.hf import find_routers, model_spec, record, replay
     from routeplay.train.materializer import (
         Materializer,
@@ -58,8 +53,8 @@ if TYPE_CHECKING:
 _HOME = {
     "DRIFT_BY_DEFAULT": "drift",
     "DriftMeter": "drift",
-    "LayerDrift": "drift",
-    "RoutingDrift": "drift",
+    "LayerDrift": "drift_figures",
+    "RoutingDrift": "drift_figures",
     "logprob_gaps": "drift",
     "FAMILIES": "routers",
     "Materializer": "materializer",

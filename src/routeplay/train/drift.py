@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -49,6 +48,7 @@ import torch
 
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch
+from routeplay.train.drift_figures import LayerDrift, RoutingDrift
 
 __all__ = [
     "DRIFT_BY_DEFAULT",
@@ -142,120 +142,6 @@ def logprob_gaps(
         )
     log_ratio = t.to(torch.float64) - e.to(device=t.device, dtype=torch.float64)
     return torch.expm1(log_ratio) - log_ratio, log_ratio.abs()
-
-
-# --------------------------------------------------------------------------- figures
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LayerDrift:
-    """One MoE layer's figures.
-
-    Example:
-        >>> layer = meter.drift().layers[0]
-        >>> layer.share, layer.overlap
-    """
-
-    layer: int
-    """MoE layer index (column of the routes)."""
-    routes: int
-    """(token, layer) routes compared: real tokens that reached this layer."""
-    differing: int
-    """Of those, the routes whose native expert set differs from the replayed one."""
-    overlap: float
-    """Mean ``|native ∩ replayed| / K`` over the routes (1.0: none compared)."""
-
-    @property
-    def share(self) -> float:
-        """``differing / routes`` (0.0 when none compared)."""
-        return self.differing / self.routes if self.routes else 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoutingDrift:
-    """A meter's figures, read once (see ``DriftMeter.drift``).
-
-    Example:
-        >>> drift = session.drift()
-        >>> wandb.log(drift.as_metrics(prefix="train/routing/"), step=step)
-    """
-
-    top_k: int
-    """Experts per token."""
-    layers: tuple[LayerDrift, ...]
-    """The MoE layers that saw a real token, in order (a PP stage: its own layers)."""
-    tokens: int
-    """Real tokens of the measured forwards (counted once per forward)."""
-    tokens_differing: int
-    """Of those, the tokens with at least one differing layer."""
-    logprob_tokens: int
-    """Response tokens whose log-probs were compared (0: none given)."""
-    kl_k3: float | None
-    """Mean k3 KL(engine || trainer) per response token; None without log-probs."""
-    logprob_gap: float | None
-    """Mean ``|trainer - engine|`` log-prob per response token; None without log-probs."""
-
-    @property
-    def routes(self) -> int:
-        """(token, layer) routes compared, all layers."""
-        return sum(layer.routes for layer in self.layers)
-
-    @property
-    def differing(self) -> int:
-        """Differing routes, all layers."""
-        return sum(layer.differing for layer in self.layers)
-
-    @property
-    def route_share(self) -> float:
-        """Share of (token, layer) routes that differ, all layers."""
-        return self.differing / self.routes if self.routes else 0.0
-
-    @property
-    def overlap(self) -> float:
-        """Mean ``|native ∩ replayed| / K`` over every compared route."""
-        routes = self.routes
-        if not routes:
-            return 1.0
-        return sum(layer.overlap * layer.routes for layer in self.layers) / routes
-
-    @property
-    def token_share(self) -> float:
-        """Share of real tokens with at least one differing layer."""
-        return self.tokens_differing / self.tokens if self.tokens else 0.0
-
-    @property
-    def layers_per_token(self) -> float:
-        """Mean number of differing layers per real token."""
-        return self.differing / self.tokens if self.tokens else 0.0
-
-    def as_metrics(self, prefix: str = "routing_drift/") -> dict[str, float]:
-        """Flat ``{key: float}`` for any logger (wandb, TensorBoard, MLflow).
-
-        Keys, after ``prefix``: ``route_diff_share``, ``overlap``, ``token_diff_share``,
-        ``layers_per_token``, ``tokens``, ``routes``; per MoE layer ``l`` (the layers this
-        rank measured): ``layer_{l}/route_diff_share``, ``layer_{l}/overlap``; with
-        log-probs: ``kl_k3``, ``logprob_abs_gap``, ``logprob_tokens``.
-
-        Example:
-            >>> meter.drift().as_metrics()["routing_drift/route_diff_share"]
-            0.0125
-        """
-        out = {
-            f"{prefix}route_diff_share": self.route_share,
-            f"{prefix}overlap": self.overlap,
-            f"{prefix}token_diff_share": self.token_share,
-            f"{prefix}layers_per_token": self.layers_per_token,
-            f"{prefix}tokens": float(self.tokens),
-            f"{prefix}routes": float(self.routes),
-        }
-        for layer in self.layers:
-            out[f"{prefix}layer_{layer.layer}/route_diff_share"] = layer.share
-            out[f"{prefix}layer_{layer.layer}/overlap"] = layer.overlap
-        if self.kl_k3 is not None and self.logprob_gap is not None:
-            out[f"{prefix}kl_k3"] = self.kl_k3
-            out[f"{prefix}logprob_abs_gap"] = self.logprob_gap
-            out[f"{prefix}logprob_tokens"] = float(self.logprob_tokens)
-        return out
 
 
 # --------------------------------------------------------------------------- the meter
