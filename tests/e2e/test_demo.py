@@ -66,6 +66,14 @@ def _check_invariants(report: DemoReport) -> None:
     # would make the trainer's own routing disagree with the engine's almost everywhere.
     assert report.rows_compared > 0
     assert report.route_diff_fraction_no_replay < 0.1
+    # The live drift (the library's meter inside the replayed training forward) and the
+    # no-replay disagreement count the same rows, and agree exactly at the first MoE
+    # layer: it sees the same hidden states either way (later layers may differ a little).
+    assert len(report.r3.drift_per_step) == report.steps
+    for step in report.r3.drift_per_step:
+        assert step.live["tokens"] == step.no_replay["tokens"] > 0
+        first = "layer_0/route_diff_share"
+        assert step.live[first] == pytest.approx(step.no_replay[first], abs=1e-12)
     assert report.timeline[-1].leases == 0
     # Alone on its Ray instance: Ray's object-store counters are the run's own.
     assert (report.object_store_shared, report.other_runs, report.other_jobs) == (False, (), ())
@@ -144,6 +152,9 @@ R3_FIELDS = (
     "abs_dlogprob_without",
     "abs_dlogprob_with",
     "mismatched_routes_with",
+    "live_route_disagreement",
+    "live_tokens_any_layer",
+    "live_layers_per_token",
 )
 BYTES_FIELDS = ("payload_bytes_mean", "writes_per_payload", "prompt_bytes_saved")
 
@@ -210,6 +221,12 @@ def test_the_json_report_carries_the_r3_and_bytes_objects(
     assert min(r3["kl_k3_without"], r3["kl_k3_with"], r3["kl_k3_r2"]) >= 0.0
     assert r3["abs_dlogprob_without"] > 0.0  # a bf16 engine never matches float32 exactly
     assert len(r3["kl_k3_per_step"]) == data["steps"]
+    assert len(r3["drift_per_step"]) == data["steps"]
+    for step in r3["drift_per_step"]:
+        for figures in (step["live"], step["no_replay"]):
+            assert {"route_diff_share", "layers_per_token", f"layer_{layers - 1}/overlap"} <= set(
+                figures
+            )
     assert sizes["payload_bytes_mean"] == pytest.approx(
         data["payload_bytes"] / data["payloads"], abs=0.1
     )

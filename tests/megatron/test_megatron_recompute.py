@@ -314,6 +314,74 @@ def test_torch_checkpoint_around_layers_replays_each_forward(
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_probs_that_are_a_non_reentrant_checkpoints_output_wait_for_its_recompute(
+    early_stop: bool,
+) -> None:
+    """The shape that once failed: the router's probabilities are the checkpoint's output.
+
+    A non-reentrant checkpoint recomputes when the backward first unpacks a tensor it saved,
+    which here is after the gradient has reached the probabilities: the marker must outlive
+    that gradient. Two micro-batches in flight; layer 0 runs uncheckpointed (its markers go
+    at the end of each backward), layers 1 and 2 through the checkpoint. With torch's
+    default early stop the recompute ends inside the router (its last saved tensor), so
+    its forward hooks do not run there: the gradients show the replayed ids were used.
+    """
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    model = build()  # its routers only, called one by one
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    calls = Calls(model)
+    hidden = [
+        torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        for i in range(2)
+    ]
+    routes = step_routes()[:2]
+    weights = torch.randn(TOKENS, SPEC.num_experts, generator=torch.Generator().manual_seed(9))
+
+    def step(checkpointed: bool) -> tuple[list[Any], list[Any]]:
+        for x in hidden:
+            x.grad = None
+        for router in routers:
+            router.weight.grad = None
+        with MegatronReplay(model, SPEC) as session:
+            losses = []
+            for i, x in enumerate(hidden):
+                calls.micro_batch = i
+                with session.replay(routes[i]):
+                    probs = [
+                        checkpoint(lambda h, r=r: r(h)[0], x, use_reentrant=False)
+                        if checkpointed and layer > 0
+                        else r(x)[0]
+                        for layer, r in enumerate(routers)
+                    ]
+                losses.append(sum((p * weights).sum() for p in probs))
+            assert session.stats().pending == 2 * SPEC.num_layers
+            for i, loss in enumerate(losses):
+                calls.micro_batch = i
+                loss.backward()
+                assert session.stats().pending == (1 - i) * SPEC.num_layers
+            assert session.stats().recomputes == (2 * 2 if checkpointed else 0)
+        return [x.grad.clone() for x in hidden], [r.weight.grad.clone() for r in routers]
+
+    want = step(checkpointed=False)
+    with set_checkpoint_early_stop(early_stop):
+        got = step(checkpointed=True)
+    for i, mb in enumerate(routes):
+        order = router_order(mb)
+        for layer in range(SPEC.num_layers):
+            forwards = calls.maps[i, layer, False]
+            assert len(forwards) == 2  # one per step
+            for routing_map in forwards:
+                np.testing.assert_array_equal(routing_ids(routing_map), order[:, layer])
+            again = calls.maps.get((i, layer, True), [])
+            assert len(again) == (1 if layer > 0 and not early_stop else 0)
+            for routing_map in again:
+                assert torch.equal(routing_map, forwards[1])
+    for ref, grad in zip(want[0] + want[1], got[0] + got[1], strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-7)
+
+
 def test_several_forwards_in_flight_recompute_in_order() -> None:
     """Pipeline warm-up: every micro-batch's forward before the first backward."""
     model = build(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

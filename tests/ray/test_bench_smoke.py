@@ -64,6 +64,10 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
             assert ms == pytest.approx(limit["copy_ms"] + limit["pull_ms"][path], abs=0.02)
             assert 0 < ms <= w[path]["median_ms"]
         assert w["below_limit"] == []
+        assert w["bare_ray_ms"] >= limit["by_path"]["producer"] > 0  # Ray's floor, not below
+        assert w["producer_beyond_bare_ray_ms"] == pytest.approx(
+            w["producer"]["median_ms"] - w["bare_ray_ms"], abs=0.11
+        )
     assert results["goals"]["below_limit"] == []  # type: ignore[index]
 
 

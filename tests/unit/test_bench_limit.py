@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from routeplay.bench.limit import beaten, object_sizes, rank_shares
+from routeplay.bench.limit import beaten, object_sizes, rank_byte_ranges, rank_shares
 from routeplay.bench.report import below_limit
 from routeplay.bench.workloads import BenchConfig, Workload
 
@@ -50,3 +50,16 @@ def test_below_limit_collects_workloads_and_scaling_points() -> None:
         "b: adopt: 1 ms < its limit 2 ms",
         "t: producer: 3 ms < its limit 4 ms",
     ]
+
+
+def test_bare_ray_ranks_copy_the_rows_the_path_ranks_copy() -> None:
+    for w in (GRPO, Workload(model="qwen3-235b-a22b", tokens=4096, samples=3, sp=4)):
+        row = w.spec.row_nbytes
+        copied = sum(hi - lo for rank in range(w.sp) for _, lo, hi in rank_byte_ranges(w, rank))
+        assert copied == w.payload_bytes  # every row of every sample, once
+        sizes = object_sizes(w)
+        for rank in range(w.sp):
+            for index, lo, hi in rank_byte_ranges(w, rank):
+                assert 0 <= lo < hi <= sizes[index]
+                assert lo % row == 0
+                assert hi % row == 0

@@ -1,5 +1,6 @@
 """The R3 recipe's pieces without Ray: the routing-sensitive init of the reference model
-and the paper's metrics (k3 KL, per-step means, differing layers per token)."""
+and the paper's metrics as the demo reports them (the library's meters per step, merged
+over the run: k3 KL, per-step means, differing layers per token, live drift)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from routeplay.core.spec import RouteSpec  # noqa: E402
 from routeplay.engine.model import EngineConfig, build_model  # noqa: E402
 from routeplay.errors import MisuseError  # noqa: E402
-from routeplay.pipeline.metrics import ReplayTally, k3  # noqa: E402
+from routeplay.pipeline.metrics import ReplayTally, StepDrift  # noqa: E402
+from routeplay.pipeline.report import R3Metrics  # noqa: E402
+from routeplay.train import DriftMeter  # noqa: E402
 
 TINY = EngineConfig(hidden_size=32, vocab_size=64)
 
@@ -44,36 +48,44 @@ def test_init_scales_must_be_positive() -> None:
         EngineConfig(lm_head_init_scale=-1.0)
 
 
-def test_k3_is_zero_on_agreement_and_positive_otherwise() -> None:
-    engine = np.log(np.array([0.5, 0.25, 0.9]))
-    assert np.all(k3(engine, engine) == 0.0)
-    values = k3(engine + np.array([0.1, -0.2, 0.0]), engine)
-    assert values[0] == pytest.approx(math.expm1(0.1) - 0.1)
-    assert values[1] == pytest.approx(math.expm1(-0.2) + 0.2)
-    assert values[2] == 0.0
+def _step(own: np.ndarray, engine: np.ndarray, trainer_lp: np.ndarray) -> StepDrift:
+    """A step as the demo's trainer reads it: one library meter per figure."""
+    spec = RouteSpec(num_layers=engine.shape[1], top_k=engine.shape[2], num_experts=8)
+    meters = {name: DriftMeter(spec) for name in ("live", "no_replay", "used")}
+    meters["no_replay"].compare(own, engine)
+    meters["live"].compare(engine, engine)  # stands in for the replay's live feed
+    meters["used"].compare(engine, engine)
+    engine_lp = np.log(np.full(trainer_lp.shape, 0.5))
+    meters["no_replay"].logprobs(trainer_lp, engine_lp)
+    meters["live"].logprobs(engine_lp, engine_lp)
+    empty = StepDrift.empty(top_k=spec.top_k)
+    return dataclasses.replace(empty, **{name: m.drift() for name, m in meters.items()})
 
 
-def test_tally_counts_layers_per_token_and_per_step_kl() -> None:
-    tally = ReplayTally()
+def test_the_tally_merges_the_library_figures_per_step_and_over_the_run() -> None:
     engine = np.tile(np.arange(2, dtype=np.uint8), (4, 3, 1))  # 4 tokens, 3 layers, top-2
     own = engine.copy()
     own[0, :2] = [2, 3]  # token 0: two layers differ
     own[1, 0] = [1, 0]  # same experts, other order: no difference
-    tally.own(own, engine, np.ones(4, bool))
-    summary = tally.summary()
-    assert summary["route_diff_fraction_no_replay"] == pytest.approx(2 / 12)
-    assert summary["token_diff_fraction_no_replay"] == pytest.approx(1 / 4)
-    assert summary["layers_per_token_no_replay"] == pytest.approx(2 / 4)
-
-    base = np.log(np.array([0.5, 0.5]))
-    tally.logprobs(
-        replay=base, own=base + 0.1, r2=base + 0.1, engine=base, affected=np.ones(2, bool)
-    )
-    first = tally.end_step()
-    assert first[2] == 0.0
-    assert first[0] == first[1] == pytest.approx(math.expm1(0.1) - 0.1)
-    assert all(math.isnan(v) for v in tally.end_step())  # a step that compared nothing
-    assert len(tally.step_kl) == 2
+    tally = ReplayTally()
+    first = tally.add(_step(own, engine, np.log(np.full(2, 0.5)) + 0.1))
+    tally.add(StepDrift.empty(top_k=2))  # a step that trained nothing
+    tally.add(_step(engine, engine, np.log(np.full(6, 0.5))))
+    assert first.kl_k3[0] == pytest.approx(math.expm1(0.1) - 0.1)
+    assert first.kl_k3[2] == 0.0
+    assert math.isnan(first.kl_k3[1])  # no R2 log-probs fed
+    r3 = R3Metrics.from_tally(tally)
+    assert r3.route_disagreement == pytest.approx(2 / 24)  # 8 tokens x 3 layers
+    assert r3.tokens_any_layer == pytest.approx(1 / 8)
+    assert r3.layers_per_token == pytest.approx(2 / 8)
+    assert r3.live_route_disagreement == 0.0
+    assert r3.kl_k3_without == pytest.approx((math.expm1(0.1) - 0.1) * 2 / 8)
+    assert r3.mismatched_routes_with == 0
+    assert [step[0] is None for step in r3.kl_k3_per_step] == [False, True, False]
+    per_step = [d.no_replay.get("layers_per_token") for d in r3.drift_per_step]
+    assert per_step == [pytest.approx(2 / 4), 0.0, 0.0]
+    assert r3.drift_per_step[0].no_replay["layer_1/route_diff_share"] == 0.25
+    assert tally.rows_replayed == 8
 
 
 def test_the_jobs_of_one_group_and_kind_run_as_one_batch() -> None:

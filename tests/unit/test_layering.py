@@ -83,9 +83,11 @@ RAY_HOMES = {
     "rollout/trace_actor.py",
 }
 TORCH_HOMES = {
+    "train/drift.py",
     "train/hf.py",
     "train/replay_core.py",
     "train/routers.py",
+    "integrations/megatron/drift.py",
     "integrations/megatron/routers.py",
     "integrations/megatron/session.py",
 }

@@ -87,3 +87,20 @@ def test_an_all_layers_payload_keeps_its_moe_layers_across_blocks() -> None:
     moe = _routing(BLOCK_ROWS + 9, seed=4)
     full[:, [1, 2, 3, 5], :] = moe
     assert np.array_equal(canonicalize(full, spec).array, moe)
+
+
+@pytest.mark.parametrize("where", ["first half", "second half", "nowhere"])
+def test_threaded_sweeps_agree_with_one_thread(where: str) -> None:
+    rows = 20 * BLOCK_ROWS + 3  # enough blocks for two threads' shares
+    array = _routing(rows, seed=5, dtype=np.int16)
+    bad_row = {"first half": 3, "second half": rows - 2, "nowhere": None}[where]
+    if bad_row is not None:
+        array[bad_row, 2, 1] = array[bad_row, 2, 3]
+    for threads in (2, 3):
+        if bad_row is None:
+            threaded = canonicalize(array, SPEC, threads=threads).array
+            assert np.array_equal(threaded, canonicalize(array, SPEC).array)
+            continue
+        with pytest.raises(DuplicateExperts) as refused:
+            canonicalize(array, SPEC, threads=threads)
+        assert refused.value.where.endswith(f"row {bad_row}, layer 2")

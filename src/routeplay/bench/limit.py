@@ -20,6 +20,12 @@ names such paths, and the bench says so and fails instead of printing a ratio be
 that overlapped them perfectly could gain at most the copy, a few per cent of the pull
 at 1 GB/s pulls and 10 GB/s copies: far below what any path's own calls cost.)
 
+Next to the limit, ``bare_ray_ms`` is Ray's own floor for the producer path's objects:
+the same objects put by an actor on the rollout node and fetched and copied by the SP
+ranks with plain ``ray.put`` / ``ray.get`` (no store, no leases, no shard calls), timed
+like a path (median). ``producer_ms - bare_ray_ms`` is what routeplay itself costs on
+that path; the rest of the distance to the limit is Ray's.
+
 Example:
     limit = workload_limit(w, runs=5)
     limit["by_path"]["adopt"]          # ms: engine node -> trainer node, then the copies
@@ -27,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +41,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from routeplay.bench.roles import rank_rows
 from routeplay.bench.workloads import Workload
 
 _DEADLINE_S = 600.0
@@ -42,7 +50,7 @@ _DEADLINE_S = 600.0
 SOURCE_NODE = {"producer": "rollout", "adopt": "engine"}
 """Where each routeplay path's payloads live when the trainer ranks read them."""
 
-__all__ = ["SOURCE_NODE", "beaten", "object_sizes", "workload_limit"]
+__all__ = ["SOURCE_NODE", "bare_ray_ms", "beaten", "object_sizes", "workload_limit"]
 
 
 def object_sizes(w: Workload) -> list[int]:
@@ -58,7 +66,7 @@ def rank_shares(w: Workload) -> list[int]:
     """Bytes each SP rank copies out: its rows of every sample."""
     per_rank = [0] * w.sp
     for rank in range(w.sp):
-        lo, hi = rank * w.rows // w.sp, (rank + 1) * w.rows // w.sp
+        lo, hi = rank_rows(w.rows, rank, w.sp)
         per_rank[rank] = w.samples * w.spec.nbytes(hi - lo)
     return per_rank
 
@@ -73,6 +81,14 @@ class _Source:
 
     def drop(self) -> None:
         self._held = []
+
+    def hold_arrays(self, sizes: Sequence[int]) -> None:
+        self._arrays = [np.ones(n, np.uint8) for n in sizes]  # decoded, untimed
+
+    def put_held(self) -> list[Any]:
+        """What a rollout worker on bare Ray does: ``ray.put`` each sample, hand refs on."""
+        self._held = [ray.put(array) for array in self._arrays]
+        return [self._held]
 
 
 @ray.remote(num_cpus=0)
@@ -95,6 +111,17 @@ class _Sink:
         start = time.perf_counter()
         np.copyto(self._dst, self._src)
         return time.perf_counter() - start
+
+    def fetch_share(self, wrapped: list[list[Any]], shares: list[tuple[int, int, int]]) -> int:
+        """A bare-Ray rank: fetch every object, copy its byte range of each (``(object,
+        lo, hi)``; a shared prompt once per sample) into warm buffers, drop the views."""
+        values = ray.get(wrapped[0], timeout=_DEADLINE_S)
+        if not hasattr(self, "_out"):
+            self._out = [np.empty(hi - lo, np.uint8) for _, lo, hi in shares]
+        for out, (index, lo, hi) in zip(self._out, shares, strict=True):
+            np.copyto(out, values[index][lo:hi])
+        del values
+        return sum(hi - lo for _, lo, hi in shares)
 
 
 def _on(role: str) -> dict[str, Any]:
@@ -132,6 +159,55 @@ def _best_copy_s(w: Workload, runs: int) -> float:
     for rank in ranks:
         ray.kill(rank)
     return best
+
+
+def rank_byte_ranges(w: Workload, rank: int) -> list[tuple[int, int, int]]:
+    """``(object, lo, hi)`` byte ranges rank ``rank`` copies: its rows of each sample."""
+    lo_row, hi_row = rank_rows(w.rows, rank, w.sp)
+    row = w.spec.row_nbytes
+    if not w.prompt_tokens:
+        return [(i, lo_row * row, hi_row * row) for i in range(w.samples)]
+    prompt = w.prompt_tokens
+    ranges = []
+    for sample in range(w.samples):
+        if lo_row < prompt:  # the shared prompt object, once per sample
+            ranges.append((0, lo_row * row, min(hi_row, prompt) * row))
+        if hi_row > prompt:
+            start = max(lo_row, prompt) - prompt
+            ranges.append((1 + sample, start * row, (hi_row - prompt) * row))
+    return ranges
+
+
+def bare_ray_ms(w: Workload, *, runs: int) -> float:
+    """Median ms of the producer path's work on bare Ray (see the module docstring).
+
+    Example:
+        bare_ray_ms(Workload(model="qwen3-30b-a3b", tokens=8192, samples=4, sp=1), runs=5)
+    """
+    source_class: Any = _Source
+    sink_class: Any = _Sink
+    source = source_class.options(**_on("rollout")).remote()
+    ranks = [sink_class.options(**_on("trainer")).remote() for _ in range(w.sp)]
+    ray.get(source.hold_arrays.remote(object_sizes(w)), timeout=_DEADLINE_S)
+    shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
+    times = []
+    for run in range(runs + 1):  # the first run warms the ranks' buffers
+        start = time.perf_counter()
+        wrapped = ray.get(source.put_held.remote(), timeout=_DEADLINE_S)
+        ray.get(
+            [
+                rank.fetch_share.remote(wrapped, mine)
+                for rank, mine in zip(ranks, shares, strict=True)
+            ],
+            timeout=_DEADLINE_S,
+        )
+        if run:
+            times.append(time.perf_counter() - start)
+        del wrapped
+        ray.get(source.drop.remote(), timeout=_DEADLINE_S)
+    for actor in (source, *ranks):
+        ray.kill(actor)
+    return 1e3 * statistics.median(times)
 
 
 def workload_limit(w: Workload, *, runs: int) -> dict[str, Any]:

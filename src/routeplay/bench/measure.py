@@ -25,7 +25,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
-from routeplay.bench.limit import beaten, workload_limit
+from routeplay.bench.limit import bare_ray_ms, beaten, workload_limit
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.sessions import session_bytes
 from routeplay.bench.workloads import BenchConfig, Workload
@@ -163,6 +163,7 @@ def measure_workload(
         timed = [bench.run(path, seed=2 + i) for i in range(runs)]
         per_path[path] = summarize(timed)
     limit = workload_limit(w, runs=max(LIMIT_RUNS, runs))
+    bare = round(bare_ray_ms(w, runs=runs), 1)
     entry: dict[str, Any] = {
         "name": w.name,
         "model": w.model,
@@ -177,6 +178,8 @@ def measure_workload(
         "adopt_ms": per_path["adopt"]["median_ms"],
         "limit_ms": limit["limit_ms"],
         "limit": limit,
+        "bare_ray_ms": bare,
+        "producer_beyond_bare_ray_ms": round(per_path["producer"]["median_ms"] - bare, 1),
         "below_limit": beaten({p: per_path[p]["median_ms"] for p in ("producer", "adopt")}, limit),
         "bytes_written": {p: per_path[p]["bytes_written"] for p in PATHS},
         "bytes_pulled": {p: per_path[p]["bytes_pulled"] for p in PATHS},

@@ -66,6 +66,10 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             "bytes_written": "object-store bytes created on the head, engine and rollout nodes",
             "bytes_pulled": "object-store bytes created on the trainer node (pulled there)",
             "peak_rank_bytes": "largest routing bytes one rank held at once",
+            "bare_ray": (
+                "the producer path's objects on plain Ray (ray.put on the rollout node, each "
+                "rank ray.get + copy of its rows), median: Ray's own floor for that path"
+            ),
             "limit": (
                 "per path, best of >= 5 runs: the trainer node pulls the workload's "
                 "cross-node objects from the node the path's payloads live on (producer: "
@@ -119,6 +123,7 @@ def workload_table(results: dict[str, Any]) -> Table:
         "producer",
         "adopt",
         "limit p|a",
+        "bare ray",
         "eager/prod",
         "eager/adopt",
         "prod/limit",
@@ -138,6 +143,7 @@ def workload_table(results: dict[str, Any]) -> Table:
             _ms(w["producer"]),
             _ms(w["adopt"]),
             f"{limit['producer']:.0f}|{limit['adopt']:.0f}",
+            f"{w['bare_ray_ms']:.0f}",
             f"{w['eager_ms'] / w['routeplay_ms']:.2f}x",
             f"{w['eager_ms'] / w['adopt_ms']:.2f}x",
             f"{w['routeplay_ms'] / limit['producer']:.2f}x",
@@ -239,6 +245,8 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         limit = w["limit"]["by_path"]
         out["producer_over_limit"] = round(w["routeplay_ms"] / limit["producer"], 2)
         out["adopt_over_limit"] = round(w["adopt_ms"] / limit["adopt"], 2)
+        out["bare_ray_over_limit"] = round(w["bare_ray_ms"] / limit["producer"], 2)
+        out["producer_beyond_bare_ray_ms"] = w["producer_beyond_bare_ray_ms"]
         out["headline_workload"] = w["name"]
         out["rank_peak_over_eager"] = round(
             w["peak_rank_bytes"]["producer"] / w["peak_rank_bytes"]["eager"], 3

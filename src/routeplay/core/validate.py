@@ -7,6 +7,8 @@ message. Rows are reported as absolute token rows (``start_row`` added).
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -186,6 +188,7 @@ def canonicalize(
     expected: int | None = None,
     source_dtype: np.dtype[np.generic] | None = None,
     where: str = "",
+    threads: int = 1,
 ) -> Routes:
     """Validate ``array`` and return it as canonical, read-only, C-contiguous ``Routes``.
 
@@ -193,6 +196,8 @@ def canonicalize(
     nothing truncates silently), then the cast, then distinctness on the compact array.
     The three run as one sweep over blocks of rows that stay in cache (``_sweep``):
     each byte of the input is read from memory once and each output byte written once.
+    ``threads > 1`` sweeps that many contiguous row ranges at once (numpy releases the
+    GIL in these loops, so a large payload uses the node's cores; small ones stay on one).
     """
     source = np.dtype(source_dtype if source_dtype is not None else array.dtype)
     check_dtype(array.dtype, spec, where=where)
@@ -209,7 +214,7 @@ def canonicalize(
         and not array.flags.writeable
     )
     canonical = array if in_place else np.empty((array.shape[0], *spec.row_shape), spec.dtype)
-    if not _sweep(array, layers, canonical, spec):
+    if not _sweep_all(array, layers, None if in_place else canonical, spec, threads):
         _raise_first_refusal(array, layers, spec, start_row=start_row, where=where)
     # A read-only view: Routes are immutable, and the caller's own flags stay untouched.
     canonical = canonical.view()
@@ -217,16 +222,49 @@ def canonicalize(
     return Routes(array=canonical, spec=spec, start_row=start_row, source_dtype=source.name)
 
 
-def _sweep(array: IntArray, layers: list[int] | None, out: IntArray, spec: RouteSpec) -> bool:
-    """Range check, cast into ``out`` (unless ``out`` is ``array``) and distinct check,
-    block by block of rows; False at the first block that fails either check (the
-    caller then finds and names the offender)."""
+_MIN_BLOCKS_PER_THREAD = 8
+"""A thread's share of a sweep is at least this many blocks (else threads cost more)."""
+
+
+def _sweep_all(
+    array: IntArray, layers: list[int] | None, out: IntArray | None, spec: RouteSpec, threads: int
+) -> bool:
+    """``_sweep`` over the whole array, split into up to ``threads`` row ranges."""
+    block_rows = _block_rows(spec)
+    blocks = -(-array.shape[0] // block_rows)
+    parts = max(1, min(threads, blocks // _MIN_BLOCKS_PER_THREAD))
+    if parts == 1:
+        return _sweep(array, layers, out, spec)
+    bounds = [block_rows * (blocks * i // parts) for i in range(parts)] + [array.shape[0]]
+    ranges = list(itertools.pairwise(bounds))
+    with ThreadPoolExecutor(max_workers=parts) as pool:
+        done = pool.map(
+            lambda r: _sweep(
+                array[r[0] : r[1]], layers, None if out is None else out[r[0] : r[1]], spec
+            ),
+            ranges,
+        )
+        return all(list(done))
+
+
+def _block_rows(spec: RouteSpec) -> int:
+    return max(1, _DISTINCT_BLOCK // spec.num_layers)
+
+
+def _sweep(
+    array: IntArray, layers: list[int] | None, out: IntArray | None, spec: RouteSpec
+) -> bool:
+    """Range check, cast into ``out`` (``None``: ``array`` is already canonical, checked
+    in place) and distinct check, block by block of rows; False at the first block that
+    fails either check (the caller then finds and names the offender)."""
     rows, top_k = array.shape[0], spec.top_k
     if rows == 0:
         return True
-    block_rows = max(1, _DISTINCT_BLOCK // spec.num_layers)
+    block_rows = _block_rows(spec)
     distinct = DistinctCheck(
-        top_k=top_k, max_pairs=min(rows, block_rows) * spec.num_layers, dtype=out.dtype
+        top_k=top_k,
+        max_pairs=min(rows, block_rows) * spec.num_layers,
+        dtype=spec.dtype if out is not None else array.dtype,
     )
     for lo in range(0, rows, block_rows):
         block = array[lo : lo + block_rows]
@@ -234,8 +272,9 @@ def _sweep(array: IntArray, layers: list[int] | None, out: IntArray, spec: Route
             block = block[:, layers, :]  # the MoE layers of an all-layers payload
         if not _in_range(block, spec):
             return False
-        target = out[lo : lo + block_rows]
-        if out is not array:
+        target = block
+        if out is not None:
+            target = out[lo : lo + block_rows]
             np.copyto(target, block, casting="unsafe")  # ids checked: the narrowing is exact
         if not distinct.holds(target.reshape(-1, top_k)):
             return False

@@ -92,8 +92,12 @@ def run_demo(
 
 def _summary(version: int, stats: StepStats, leases: int) -> str:
     without, _, with_r3 = stats.kl_k3
+    drift = "" if stats.drift is None else (
+        f"routes differing {stats.drift.no_replay.route_share:.1%} "
+        f"(live under R3 {stats.drift.live.route_share:.1%}), "
+    )  # fmt: skip
     return (
         f"v{version}: trained {stats.samples} samples, reward {stats.reward:.3f}, "
         f"loss {stats.loss:+.4f}, k3 KL {without:.2e} -> {with_r3:.2e} with replay, "
-        f"{leases} leases live"
+        f"{drift}{leases} leases live"
     )

@@ -1,6 +1,7 @@
 """A PNG of the run: object-store bytes and live leases over time, and next to them the
-per-step training-inference mismatch (k3 KL) without replay, with R2 and with R3
-(matplotlib, Agg)."""
+per-step training-inference mismatch (k3 KL) without replay, with R2 and with R3, and the
+per-step routing drift the library measured live under R3 next to the no-replay
+disagreement (matplotlib, Agg)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def plot_timeline(report: DemoReport, path: Path) -> None:
     """Left, two stacked panels sharing the time axis, the end of each step's training
     as a faint line: object-store bytes in use (sampled every 0.25 s) and the routing
     bytes the route store keeps alive; live leases and payloads (read at the end of
-    each rollout and training phase). Right: the per-step k3 KL, log scale."""
+    each rollout and training phase). Right: the per-step k3 KL, log scale, and the
+    per-step share of differing routes, live under R3 and without replay."""
     import matplotlib  # the optional `plot` extra; Agg: no display needed
 
     matplotlib.use("Agg")
@@ -25,11 +27,12 @@ def plot_timeline(report: DemoReport, path: Path) -> None:
     points = report.timeline
     t = [p.t_s for p in points]
     usage = report.object_store_usage or tuple((p.t_s, p.object_store_bytes) for p in points)
-    fig = plt.figure(figsize=(12, 5), dpi=110)
+    fig = plt.figure(figsize=(12, 6.5), dpi=110)
     grid = fig.add_gridspec(2, 2, width_ratios=(3, 2))
     top = fig.add_subplot(grid[0, 0])
     bottom = fig.add_subplot(grid[1, 0], sharex=top)
-    _plot_kl(fig.add_subplot(grid[:, 1]), report)
+    _plot_kl(fig.add_subplot(grid[0, 1]), report)
+    _plot_drift(fig.add_subplot(grid[1, 1]), report)
     top.plot([s for s, _ in usage], [b / 1024 for _, b in usage], label="object store in use")
     routing = [p.routing_bytes / 1024 for p in points]
     top.plot(t, routing, marker=".", ms=4, label="routing kept alive (route store)")
@@ -72,5 +75,26 @@ def _plot_kl(axis: Any, report: DemoReport) -> None:
     axis.set_title(
         f"training-inference mismatch (trainer {report.trainer_dtype}, engine bf16)",
         fontsize="medium",
+    )
+    axis.legend(loc="best", fontsize="small")
+
+
+def _plot_drift(axis: Any, report: DemoReport) -> None:
+    """Per-step share of (token, layer) routes whose experts differ from the engine's:
+    each router's own choice live under R3 (the library's ``DriftMeter``), and the
+    trainer's routing without replay, on the same rows."""
+    per_step = report.r3.drift_per_step
+    steps = list(range(len(per_step)))
+    for label, marker, values in (
+        ("no replay", "o", [s.no_replay["route_diff_share"] for s in per_step]),
+        ("live under R3", "s", [s.live["route_diff_share"] for s in per_step]),
+    ):
+        axis.plot(steps, [100 * v for v in values], marker=marker, ms=5, label=label)
+    axis.set_xticks(steps)
+    axis.set_xlabel("RL step")
+    axis.set_ylabel("routes differing (%)")
+    axis.set_title(
+        "routing drift (under replay, hidden states change after the first replayed layer)",
+        fontsize="small",
     )
     axis.legend(loc="best", fontsize="small")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 from rich.console import Console
 from rich.table import Table
 
-from routeplay.pipeline.metrics import Point, ReplayTally
+from routeplay.pipeline.metrics import Point, ReplayTally, StepDrift
 
 if TYPE_CHECKING:  # the services and trainer pull in Ray and torch
     from routeplay.pipeline.config import DemoConfig
@@ -45,6 +45,7 @@ __all__ = [
     "ByteMetrics",
     "DemoReport",
     "R3Metrics",
+    "StepRoutingDrift",
     "build_report",
     "render",
     "write_json",
@@ -58,13 +59,37 @@ _SHARED: Final = "[yellow]shared[/]"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepRoutingDrift:
+    """One step's routing drift, as the library's ``RoutingDrift.as_metrics(prefix="")``.
+
+    Keys (``docs/replay.md``): ``route_diff_share``, ``overlap``, ``token_diff_share``,
+    ``layers_per_token``, ``tokens``, ``routes``, ``layer_{l}/route_diff_share``,
+    ``layer_{l}/overlap``, and with log-probs ``kl_k3``, ``logprob_abs_gap``,
+    ``logprob_tokens``.
+
+    Example:
+        >>> step = report.r3.drift_per_step[0]
+        >>> step.live["route_diff_share"], step.no_replay["route_diff_share"]
+    """
+
+    live: dict[str, float]
+    """Measured live under R3 by the HF replay: each router's own top-k against the
+    engine's ids, in the training forward."""
+    no_replay: dict[str, float]
+    """The trainer's own routing (a forward without replay) against the engine's, same
+    rows. Close to ``live`` but not equal: under replay every layer after the first
+    replayed one sees hidden states computed with the engine's experts."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class R3Metrics:
     """The R3 paper's measurements, on the same tokens without replay, with R2 and with R3.
 
     Routes are compared per (token, layer) as expert sets, on rows produced by the weights
     the trainer holds; log-probs over the generated tokens of samples produced entirely by
     them. R2 replays the routing the trainer recorded in its own no-replay pass, so its
-    routes are by construction the no-replay ones.
+    routes are by construction the no-replay ones. Every figure is the library's
+    (``DriftMeter``, ``RoutingDrift``): the demo computes none itself.
 
     Example:
         >>> R3Metrics.from_tally(ReplayTally()).mismatched_routes_with
@@ -78,6 +103,13 @@ class R3Metrics:
     """Fraction of tokens with at least one such layer."""
     layers_per_token: float
     """Mean number of differing layers per token."""
+    live_route_disagreement: float
+    """The same fraction measured live under R3 (the trainer's routers' own choice in
+    the replayed training forward against the engine's ids)."""
+    live_tokens_any_layer: float
+    """Live under R3: fraction of tokens with at least one differing layer."""
+    live_layers_per_token: float
+    """Live under R3: mean number of differing layers per token."""
     kl_k3_without: float
     """Mean k3 estimate of KL(engine || trainer) per token, trainer routing natively."""
     kl_k3_with: float
@@ -95,23 +127,37 @@ class R3Metrics:
     engine's: must be 0."""
     kl_k3_per_step: tuple[tuple[float | None, float | None, float | None], ...]
     """Per step: mean k3 KL without replay, with R2, with R3 (None: no token compared)."""
+    drift_per_step: tuple[StepRoutingDrift, ...]
+    """Per step: the live drift under R3 next to the no-replay disagreement."""
 
     @classmethod
     def from_tally(cls, tally: ReplayTally) -> R3Metrics:
         """Read the run's tally."""
-        effect = tally.summary()
+        total = tally.total() or StepDrift.empty(top_k=1)
+        native, live = total.no_replay, total.live
         return cls(
-            route_disagreement=effect["route_diff_fraction_no_replay"],
-            tokens_any_layer=effect["token_diff_fraction_no_replay"],
-            layers_per_token=effect["layers_per_token_no_replay"],
-            kl_k3_without=effect["kl_k3_no_replay"],
-            kl_k3_with=effect["kl_k3_replay"],
-            kl_k3_r2=effect["kl_k3_r2"],
-            abs_dlogprob_without=effect["logprob_abs_diff_no_replay"],
-            abs_dlogprob_with=effect["logprob_abs_diff_replay"],
-            abs_dlogprob_r2=effect["logprob_abs_diff_r2"],
-            mismatched_routes_with=tally.mismatches,
-            kl_k3_per_step=tuple((_finite(a), _finite(b), _finite(c)) for a, b, c in tally.step_kl),
+            route_disagreement=native.route_share,
+            tokens_any_layer=native.token_share,
+            layers_per_token=native.layers_per_token,
+            live_route_disagreement=live.route_share,
+            live_tokens_any_layer=live.token_share,
+            live_layers_per_token=live.layers_per_token,
+            kl_k3_without=_mean(native.kl_k3),
+            kl_k3_with=_mean(live.kl_k3),
+            kl_k3_r2=_mean(total.r2.kl_k3),
+            abs_dlogprob_without=_mean(native.logprob_gap),
+            abs_dlogprob_with=_mean(live.logprob_gap),
+            abs_dlogprob_r2=_mean(total.r2.logprob_gap),
+            mismatched_routes_with=total.used.differing,
+            kl_k3_per_step=tuple(
+                (_finite(a), _finite(b), _finite(c)) for a, b, c in (s.kl_k3 for s in tally.steps)
+            ),
+            drift_per_step=tuple(
+                StepRoutingDrift(
+                    live=s.live.as_metrics(prefix=""), no_replay=s.no_replay.as_metrics(prefix="")
+                )
+                for s in tally.steps
+            ),
         )
 
 
@@ -296,7 +342,7 @@ def build_report(
         svc.pool.stats,
         svc.meter.timeline,
     )
-    effect = tally.summary()
+    total = tally.total() or StepDrift.empty(top_k=1)
     sharing = teardown.sharing
     own = not sharing.shared  # Ray's counters are this run's alone
     # routeplay's own writes: the engine's writes of its answers are counted apart
@@ -346,15 +392,15 @@ def build_report(
         leak_holders=teardown.leak_holders,
         engine_keys_left=teardown.engine_keys_left,
         engine_keys_unclaimed=teardown.engine_keys_unclaimed,
-        route_diff_fraction_no_replay=round(effect["route_diff_fraction_no_replay"], 6),
-        token_diff_fraction_no_replay=round(effect["token_diff_fraction_no_replay"], 6),
-        logprob_abs_diff_no_replay=effect["logprob_abs_diff_no_replay"],
-        logprob_abs_diff_replay=effect["logprob_abs_diff_replay"],
-        logprob_abs_diff_no_replay_affected=effect["logprob_abs_diff_no_replay_affected"],
-        logprob_abs_diff_replay_affected=effect["logprob_abs_diff_replay_affected"],
-        tokens_affected=int(effect["tokens_affected"]),
-        rows_compared=int(effect["rows_compared"]),
-        tokens_compared=int(effect["tokens_compared"]),
+        route_diff_fraction_no_replay=round(total.no_replay.route_share, 6),
+        token_diff_fraction_no_replay=round(total.no_replay.token_share, 6),
+        logprob_abs_diff_no_replay=_mean(total.no_replay.logprob_gap),
+        logprob_abs_diff_replay=_mean(total.live.logprob_gap),
+        logprob_abs_diff_no_replay_affected=_mean(total.no_replay_affected.logprob_gap),
+        logprob_abs_diff_replay_affected=_mean(total.live_affected.logprob_gap),
+        tokens_affected=total.live_affected.logprob_tokens,
+        rows_compared=total.no_replay.tokens,
+        tokens_compared=total.live.logprob_tokens,
         rewards=tuple(round(s.reward, 4) for s in steps),
         losses=tuple(round(s.loss, 6) for s in steps),
         timeline=tuple(timeline.points),
@@ -381,7 +427,7 @@ def render(console: Console, report: DemoReport) -> None:
     )
     run.add_row("trace sessions", f"{r.sessions}", "", "")
 
-    for table in (run, _r3_table(r), _memory_table(r)):
+    for table in (run, _r3_table(r), _drift_table(r), _memory_table(r)):
         console.print(table)
     if r.leak_holders:
         console.print(f"[red]leases still held by:[/] {', '.join(r.leak_holders)}")
@@ -479,6 +525,10 @@ def _r3_table(r: DemoReport) -> Table:
         _sci(m.abs_dlogprob_r2),
     )  # fmt: skip
     table.add_row(
+        "R3, routers' own (live)", f"{m.live_route_disagreement:.2%}",
+        f"{m.live_tokens_any_layer:.2%}", f"{m.live_layers_per_token:.2f}", "", "",
+    )  # fmt: skip
+    table.add_row(
         "R3 (engine's)", f"{m.mismatched_routes_with / replayed:.2%}",
         "-", f"{_flag(m.mismatched_routes_with)} routes", _sci(m.kl_k3_with),
         _sci(m.abs_dlogprob_with),
@@ -492,8 +542,34 @@ def _r3_table(r: DemoReport) -> Table:
     return table
 
 
+def _drift_table(r: DemoReport) -> Table:
+    """Per step: the drift the library measured live under R3 next to the no-replay
+    disagreement on the same rows."""
+    table = Table(title="routing drift per step (library: DriftMeter)", title_justify="left")
+    for name in ("step", "no replay", "live under R3", "no replay", "live under R3"):
+        table.add_column(name, justify="right")
+    for step, drift in enumerate(r.r3.drift_per_step):
+        native, live = drift.no_replay, drift.live
+        table.add_row(
+            f"{step}", f"{native['route_diff_share']:.2%}", f"{live['route_diff_share']:.2%}",
+            f"{native['layers_per_token']:.2f}", f"{live['layers_per_token']:.2f}",
+        )  # fmt: skip
+    table.caption = (
+        "routes differing (first two), differing layers per token (last two); live: each "
+        "router's own top-k inside the replayed training forward against the engine's ids. "
+        "They differ a little from the no-replay figures: under replay the hidden states "
+        "change after the first replayed layer"
+    )
+    return table
+
+
 def _sci(value: float) -> str:
     return f"{value:.2e}"
+
+
+def _mean(value: float | None) -> float:
+    """A mean of the library's figures, 0.0 where nothing was compared."""
+    return 0.0 if value is None else value
 
 
 def _finite(value: float) -> float | None:

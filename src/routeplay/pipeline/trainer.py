@@ -11,11 +11,18 @@ and releases each sample once read), and each micro-batch runs
 2. a no-grad forward replaying those recorded experts: R2's log-probs (with one
    optimizer step per RL step R2's update runs at the weights it recorded with, so it
    can only match the no-replay mismatch: it never sees the engine's routing);
-3. the training forward and backward *inside* ``replay(model, routes)``, with a
-   ``record`` nested in it that captures the experts the MoE blocks really received:
-   compared with the engine's routing on every real row (must never differ);
+3. the training forward and backward *inside* ``replay(model, routes, drift=meter)``:
+   the library measures the live routing drift of R3 there (each router's own top-k
+   against the engine's ids), and a ``record`` nested in it captures the experts the MoE
+   blocks really received: compared with the engine's routing on every real row (must
+   never differ);
 4. a PPO-clip policy-gradient loss against the engine's log-probs (the ratio R3 keeps
    honest), advantages from the toy reward.
+
+Every comparison goes through the library's ``DriftMeter`` (one per figure and step,
+``_StepMeters``): routes with ``compare`` or live in ``replay``, log-probs with
+``logprobs`` (k3 KL, mean |gap|); each is read once at the end of the step into a
+``StepDrift`` of plain figures.
 
 Packed samples are separated by their position ids (each restarts at 0), which
 transformers turns into a block-diagonal causal mask, so a packed forward computes what
@@ -32,13 +39,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from routeplay.core.spec import RouteSpec
 from routeplay.engine.model import EngineConfig, build_model
 from routeplay.errors import MisuseError
-from routeplay.pipeline.metrics import ReplayTally, affected_positions, differing_rows
+from routeplay.pipeline.metrics import ReplayTally, StepDrift, affected_positions
 from routeplay.pipeline.task import advantages, reward
 from routeplay.rollout import RolloutState, TrainingBatch
 from routeplay.store import RouteStore
 from routeplay.train import (
+    DriftMeter,
     Materializer,
     MicroBatchRoutes,
     PackingPlan,
@@ -48,6 +57,7 @@ from routeplay.train import (
     record,
     replay,
 )
+from routeplay.train.drift import differing_routes
 
 if TYPE_CHECKING:
     from routeplay.pipeline.config import TrainerConfig
@@ -73,8 +83,13 @@ class StepStats:
     """Most routing bytes the materializer held at once."""
     routing_bytes: int = 0
     """Routing bytes of the batch's samples, ``[T, L, K]`` each in the spec's dtype."""
-    kl_k3: tuple[float, float, float] = (float("nan"),) * 3
-    """Mean k3 KL(engine || trainer) of the step's compared tokens: no replay, R2, R3."""
+    drift: StepDrift | None = None
+    """The step's routing and log-prob figures (from the library's drift meters)."""
+
+    @property
+    def kl_k3(self) -> tuple[float, float, float]:
+        """Mean k3 KL(engine || trainer) of the step's compared tokens: no replay, R2, R3."""
+        return (float("nan"),) * 3 if self.drift is None else self.drift.kl_k3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,9 +133,10 @@ class Trainer:
     ) -> StepStats:
         """Train once on ``batch`` (holding weights ``version``); adds to ``tally``."""
         states = {s.sample_id: s for s in batch.states}
+        meters = _StepMeters(self.spec)
         if not states:  # every group went stale: nothing to train this step
             return StepStats(
-                kl_k3=tally.end_step(),
+                drift=tally.add(meters.read()),
                 samples=0,
                 tokens=0,
                 micro_batches=0,
@@ -151,13 +167,13 @@ class Trainer:
         with materializer:
             for routes in materializer:
                 inputs = pack_inputs(plan, routes, states, gains, version)
-                loss_sum += self._micro_batch(inputs, routes, tally, scale)
+                loss_sum += self._micro_batch(inputs, routes, meters, scale)
                 micro_batches += 1
             peak = materializer.stats().peak_resident_bytes
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self._optimizer.step()
         return StepStats(
-            kl_k3=tally.end_step(),
+            drift=tally.add(meters.read()),
             routing_bytes=sum(self.spec.nbytes(_routing(s).rows) for s in batch.states),
             samples=len(states),
             tokens=sum(len(s.response_ids) for s in batch.states),
@@ -172,30 +188,38 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _micro_batch(
-        self, inputs: PackedInputs, routes: MicroBatchRoutes, tally: ReplayTally, scale: float
+        self, inputs: PackedInputs, routes: MicroBatchRoutes, meters: _StepMeters, scale: float
     ) -> float:
-        engine = routes.routes
+        engine, real = routes.routes, routes.mask
+        rows = real & inputs.current_rows  # routed by the weights the trainer holds now
         with torch.no_grad(), record(self.model) as own:
             own_logprobs = self._logprobs(inputs)
         own_routes = own.routes()
-        differs = differing_rows(own_routes, engine).any(axis=1) & routes.mask
-        tally.own(own_routes, engine, routes.mask & inputs.current_rows)
-        with torch.no_grad(), replay(self.model, own_routes, spec=self.spec):
+        meters.no_replay.compare(own_routes, engine, mask=rows)
+        r2 = replay(self.model, own_routes, spec=self.spec, drift=meters.r2, mask=rows)
+        with torch.no_grad(), r2:
             r2_logprobs = self._logprobs(inputs)  # R2: the update replays the trainer's own
-        with replay(self.model, engine, spec=self.spec), record(self.model) as used:
+        with (
+            replay(self.model, engine, spec=self.spec, drift=meters.live, mask=rows),
+            record(self.model) as used,
+        ):
             logprobs = self._logprobs(inputs)
             loss = _ppo_loss(logprobs, inputs, self.config.clip) * scale
             loss.backward()  # type: ignore[no-untyped-call]  # inside replay: recomputes replay too
-        tally.replayed(used.routes(), engine, routes.mask)
+        meters.used.compare(used.routes(), engine, mask=real)
         at = inputs.scored & inputs.current
+        differs = differing_routes(own_routes, engine).any(dim=-1).numpy() & real
         affected = torch.from_numpy(affected_positions(differs, inputs.sample_of))
-        tally.logprobs(
-            replay=logprobs.detach()[at].numpy(),
-            own=own_logprobs[at].numpy(),
-            r2=r2_logprobs[at].numpy(),
-            engine=inputs.old_logprobs[at].numpy(),
-            affected=affected.reshape(at.shape)[at].numpy(),
-        )
+        affected = affected.reshape(at.shape)[at]
+        engine_lp = inputs.old_logprobs[at]
+        for meter, trainer_lp in (
+            (meters.live, logprobs.detach()[at]),
+            (meters.no_replay, own_logprobs[at]),
+            (meters.r2, r2_logprobs[at]),
+        ):
+            meter.logprobs(trainer_lp, engine_lp)
+        meters.live_affected.logprobs(logprobs.detach()[at], engine_lp, mask=affected)
+        meters.no_replay_affected.logprobs(own_logprobs[at], engine_lp, mask=affected)
         return float(loss.detach())
 
     def _logprobs(self, inputs: PackedInputs) -> torch.Tensor:
@@ -252,6 +276,29 @@ def pack_inputs(
         current_rows=rows.reshape(-1),
         sample_of=sample_of.reshape(-1),
     )
+
+
+class _StepMeters:
+    """One library ``DriftMeter`` per figure of ``StepDrift``, for one step."""
+
+    def __init__(self, spec: RouteSpec) -> None:
+        self.live = DriftMeter(spec)
+        self.no_replay = DriftMeter(spec)
+        self.r2 = DriftMeter(spec)
+        self.used = DriftMeter(spec)
+        self.live_affected = DriftMeter(spec)
+        self.no_replay_affected = DriftMeter(spec)
+
+    def read(self) -> StepDrift:
+        """Every meter's figures (one sync each)."""
+        return StepDrift(
+            live=self.live.drift(),
+            no_replay=self.no_replay.drift(),
+            r2=self.r2.drift(),
+            used=self.used.drift(),
+            live_affected=self.live_affected.drift(),
+            no_replay_affected=self.no_replay_affected.drift(),
+        )
 
 
 def _ppo_loss(logprobs: torch.Tensor, inputs: PackedInputs, clip: float) -> torch.Tensor:

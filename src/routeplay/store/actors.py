@@ -6,10 +6,11 @@ engine store's node (so the shard owns the validated, compact block it returns).
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -387,11 +388,23 @@ class EngineStoreShell(_Reaped):
         return self._locked(lambda: self._store.keys(run))
 
 
+VALIDATE_GROUP: Final = "routeplay-validate"
+"""The validator's lane for single payloads: one at a time, in the order adopted."""
+
+
 class KeyValidatorShell:
-    """Validates adopted engine payloads on the node that holds them (one per node)."""
+    """Validates adopted engine payloads on the node that holds them (one per node).
+
+    Pipelined: single payloads are validated one at a time, in the order they were
+    adopted (``VALIDATE_GROUP`` has one thread), each with every core of the node (the
+    sweep's numpy loops release the GIL). So the first payload of a step is ready after
+    its own validation, and its transfer to the trainer overlaps the validation of the
+    next, where validating all at once would make every payload wait for the slowest.
+    """
 
     def __init__(self) -> None:
         self._outbox = PayloadOutbox()
+        self._threads = len(os.sched_getaffinity(0))  # the cores this worker may use
 
     def canonical_group(
         self,
@@ -423,13 +436,14 @@ class KeyValidatorShell:
         """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
         return self._outbox.take(token)
 
+    @ray.method(concurrency_group=VALIDATE_GROUP)
     def canonical(
         self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec, start: int = 0
     ) -> npt.NDArray[np.unsignedinteger]:
         """The key's rows from ``start``, validated and canonical; Ray resolved
         ``payload`` from this node's object store (zero copy), so the only write is the
         compact result (the history rows before ``start`` are never copied)."""
-        return canonical_rows(payload, key, spec, start)
+        return canonical_rows(payload, key, spec, start, threads=self._threads)
 
 
 # The Ray actor classes (typed Any: ray.remote's result has no useful static type).
@@ -438,7 +452,9 @@ class KeyValidatorShell:
 _remote: Any = ray.remote  # its overloads do not list actor options such as max_concurrency
 StoreShardActor: Any = _remote(num_cpus=0, max_concurrency=8)(StoreShardShell)
 EngineStoreActor: Any = _remote(num_cpus=0, max_concurrency=8)(EngineStoreShell)
-KeyValidator: Any = _remote(num_cpus=0, max_concurrency=4)(KeyValidatorShell)
+KeyValidator: Any = _remote(num_cpus=0, max_concurrency=4, concurrency_groups={VALIDATE_GROUP: 1})(
+    KeyValidatorShell
+)
 
 
 def _implement_the_shard_api(

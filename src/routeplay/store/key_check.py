@@ -123,21 +123,28 @@ def check_start_rows(keys: Sequence[EngineKey], start_rows: Sequence[int] | None
 
 
 def canonical_rows(
-    payload: object, key: EngineKey, spec: RouteSpec, start: int = 0
+    payload: object, key: EngineKey, spec: RouteSpec, start: int = 0, *, threads: int = 1
 ) -> npt.NDArray[np.unsignedinteger]:
     """Rows ``[start, key.rows)`` of a key's payload, validated and canonical (one copy:
     the history rows and the trailing row are dropped by slicing, before the narrowing
-    cast copies)."""
-    return canonical_routes(payload, key, spec, start).array
+    cast copies); ``threads`` as in ``canonicalize``."""
+    return canonical_routes(payload, key, spec, start, threads=threads).array
 
 
-def canonical_routes(payload: object, key: EngineKey, spec: RouteSpec, start: int = 0) -> Routes:
+def canonical_routes(
+    payload: object, key: EngineKey, spec: RouteSpec, start: int = 0, *, threads: int = 1
+) -> Routes:
     """``canonical_rows`` as ``Routes`` (what a batch layout takes); errors name the
     sequence's rows (a refused row ``r`` is row ``r`` of the whole sequence)."""
     where = f"engine key {key.key}"
     array = check_key_payload(payload, key, spec, where=where)
     return canonicalize(
-        array[start : key.rows], spec, start_row=start, expected=key.rows - start, where=where
+        array[start : key.rows],
+        spec,
+        start_row=start,
+        expected=key.rows - start,
+        where=where,
+        threads=threads,
     )
 
 

@@ -1,6 +1,7 @@
 """routeplay.train: the learner side. Rank-local, bounded routing materialization
 (``Materializer`` over a ``PackingPlan``) and router replay inside torch / HF
-transformers MoE models (``replay``, ``record``).
+transformers MoE models (``replay``, ``record``), and the live routing drift of a replay
+(``DriftMeter``).
 
 Trainers that decide for themselves fit too (``docs/replay.md``, XTuner's flow): their own
 packs (``PackingPlan.from_packs``, whole padding packs for DP included), their SP split
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
+    from routeplay.train.drift import DRIFT_BY_DEFAULT, DriftMeter, logprob_gaps
+    from routeplay.train.drift_figures import LayerDrift, RoutingDrift
     from routeplay.train.hf import find_routers, model_spec, record, replay
     from routeplay.train.materializer import (
         Materializer,
@@ -48,6 +51,11 @@ if TYPE_CHECKING:
     from routeplay.train.routers import FAMILIES
 
 _HOME = {
+    "DRIFT_BY_DEFAULT": "drift",
+    "DriftMeter": "drift",
+    "LayerDrift": "drift_figures",
+    "RoutingDrift": "drift_figures",
+    "logprob_gaps": "drift",
     "FAMILIES": "routers",
     "Materializer": "materializer",
     "MaterializerStats": "materializer",
@@ -72,7 +80,10 @@ _HOME = {
 }
 
 __all__ = [
+    "DRIFT_BY_DEFAULT",
     "FAMILIES",
+    "DriftMeter",
+    "LayerDrift",
     "Materializer",
     "MaterializerStats",
     "MicroBatchRoutes",
@@ -84,9 +95,11 @@ __all__ = [
     "ReplaySource",
     "ReplayStats",
     "RouteRecorder",
+    "RoutingDrift",
     "find_routers",
     "local_ranges",
     "local_tokens",
+    "logprob_gaps",
     "model_spec",
     "pack_samples",
     "padding_rows",

@@ -13,6 +13,12 @@ Modes (see docs/replay.md):
   around the update.
 - record-only: ``record`` around any forward (the reference engine's routing).
 
+Drift (``routeplay.train.drift``): under replay each router still runs its own forward
+first, so its native choice (expert bias, group-limited selection, score function and
+ties all the family's own) is at hand for free; every replayed forward compares it with
+the replayed ids on the device, into the ``DriftMeter`` passed as ``drift=`` (one per
+step), or into one of the block's own (``source.drift``). Recomputes are not counted.
+
 Blocks nest and may close in any order: each patched method holds one dispatcher with a
 stack of interceptors (the newest outermost), removed when the last block closes.
 
@@ -33,8 +39,9 @@ import torch
 
 from routeplay.core.hf_config import spec_from_hf_config
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import SpecMismatch
-from routeplay.train.replay_core import ReplaySource, RouteRecorder, RoutesLike
+from routeplay.errors import MisuseError, SpecMismatch
+from routeplay.train.drift import DRIFT_BY_DEFAULT, DriftMeter, DriftPass
+from routeplay.train.replay_core import ReplaySource, RouteRecorder, RoutesLike, in_backward
 from routeplay.train.routers import FAMILIES, RouterFamily, family_of
 
 __all__ = ["RouterMap", "RouterSite", "find_routers", "model_spec", "record", "replay"]
@@ -125,6 +132,8 @@ def replay(
     spec: RouteSpec | None = None,
     check_ids: bool = True,
     prefix: str | None = None,
+    drift: DriftMeter | bool | None = None,
+    mask: Any = None,
 ) -> Iterator[ReplaySource]:
     """Make every MoE router of ``model`` use ``routes`` inside the block.
 
@@ -133,6 +142,17 @@ def replay(
     ``layer -> [tokens, K]``. ``spec``, if given, must equal the model's (a guard against
     routes decoded for another model). Yields the ``ReplaySource``; its ``stats()`` counts
     replayed calls and checkpoint recomputes. Run the backward inside the block.
+
+    ``drift``: a ``DriftMeter`` (the step's) receives the routing drift of the block's
+    forwards; None (``DRIFT_BY_DEFAULT``) or True gives the block its own; False measures
+    nothing. Either way the meter is ``source.drift``. ``mask`` (bool ``[tokens]``, the
+    micro-batch's real rows) limits the figures to real tokens.
+
+    Example:
+        >>> meter = DriftMeter(model_spec(model))                    # once per step
+        >>> with replay(model, mb.routes, drift=meter, mask=mb.mask):
+        ...     loss = forward(model, batch); loss.backward()
+        >>> wandb.log(meter.drift().as_metrics())
     """
     routers = find_routers(model, prefix=prefix)
     if spec is not None and spec != routers.spec:
@@ -141,9 +161,34 @@ def replay(
             expected=routers.spec.describe(),
             found=spec.describe(),
         )
-    source = ReplaySource(routes, routers.spec, check_ids=check_ids)
-    with _patched(routers, lambda site: _replaying(site, source)):
-        yield source
+    meter = _meter(drift, routers.spec, mask)
+    source = ReplaySource(routes, routers.spec, check_ids=check_ids, drift=meter)
+    drift_pass = meter.open_pass(mask) if meter is not None else None
+    try:
+        with _patched(routers, lambda site: _replaying(site, source, drift_pass)):
+            yield source
+    finally:
+        if drift_pass is not None:
+            drift_pass.close()
+
+
+def _meter(drift: DriftMeter | bool | None, spec: RouteSpec, mask: Any) -> DriftMeter | None:
+    if isinstance(drift, DriftMeter):
+        geometry = (spec.num_layers, spec.top_k, spec.num_experts)
+        if (drift.spec.num_layers, drift.spec.top_k, drift.spec.num_experts) != geometry:
+            raise SpecMismatch(
+                "the drift meter was made for another model spec",
+                expected=spec.describe(),
+                found=drift.spec.describe(),
+            )
+        return drift
+    on = DRIFT_BY_DEFAULT if drift is None else drift
+    if not on and mask is not None:
+        raise MisuseError(
+            "a drift mask was given with drift measuring off",
+            hint="Drop mask=, or pass drift=True or a DriftMeter.",
+        )
+    return DriftMeter(spec) if on else None
 
 
 @contextmanager
@@ -180,15 +225,19 @@ _Interceptor = Callable[[_Method, tuple[Any, ...], dict[str, Any]], Any]
 """(the method it wraps, args, kwargs) -> output."""
 
 
-def _replaying(site: RouterSite, source: ReplaySource) -> _Interceptor:
+def _replaying(
+    site: RouterSite, source: ReplaySource, drift_pass: DriftPass | None
+) -> _Interceptor:
     family, layer, module = site.family, site.layer, site.module
     where = f"MoE layer {layer} ({site.name})"
 
     def replayed(inner: _Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out = inner(*args, **kwargs)
+        out = inner(*args, **kwargs)  # the router's own forward: its native choice included
         logits = family.layout.source(out, args)
         logits = logits.reshape(-1, logits.shape[-1])
         ids = source.ids(layer, device=logits.device, rows=logits.shape[0], where=where)
+        if drift_pass is not None and not in_backward():  # a recompute repeats its forward
+            drift_pass.observe(layer, family.layout.chosen(module, out, args), ids)
         return family.layout.replace(out, family.weights(module, logits, ids), ids)
 
     return replayed

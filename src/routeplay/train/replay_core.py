@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,9 @@ from routeplay.errors import (
     RowCountMismatch,
     SpecMismatch,
 )
+
+if TYPE_CHECKING:
+    from routeplay.train.drift import DriftMeter
 
 __all__ = [
     "LayerProvider",
@@ -198,7 +201,16 @@ class ReplaySource:
         >>> ids = source.ids(0, device=logits.device, rows=logits.shape[0])
     """
 
-    def __init__(self, routes: RoutesLike, spec: RouteSpec, *, check_ids: bool = True) -> None:
+    def __init__(
+        self,
+        routes: RoutesLike,
+        spec: RouteSpec,
+        *,
+        check_ids: bool = True,
+        drift: DriftMeter | None = None,
+    ) -> None:
+        self.drift = drift
+        """The meter this replay's routing drift goes to (None: not measured)."""
         self._spec = spec
         self._check_ids = check_ids
         self._array: npt.NDArray[Any] | None = None

@@ -30,11 +30,13 @@ recorded router forward of a block entered with grad enabled. A forward that run
 ``CheckpointFunction``, i.e. ``recompute_granularity="full"`` and selective ``"moe"``;
 ``torch.utils.checkpoint(use_reentrant=True)``): its marker waits for the recompute. A
 forward that runs with grad builds its graph; it is recomputed only inside a non-reentrant
-``torch.utils.checkpoint``, and that recompute comes before the gradient reaches the
-router's output, so when that gradient arrives with the marker still queued the forward
-was not checkpointed (``recompute_method="block"`` past ``recompute_num_layers``,
-``"moe_act"``, no recompute) and its marker is dropped. A block entered under ``no_grad``
-(old log-probs) keeps nothing.
+``torch.utils.checkpoint``, and only in the backward pass that reaches it: that checkpoint
+recomputes lazily, when the backward first unpacks a tensor the region saved, which may
+come after the gradient reaches the router's output (when the output is the region's
+output, or only ops that save nothing lie between). So the gradient reaching the output
+schedules a check at the end of that backward pass: a marker still queued then was not
+recomputed (``recompute_method="block"`` past ``recompute_num_layers``, ``"moe_act"``, no
+recompute) and is dropped. A block entered under ``no_grad`` (old log-probs) keeps nothing.
 
 Replay refuses what would misroute before the router runs: ids out of range or repeated
 in a row (zero padding), wrong shapes, and a token count other than the router's input.
@@ -48,7 +50,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, TypeAlias
@@ -60,8 +62,10 @@ import torch
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch
+from routeplay.integrations.megatron.drift import MegatronDrift
 from routeplay.integrations.megatron.layout import MegatronLayout
 from routeplay.integrations.megatron.routers import MegatronRouter, find_megatron_routers
+from routeplay.train.drift import DRIFT_BY_DEFAULT, DriftMeter, RoutingDrift
 from routeplay.train.materializer import MicroBatchRoutes
 from routeplay.train.replay_core import ReplaySource, RoutesLike, check_ids_of, in_backward
 
@@ -196,7 +200,9 @@ class MegatronReplay:
     ``"moe"`` recompute, ``torch.utils.checkpoint``) replay the ids of the forward they
     recompute, whatever the config says; ``recompute=False`` says no router is ever
     recomputed, so no forward keeps a marker (a recompute then raises). ``check_ids=False``
-    skips the id checks (range, distinct) for routes already validated.
+    skips the id checks (range, distinct) for routes already validated. ``drift`` (on by default,
+    ``DRIFT_BY_DEFAULT``) measures the routing drift of every replayed forward: read it
+    with ``session.drift()`` (see ``routeplay.integrations.megatron.drift``).
 
     Example:
         >>> with MegatronReplay(model_chunks, spec, layout=layout) as session:
@@ -217,6 +223,7 @@ class MegatronReplay:
         layout: MegatronLayout | None = None,
         recompute: bool = True,
         check_ids: bool = True,
+        drift: bool = DRIFT_BY_DEFAULT,
     ) -> None:
         self.spec = spec
         self.layout = layout or MegatronLayout()
@@ -229,6 +236,7 @@ class MegatronReplay:
         self._trained: set[int] = set()  # routers replayed or recorded with grad at entry
         self._counts = {"replayed": 0, "recomputes": 0, "recorded": 0}
         self._hooks: list[Any] = []
+        self._drift: MegatronDrift | None = None
         self._closed = False
         with MegatronReplay._open_lock:
             if MegatronReplay._open is not None:
@@ -243,6 +251,9 @@ class MegatronReplay:
                     router.module.register_forward_pre_hook(self._before(router), with_kwargs=True)
                 )
                 self._hooks.append(router.module.register_forward_hook(self._after(router)))
+            # -- drift (issue 17): its own module, wrapping Megatron's RouterReplay --
+            if drift:
+                self._drift = MegatronDrift(self.routers, spec, self.layout)
         except BaseException:
             self.close()
             raise
@@ -250,7 +261,12 @@ class MegatronReplay:
     # -- what callers use ------------------------------------------------------------
     @contextmanager
     def replay(
-        self, routes: ReplayInput, *, chunk: int = 0, sp_scatter: bool = False
+        self,
+        routes: ReplayInput,
+        *,
+        chunk: int = 0,
+        sp_scatter: bool = False,
+        mask: Any = None,
     ) -> Iterator[None]:
         """Replay ``routes`` in the forwards of model chunk ``chunk`` inside the block.
 
@@ -259,7 +275,8 @@ class MegatronReplay:
         the CP-local stream and this TP rank takes its part (as Megatron scatters the
         sequence). Run the backward after the block or inside it; either way the recompute
         replays the forward's ids. Entered under ``torch.no_grad()`` (old log-probs), the
-        block's forwards keep nothing for a recompute.
+        block's forwards keep nothing for a recompute. ``mask`` (bool per row of ``routes``; a
+        micro-batch's own by default) marks the real tokens the drift figures count.
         """
         mode = _Replaying(
             source=self._source(routes, chunk), scatter=sp_scatter, grad=torch.is_grad_enabled()
@@ -268,7 +285,7 @@ class MegatronReplay:
             raise MisuseError(
                 "a recording is already in router order: replay it without sp_scatter"
             )
-        with self._mode(chunk, mode):
+        with self._mode(chunk, mode), self._drift_block(chunk, routes, mask, sp_scatter):
             yield
 
     @contextmanager
@@ -287,12 +304,42 @@ class MegatronReplay:
             pending=sum(len(q) for q in self._pending.values()),
         )
 
+    # -- drift (issue 17) ---------------------------------------------------------------
+    def drift(self) -> RoutingDrift:
+        """This rank's routing drift so far (one device sync); ``drift_meter.reduce(group)``
+        sums it over ranks. Raises ``MisuseError`` if the session was built with
+        ``drift=False``."""
+        return self.drift_meter.drift()
+
+    @property
+    def drift_meter(self) -> DriftMeter:
+        """The session's ``DriftMeter`` (e.g. for ``logprobs(...)`` or ``reduce(group)``)."""
+        if self._drift is None:
+            raise MisuseError(
+                "this session does not measure drift",
+                hint="Build MegatronReplay with drift=True.",
+            )
+        return self._drift.meter
+
+    def _drift_block(
+        self, chunk: int, routes: ReplayInput, mask: Any, scatter: bool
+    ) -> AbstractContextManager[None]:
+        if self._drift is None:
+            if mask is not None:
+                raise MisuseError("a drift mask was given to a session that does not measure drift")
+            return nullcontext()
+        return self._drift.block(chunk=chunk, routes=routes, mask=mask, scatter=scatter)
+
+    # -- end of drift ------------------------------------------------------------------
+
     def close(self) -> None:
         """Remove the hooks and clear Megatron's global replay state (idempotent)."""
         if self._closed:
             return
         self._closed = True
         try:
+            if self._drift is not None:
+                self._drift.close()
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -470,8 +517,9 @@ class MegatronReplay:
             replay.clear_router_replay_action()
             if pending is not None and torch.is_grad_enabled():
                 # This forward built its graph, so it is recomputed only by a non-reentrant
-                # checkpoint, and that recompute runs before the gradient reaches these
-                # probabilities. Still queued when it does: nothing recomputes this forward.
+                # checkpoint, lazily, within the backward pass that reaches it (possibly
+                # after the gradient reaches these probabilities). Still queued when that
+                # pass ends: nothing recomputes this forward.
                 probs = output[0]
                 if probs.requires_grad:
                     probs.register_hook(_dropper(queue, pending))
@@ -516,8 +564,14 @@ def _drop(queue: deque[_Pending], pending: _Pending) -> None:
 
 
 def _dropper(queue: deque[_Pending], pending: _Pending) -> Any:
+    """A gradient hook on a forward's probabilities: drop its marker when the backward
+    pass now running ends, unless that pass recomputed the forward by then."""
+
     def hook(grad: torch.Tensor) -> None:
-        _drop(queue, pending)
+        # The engine runs queued callbacks once the current graph task has finished (the
+        # hook used by DDP and FSDP for their end-of-backward work).
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: _drop(queue, pending))
 
     return hook
 
