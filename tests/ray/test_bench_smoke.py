@@ -99,3 +99,38 @@ def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
     assert small["samples"] == 16  # type: ignore[index]
     assert small["put_many_per_s"] > 0  # type: ignore[index]
     assert results["store_end"] == {"live_payloads": 0, "leases": 0}
+
+
+def test_multi_turn_bytes_are_one_per_unique_row_after_compaction_on_every_wire(
+    results: dict[str, object],
+) -> None:
+    sessions = results["sessions"]
+    shape = sessions["shape"]  # type: ignore[index]
+    wires = sessions["wires"]  # type: ignore[index]
+    assert set(wires) == {"vllm", "sglang", "lmdeploy-key"}
+    goals = results["goals"]["multi_turn_bytes_per_unique_row"]  # type: ignore[index]
+    for wire, kinds in wires.items():
+        session, partial = kinds["session"], kinds["partial"]
+        assert session["turns"] == shape["trunk_turns"] + 2 * shape["branch_turns"]
+        assert partial["turns"] == shape["pieces"]
+        for kind, w in kinds.items():
+            assert w["rows_exact"] is True, (wire, kind)  # every row, at its version
+            for phase in ("before", "after"):  # the shared trunk counted once
+                assert w[phase]["stored_per_unique_row"] == 1.0, (wire, kind, phase)
+                ray_bytes = w[phase]["object_store_per_unique_row"]
+                assert 1.0 <= ray_bytes <= METADATA, (wire, kind, phase, ray_bytes)
+            assert w["compaction"]["rows_copied_per_unique_row"] == 1.0  # each row once
+            assert w["left_after_release"] == {"stored": 0, "object_store": 0}
+            assert goals[f"{wire}/{kind}"]["after"] == w["after"]["object_store_per_unique_row"]
+        # a turn per segment (the second branch's first borrows one row of the first's)
+        # before; after, a section per weight-version run: trunk, its last row, branch
+        assert session["before"]["segments"] == shape["trunk_turns"] + shape["branch_turns"] + 1
+        assert session["after"] == {**session["after"], "segments": 3, "payloads": 3}
+        # the resumed rollout: one payload, a segment per piece (a version each)
+        assert (partial["before"]["payloads"], partial["after"]["payloads"]) == (3, 1)
+        assert partial["after"]["segments"] == shape["pieces"]
+    # vLLM and SGLang send only rows from the request's start: nothing but the store's
+    # payloads is written; LMDeploy's key holds every row of every turn's context
+    for wire in ("vllm", "sglang"):
+        assert wires[wire]["session"]["engine_side_per_unique_row"] < METADATA - 1
+    assert wires["lmdeploy-key"]["session"]["engine_side_per_unique_row"] > 2

@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster
 
 from routeplay.bench.limit import bare_ray_ms, beaten, workload_limit
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
+from routeplay.bench.sessions import session_bytes
 from routeplay.bench.workloads import BenchConfig, Workload
 from routeplay.core import Handle, canonicalize, preset
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
@@ -50,6 +51,9 @@ def cluster(store_bytes: int) -> Iterator[dict[str, str]]:
             "num_cpus": 1,
             "resources": {"head": 1},
             "object_store_memory": store_bytes,
+            # Raylets free out-of-scope objects in batches, every second by default: the
+            # multi-turn figures read Ray's settled bytes in use several times a workload.
+            "_system_config": {"free_objects_period_milliseconds": 100},
         },
     )
     try:
@@ -406,12 +410,14 @@ def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = print) -
             workloads.append(measure_workload(store, w, roles, config.runs))
         progress("scaling")
         scale = scaling(store, config, roles)
+        sessions = session_bytes(store, config.sessions, progress=progress)
         small = small_puts(store, config.small_samples)
         stats = store.stats()
         store.shutdown()
     return {
         "workloads": workloads,
         "scaling": scale,
+        "sessions": sessions,
         "small_puts": small,
         "store_end": {"live_payloads": stats.live_payloads, "leases": stats.leases},
     }

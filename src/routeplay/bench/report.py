@@ -6,6 +6,13 @@ list has, per workload, ``name``, ``eager_ms``, ``routeplay_ms`` (producer path)
 ``adopt_ms``, ``limit_ms`` (medians), ``bytes_written``, ``bytes_pulled`` and
 ``peak_rank_bytes`` (each a mapping path -> figure), and each path's full figures under
 its own key (``eager``, ``producer``, ``adopt``: median/min/max, runs, per-node bytes).
+Its ``sessions`` object holds the multi-turn bytes (``routeplay.bench.sessions``):
+``shape`` (the session and rollout sizes) and ``wires`` -> wire -> ``session`` /
+``partial`` -> ``unique_rows``, ``before`` / ``after`` compaction (``stored_per_unique_row``
+from the route store, ``object_store_per_unique_row`` from Ray's raylets, ``segments``,
+``payloads``), ``written_per_unique_row``, ``engine_side_per_unique_row``,
+``compaction`` (``ms``, rows copied, bytes written), ``rows_exact`` and
+``left_after_release``.
 
 Example:
     path = write_results(results, config, Path("benchmarks/results"))
@@ -35,6 +42,7 @@ __all__ = [
     "goals",
     "results_stem",
     "scaling_table",
+    "sessions_table",
     "workload_table",
     "write_plot",
     "write_results",
@@ -67,6 +75,13 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "cross-node objects from the node the path's payloads live on (producer: "
                 "rollout, adopt: engine) + the SP ranks copy their shares at once "
                 "(routeplay.bench.limit); a lower bound: a path below it fails the run"
+            ),
+            "sessions": (
+                "multi-turn bytes: bytes stored (route store payload bytes; Ray's bytes in "
+                "use, settled) over the canonical bytes of the distinct rows the session "
+                "or resumed rollout has, before and after its compaction; engine_side: "
+                "Ray's created bytes while the turns ran beyond the route store's payloads "
+                "(the LMDeploy key path's own copy of every row)"
             ),
         },
         "versions": {
@@ -169,6 +184,46 @@ def scaling_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def sessions_table(results: dict[str, Any]) -> Table:
+    """Per wire and workload: bytes stored per unique row before -> after compaction
+    (route store | Ray), segments and payloads, the compaction's cost, the key path's own."""
+    table = Table(title="multi-turn bytes per unique row (route store | Ray's object store)")
+    columns = (
+        "wire/workload",
+        "turns",
+        "unique rows",
+        "before",
+        "after",
+        "segments",
+        "payloads",
+        "compact ms",
+        "engine side",
+        "exact",
+    )
+    for column in columns:
+        table.add_column(column, no_wrap=column == "wire/workload")
+    for wire, kinds in results.get("sessions", {}).get("wires", {}).items():
+        for kind, w in kinds.items():
+            before, after = w["before"], w["after"]
+            table.add_row(
+                f"{wire}/{kind}",
+                str(w["turns"]),
+                str(w["unique_rows"]),
+                _per_row(before),
+                _per_row(after),
+                f"{before['segments']} -> {after['segments']}",
+                f"{before['payloads']} -> {after['payloads']}",
+                f"{w['compaction']['ms']:.0f}",
+                f"{w['engine_side_per_unique_row']:.2f}",
+                "yes" if w["rows_exact"] else "NO",
+            )
+    return table
+
+
+def _per_row(figures: dict[str, Any]) -> str:
+    return f"{figures['stored_per_unique_row']:.3f}|{figures['object_store_per_unique_row']:.3f}"
+
+
 def _compacted_note(point: dict[str, Any]) -> str:
     """The compaction figures of a segments point (absent from older result files)."""
     if "compact_ms" not in point:
@@ -216,9 +271,25 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
     )
     out["segments_1000_compact_ms"] = thousand[0].get("compact_ms") if thousand else None
     out["below_limit"] = below_limit(results)
+    out.update(_session_goals(results.get("sessions", {})))
     small = results["small_puts"]
     out["small_puts_ratio_to_ray_put"] = round(small["put_many_per_s"] / small["ray_put_per_s"], 2)
     return out
+
+
+def _session_goals(sessions: dict[str, Any]) -> dict[str, Any]:
+    """Bytes in Ray's object store per unique row (goal: 1.0 after compaction, Ray's
+    headers aside), the key path's own writes, and segments before -> after."""
+    per_row, segments = {}, {}
+    for wire, kinds in sessions.get("wires", {}).items():
+        for kind, w in kinds.items():
+            per_row[f"{wire}/{kind}"] = {
+                "before": w["before"]["object_store_per_unique_row"],
+                "after": w["after"]["object_store_per_unique_row"],
+                "engine_side": w["engine_side_per_unique_row"],
+            }
+            segments[f"{wire}/{kind}"] = [w["before"]["segments"], w["after"]["segments"]]
+    return {"multi_turn_bytes_per_unique_row": per_row, "multi_turn_segments": segments}
 
 
 def below_limit(results: dict[str, Any]) -> list[str]:

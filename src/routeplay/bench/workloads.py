@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from routeplay.core import RouteSpec, preset
 
-__all__ = ["BenchConfig", "Workload"]
+__all__ = ["BenchConfig", "SessionShape", "Workload"]
 
 MiB = 1024 * 1024
 
@@ -73,6 +73,47 @@ class Workload:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SessionShape:
+    """The multi-turn workloads (``routeplay.bench.sessions``): one agentic session, a
+    trunk of turns and two branches off its last turn, and one partial rollout resumed
+    several times; each on every wire.
+
+    Example:
+        >>> SessionShape().path_turns  # turns from the first to a branch's last
+        22
+    """
+
+    model: str = "qwen3-30b-a3b"
+    """Preset name (``routeplay.core.preset``)."""
+    system_tokens: int = 1024
+    """The first turn's prompt before its user message (system prompt, tools)."""
+    user_tokens: int = 96
+    """Tokens of each turn's user message (or tool result)."""
+    answer_tokens: int = 320
+    """Tokens each turn generates."""
+    trunk_turns: int = 12
+    """Turns before the branch point."""
+    branch_turns: int = 10
+    """Turns of each of the two branches that continue the trunk's last turn."""
+    rollout_prompt_tokens: int = 1024
+    """Prompt of the partial rollout."""
+    piece_tokens: int = 512
+    """Tokens the partial rollout generates between two interruptions."""
+    pieces: int = 8
+    """Generations of the partial rollout: the first one and ``pieces - 1`` resumes."""
+
+    @property
+    def path_turns(self) -> int:
+        """Turns from the session's first to the last turn of one branch."""
+        return self.trunk_turns + self.branch_turns
+
+    @property
+    def turns(self) -> int:
+        """Turns the session stores: the trunk's and both branches'."""
+        return self.trunk_turns + 2 * self.branch_turns
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One benchmark run."""
 
@@ -92,6 +133,8 @@ class BenchConfig:
     """Samples of 1k tokens for the small-puts measurement."""
     scale_runs: int = 3
     """Timed runs per scaling point."""
+    sessions: SessionShape = field(default_factory=SessionShape)
+    """The multi-turn bytes workloads (a long branching session, a resumed rollout)."""
     mode: str = "full"
     """Which preset this is: ``full``, ``quick`` or ``smoke``."""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -160,5 +203,14 @@ class BenchConfig:
             scale_segments=(1, 50),
             small_samples=16,
             scale_runs=1,
+            # a turn's new rows stay over 100 KiB (Ray keeps smaller ones out of plasma)
+            sessions=SessionShape(
+                system_tokens=256,
+                trunk_turns=4,
+                branch_turns=3,
+                rollout_prompt_tokens=256,
+                piece_tokens=320,
+                pieces=3,
+            ),
             mode="smoke",
         )

@@ -45,6 +45,7 @@ def bench_command(
     from routeplay.bench.report import (
         below_limit,
         scaling_table,
+        sessions_table,
         workload_table,
         write_plot,
         write_results,
@@ -66,6 +67,7 @@ def bench_command(
     wide = Console(width=max(console.width, 180))  # the tables have many columns
     wide.print(workload_table(results))
     wide.print(scaling_table(results))
+    wide.print(sessions_table(results))
     path = write_results(results, config, out_dir, json_path=json_path)
     console.print(f"results: {path}", markup=False)
     if plot:
