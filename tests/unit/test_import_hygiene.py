@@ -118,7 +118,15 @@ NEEDS: dict[str, frozenset[str]] = {
     **dict.fromkeys(
         [
             f"routeplay.bench.{name}"
-            for name in ("limit", "measure", "report", "roles", "transfer_paths")
+            for name in (
+                "limit",
+                "measure",
+                "report",
+                "roles",
+                "session_roles",
+                "sessions",
+                "transfer_paths",
+            )
         ],
         RAY,
     ),

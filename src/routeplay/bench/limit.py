@@ -27,7 +27,7 @@ like a path (median). ``producer_ms - bare_ray_ms`` is what routeplay itself cos
 that path; the rest of the distance to the limit is Ray's.
 
 Example:
-    limit = workload_limit(w, runs=5)
+    limit = Probes().workload_limit(w, runs=5)
     limit["by_path"]["adopt"]          # ms: engine node -> trainer node, then the copies
 """
 
@@ -50,7 +50,7 @@ _DEADLINE_S = 600.0
 SOURCE_NODE = {"producer": "rollout", "adopt": "engine"}
 """Where each routeplay path's payloads live when the trainer ranks read them."""
 
-__all__ = ["SOURCE_NODE", "bare_ray_ms", "beaten", "object_sizes", "workload_limit"]
+__all__ = ["SOURCE_NODE", "Probes", "beaten", "object_sizes", "rank_byte_ranges", "rank_shares"]
 
 
 def object_sizes(w: Workload) -> list[int]:
@@ -116,49 +116,13 @@ class _Sink:
         """A bare-Ray rank: fetch every object, copy its byte range of each (``(object,
         lo, hi)``; a shared prompt once per sample) into warm buffers, drop the views."""
         values = ray.get(wrapped[0], timeout=_DEADLINE_S)
-        if not hasattr(self, "_out"):
-            self._out = [np.empty(hi - lo, np.uint8) for _, lo, hi in shares]
+        sizes = [hi - lo for _, lo, hi in shares]
+        if [out.size for out in getattr(self, "_out", [])] != sizes:  # a new workload
+            self._out = [np.empty(n, np.uint8) for n in sizes]
         for out, (index, lo, hi) in zip(self._out, shares, strict=True):
             np.copyto(out, values[index][lo:hi])
         del values
         return sum(hi - lo for _, lo, hi in shares)
-
-
-def _on(role: str) -> dict[str, Any]:
-    return {"resources": {role: 0.01}}
-
-
-def _best_pull_s(w: Workload, source_role: str, runs: int) -> float:
-    source_class: Any = _Source
-    sink_class: Any = _Sink
-    source = source_class.options(**_on(source_role)).remote()
-    sink = sink_class.options(**_on("trainer")).remote()
-    times: list[float] = []
-    for _ in range(runs):
-        wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
-        times.append(ray.get(sink.pull_s.remote(wrapped), timeout=_DEADLINE_S))
-        del wrapped
-        ray.get(source.drop.remote(), timeout=_DEADLINE_S)
-    for actor in (source, sink):
-        ray.kill(actor)
-    return min(times)
-
-
-def _best_copy_s(w: Workload, runs: int) -> float:
-    sink_class: Any = _Sink
-    ranks = [sink_class.options(**_on("trainer")).remote() for _ in range(w.sp)]
-    ray.get(
-        [rank.warm.remote(n) for rank, n in zip(ranks, rank_shares(w), strict=True)],
-        timeout=_DEADLINE_S,
-    )
-    slowest: list[float] = [
-        max(ray.get([rank.copy_s.remote() for rank in ranks], timeout=_DEADLINE_S))
-        for _ in range(runs)
-    ]
-    best = min(slowest)
-    for rank in ranks:
-        ray.kill(rank)
-    return best
 
 
 def rank_byte_ranges(w: Workload, rank: int) -> list[tuple[int, int, int]]:
@@ -178,56 +142,108 @@ def rank_byte_ranges(w: Workload, rank: int) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def bare_ray_ms(w: Workload, *, runs: int) -> float:
-    """Median ms of the producer path's work on bare Ray (see the module docstring).
+def _on(role: str) -> dict[str, Any]:
+    return {"resources": {role: 0.01}}
+
+
+class Probes:
+    """The limit's actors, started once per bench run (a Ray actor costs a worker process
+    to start): a source on the rollout and on the engine node, SP sinks on the trainer.
 
     Example:
-        bare_ray_ms(Workload(model="qwen3-30b-a3b", tokens=8192, samples=4, sp=1), runs=5)
+        probes = Probes()
+        limit = probes.workload_limit(w, runs=5)
+        probes.close()
     """
-    source_class: Any = _Source
-    sink_class: Any = _Sink
-    source = source_class.options(**_on("rollout")).remote()
-    ranks = [sink_class.options(**_on("trainer")).remote() for _ in range(w.sp)]
-    ray.get(source.hold_arrays.remote(object_sizes(w)), timeout=_DEADLINE_S)
-    shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
-    times = []
-    for run in range(runs + 1):  # the first run warms the ranks' buffers
-        start = time.perf_counter()
-        wrapped = ray.get(source.put_held.remote(), timeout=_DEADLINE_S)
+
+    def __init__(self) -> None:
+        source: Any = _Source
+        self._sources = {
+            role: source.options(**_on(role)).remote() for role in SOURCE_NODE.values()
+        }
+        self._sinks: list[Any] = []
+
+    def sinks(self, count: int) -> list[Any]:
+        """``count`` sinks on the trainer node (started on first need, then reused)."""
+        sink: Any = _Sink
+        while len(self._sinks) < count:
+            self._sinks.append(sink.options(**_on("trainer")).remote())
+        return self._sinks[:count]
+
+    def close(self) -> None:
+        for actor in (*self._sources.values(), *self._sinks):
+            ray.kill(actor)
+
+    def workload_limit(self, w: Workload, *, runs: int) -> dict[str, Any]:
+        """The limit of each routeplay path of ``w`` (ms), from the best of ``runs`` runs
+        of each part; ``limit_ms`` is the lower of the two (the step's limit, any source).
+
+        Example:
+            probes.workload_limit(BenchConfig.smoke().workloads[0], runs=5)["by_path"]
+        """
+        copy_ms = 1e3 * self._best_copy_s(w, runs)
+        pull_ms = {
+            path: 1e3 * self._best_pull_s(w, role, runs) for path, role in SOURCE_NODE.items()
+        }
+        by_path = {path: round(copy_ms + pull, 2) for path, pull in pull_ms.items()}
+        return {
+            "limit_ms": min(by_path.values()),
+            "by_path": by_path,
+            "copy_ms": round(copy_ms, 2),
+            "pull_ms": {path: round(ms, 2) for path, ms in pull_ms.items()},
+            "runs": runs,
+            "cross_node_bytes": sum(object_sizes(w)),
+        }
+
+    def bare_ray_ms(self, w: Workload, *, runs: int) -> float:
+        """Median ms of the producer path's work on bare Ray (see the module docstring).
+
+        Example:
+            probes.bare_ray_ms(BenchConfig.smoke().workloads[0], runs=5)
+        """
+        source, ranks = self._sources["rollout"], self.sinks(w.sp)
+        ray.get(source.hold_arrays.remote(object_sizes(w)), timeout=_DEADLINE_S)
+        shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
+        times = []
+        for run in range(runs + 1):  # the first run warms the ranks' buffers
+            start = time.perf_counter()
+            wrapped = ray.get(source.put_held.remote(), timeout=_DEADLINE_S)
+            ray.get(
+                [
+                    rank.fetch_share.remote(wrapped, mine)
+                    for rank, mine in zip(ranks, shares, strict=True)
+                ],
+                timeout=_DEADLINE_S,
+            )
+            if run:
+                times.append(time.perf_counter() - start)
+            del wrapped
+            ray.get(source.drop.remote(), timeout=_DEADLINE_S)
+        ray.get(source.hold_arrays.remote([]), timeout=_DEADLINE_S)
+        return 1e3 * statistics.median(times)
+
+    def _best_pull_s(self, w: Workload, source_role: str, runs: int) -> float:
+        source, [sink] = self._sources[source_role], self.sinks(1)
+        times: list[float] = []
+        for _ in range(runs):
+            wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
+            times.append(ray.get(sink.pull_s.remote(wrapped), timeout=_DEADLINE_S))
+            del wrapped
+            ray.get(source.drop.remote(), timeout=_DEADLINE_S)
+        return min(times)
+
+    def _best_copy_s(self, w: Workload, runs: int) -> float:
+        ranks = self.sinks(w.sp)
         ray.get(
-            [
-                rank.fetch_share.remote(wrapped, mine)
-                for rank, mine in zip(ranks, shares, strict=True)
-            ],
+            [rank.warm.remote(n) for rank, n in zip(ranks, rank_shares(w), strict=True)],
             timeout=_DEADLINE_S,
         )
-        if run:
-            times.append(time.perf_counter() - start)
-        del wrapped
-        ray.get(source.drop.remote(), timeout=_DEADLINE_S)
-    for actor in (source, *ranks):
-        ray.kill(actor)
-    return 1e3 * statistics.median(times)
-
-
-def workload_limit(w: Workload, *, runs: int) -> dict[str, Any]:
-    """The limit of each routeplay path of ``w`` (ms), from the best of ``runs`` runs of
-    each part; ``limit_ms`` is the lower of the two (the step's limit, any source).
-
-    Example:
-        workload_limit(Workload(model="qwen3-30b-a3b", tokens=8192, samples=4, sp=1), runs=5)
-    """
-    copy_ms = 1e3 * _best_copy_s(w, runs)
-    pull_ms = {path: 1e3 * _best_pull_s(w, role, runs) for path, role in SOURCE_NODE.items()}
-    by_path = {path: round(copy_ms + pull, 2) for path, pull in pull_ms.items()}
-    return {
-        "limit_ms": min(by_path.values()),
-        "by_path": by_path,
-        "copy_ms": round(copy_ms, 2),
-        "pull_ms": {path: round(ms, 2) for path, ms in pull_ms.items()},
-        "runs": runs,
-        "cross_node_bytes": sum(object_sizes(w)),
-    }
+        slowest: list[float] = [
+            max(ray.get([rank.copy_s.remote() for rank in ranks], timeout=_DEADLINE_S))
+            for _ in range(runs)
+        ]
+        ray.get([rank.warm.remote(0) for rank in ranks], timeout=_DEADLINE_S)  # free
+        return min(slowest)
 
 
 def beaten(medians_ms: dict[str, float], limit: dict[str, Any]) -> list[str]:

@@ -25,7 +25,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
-from routeplay.bench.limit import bare_ray_ms, beaten, workload_limit
+from routeplay.bench.limit import Probes, beaten
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.sessions import session_bytes
 from routeplay.bench.workloads import BenchConfig, Workload
@@ -151,7 +151,7 @@ LIMIT_RUNS = 5
 
 
 def measure_workload(
-    store: RouteStore, w: Workload, roles: dict[str, str], runs: int
+    store: RouteStore, w: Workload, roles: dict[str, str], runs: int, probes: Probes
 ) -> dict[str, Any]:
     """Every path of one workload, its limit, and a check that all paths agree."""
     bench = Bench(store, w, roles)
@@ -162,8 +162,8 @@ def measure_workload(
     for path in PATHS:
         timed = [bench.run(path, seed=2 + i) for i in range(runs)]
         per_path[path] = summarize(timed)
-    limit = workload_limit(w, runs=max(LIMIT_RUNS, runs))
-    bare = round(bare_ray_ms(w, runs=runs), 1)
+    limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
+    bare = round(probes.bare_ray_ms(w, runs=runs), 1)
     entry: dict[str, Any] = {
         "name": w.name,
         "model": w.model,
@@ -197,7 +197,9 @@ def kill_all(actors: list[Any]) -> None:
 
 
 # -- scaling --------------------------------------------------------------------------------
-def scaling(store: RouteStore, config: BenchConfig, roles: dict[str, str]) -> dict[str, Any]:
+def scaling(
+    store: RouteStore, config: BenchConfig, roles: dict[str, str], probes: Probes
+) -> dict[str, Any]:
     """Tokens per sample and samples per step (all paths), segments per handle."""
     tokens = [
         _point(
@@ -205,6 +207,7 @@ def scaling(store: RouteStore, config: BenchConfig, roles: dict[str, str]) -> di
             Workload(model="qwen3-235b-a22b", tokens=t, samples=2, sp=1),
             roles,
             config,
+            probes,
         )
         for t in config.scale_tokens
     ]
@@ -214,6 +217,7 @@ def scaling(store: RouteStore, config: BenchConfig, roles: dict[str, str]) -> di
             Workload(model="qwen3-30b-a3b", tokens=8192, samples=n, sp=1),
             roles,
             config,
+            probes,
         )
         for n in config.scale_samples
     ]
@@ -230,6 +234,7 @@ def _point(
     w: Workload,
     roles: dict[str, str],
     config: BenchConfig,
+    probes: Probes,
 ) -> dict[str, Any]:
     bench = Bench(store, w, roles)
     out: dict[str, Any] = {"name": w.name, "tokens": w.tokens, "samples": w.samples}
@@ -238,7 +243,7 @@ def _point(
         out[f"{path}_ms"] = summarize(
             [bench.run(path, seed=2 + i) for i in range(config.scale_runs)]
         )["median_ms"]
-    limit = workload_limit(w, runs=max(LIMIT_RUNS, config.scale_runs))
+    limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, config.scale_runs))
     out["limit_ms"] = limit["limit_ms"]
     out["limit"] = limit
     out["below_limit"] = beaten({p: out[f"{p}_ms"] for p in ("producer", "adopt")}, limit)
@@ -404,12 +409,14 @@ def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = print) -
     with cluster(config.store_bytes) as roles:
         store = StoreConfig(run="bench", resources=(("head", 0.01),), timeout_s=120).build()
         start_engine_store(resources={"engine": 0.01})
+        probes = Probes()
         workloads = []
         for w in config.workloads:
             progress(f"workload {w.name}")
-            workloads.append(measure_workload(store, w, roles, config.runs))
+            workloads.append(measure_workload(store, w, roles, config.runs, probes))
         progress("scaling")
-        scale = scaling(store, config, roles)
+        scale = scaling(store, config, roles, probes)
+        probes.close()
         sessions = session_bytes(store, config.sessions, progress=progress)
         small = small_puts(store, config.small_samples)
         stats = store.stats()
