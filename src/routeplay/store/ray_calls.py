@@ -55,8 +55,15 @@ async def aget(refs: Sequence[Any], *, timeout_s: float, what: str) -> list[Any]
     """The values of ``refs`` (Ray references or ``concurrent.futures`` futures), awaited
     with a deadline, errors translated as ``get``'s. A cancellation is not an error: it
     propagates as it is (the calls stay in flight; the caller's flow rescues them)."""
+    gathered = asyncio.gather(*map(_awaitable, refs))
+    gathered.add_done_callback(_retrieved)  # abandoned (cancelled, timed out): not an error
     with translated(what, timeout_s):
-        return list(await asyncio.wait_for(asyncio.gather(*map(_awaitable, refs)), timeout_s))
+        return list(await asyncio.wait_for(gathered, timeout_s))
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _awaitable(ref: Any) -> Any:
