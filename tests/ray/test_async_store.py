@@ -16,10 +16,19 @@ import pytest
 import ray
 from store_probe import kill_and_wait, wait_until
 
-from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
+from routeplay.core import EngineKey, Handle, Routes, RouteSpec, Segment, canonicalize
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
-from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
+from routeplay.store import (
+    RouteStore,
+    StoreConfig,
+    aleave_engine_store,
+    astart_engine_store,
+    ray_calls,
+    start_engine_store,
+)
 from routeplay.store.flow import Wait
+from routeplay.store.producer import RoutesProducer, producer_actor
+from routeplay.store.writes import plan_batch
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -59,7 +68,7 @@ def put_key(engines: dict[str, Any], wire: str, rows: int, seed: int) -> EngineK
 
 
 def live_keys(engines: dict[str, Any]) -> int:
-    return sum(ray.get(actor.stats.remote()).live_keys for actor in engines.values())
+    return sum(ray.get(engines[wire].stats.remote()).live_keys for wire in WIRES)
 
 
 def assert_nothing_left(store: RouteStore, engines: dict[str, Any]) -> None:
@@ -93,9 +102,10 @@ class AsyncRollout:
             elif i % 4 == 2:
                 [handle] = await store.aput_many([routing(8, i)])
                 [lease] = await store.aacquire_many([(handle, holder)])
-            else:  # a multi-turn session: the trace store leases it too
+            else:
                 handle = await store.aput(routing(8, i))
                 lease = await store.aacquire(handle, holder)
+            if i % 20 == 3:  # a multi-turn session: the trace store leases it too
                 await traces.ainsert(f"s-{i}", range(9), handle)
                 exported = await traces.aexport(f"s-{i}", range(5), f"rollout/x-{i}")
                 assert exported is not None
@@ -257,16 +267,61 @@ CASES: dict[str, Case] = {
     "Lease.atransfer": _transfer,
     "arelease_many+aflush": _flush,
     "afree_key": _free_key,
+    "afree_engine_keys": lambda s, e: _free_handle_keys(s, e),
+    "arevoke": lambda s, e: _revoke(s, "arevoke"),
+    "arevoke_holder": lambda s, e: _revoke(s, "arevoke_holder"),
+    "astats": lambda s, e: s.astats,
+    "aleaks": lambda s, e: s.aleaks,
+    "aput_staged": lambda s, e: _staged(s, e, many=False),
+    "aput_staged_many": lambda s, e: _staged(s, e, many=True),
 }
+
+
+@producer_actor
+class Producer(RoutesProducer):
+    """A rollout-side producer: stages its rows, a shard takes them (one write)."""
+
+    def stage_blocks(self, blocks: tuple[Any, ...]) -> str:
+        return self._outbox().stage_many(blocks)
+
+
+@pytest.fixture(scope="module")
+def producer() -> Any:
+    return Producer.remote()
+
+
+def _staged(s: RouteStore, e: dict[str, Any], *, many: bool) -> Callable[[], Awaitable[Any]]:
+    producer = e["producer"]
+    if not many:
+        routes = routing(6, 10)
+        token, blocks = ray.get(producer.stage_routes.remote(routes.array, block_rows=0))
+        return lambda: s.aput_staged(producer, token, blocks, routes)
+    layout = plan_batch([routing(6, 11), routing(6, 12)])
+    blocks, _ = s.layout_blocks(layout, SPEC)
+    token = ray.get(producer.stage_blocks.remote(blocks))
+    return lambda: s.aput_staged_many(producer, token, layout, SPEC)
+
+
+def _free_handle_keys(s: RouteStore, e: dict[str, Any]) -> Callable[[], Awaitable[Any]]:
+    key = s.scoped(put_key(e, "sglang", 6, 8))
+    handle = Handle.of(Segment(source=key, start=0, stop=6, spec=SPEC))
+    return lambda: s.afree_engine_keys(handle)
+
+
+def _revoke(s: RouteStore, method: str) -> Callable[[], Awaitable[Any]]:
+    _, lease = s.put_leased(routing(6, 9), "cancelled/dead-worker")
+    if method == "arevoke":
+        return lambda: s.arevoke([lease])
+    return lambda: s.arevoke_holder("cancelled/dead-worker")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_cancelled_call_leaves_nothing_behind(
-    name: str, store: RouteStore, engines: dict[str, Any]
+    name: str, store: RouteStore, engines: dict[str, Any], producer: Any
 ) -> None:
     probe = CancelInFlight(store.backend, releases=name == "arelease_many+aflush")
     client = RouteStore(store.config, probe)  # the same shards, a probed client
-    start = CASES[name](client, engines)
+    start = CASES[name](client, {**engines, "producer": producer})
     asyncio.run(cancel_in_flight(start, probe))
     client.flush()  # rescues and releases in flight have landed (or failed, raised here)
     for leak in client.leaks():  # only what the test itself still holds
@@ -275,28 +330,48 @@ def test_a_cancelled_call_leaves_nothing_behind(
     assert_nothing_left(client, engines)
 
 
-@pytest.mark.parametrize("call", ["ainsert", "aexport", "arelease_session"])
+TRACE_CALLS: dict[str, Callable[[TraceStoreClient, str, Handle], Awaitable[Any]]] = {
+    "ainsert": lambda t, sid, h: t.ainsert(f"{sid}-new", range(9), h),
+    "alongest_prefix": lambda t, sid, h: t.alongest_prefix(sid, range(5)),
+    "aexport": lambda t, sid, h: t.aexport(sid, range(5), "cancelled/export"),
+    "arelease_session": lambda t, sid, h: t.arelease_session(sid),
+    "arelease_all": lambda t, sid, h: t.arelease_all(),
+    "atake_unreleased": lambda t, sid, h: t.atake_unreleased(),
+    "asessions": lambda t, sid, h: t.asessions(),
+    "astats": lambda t, sid, h: t.astats(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(TRACE_CALLS))
 def test_a_cancelled_trace_store_call_leaves_nothing_behind(
-    call: str, store: RouteStore, engines: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    call: str,
+    store: RouteStore,
+    traces: TraceStoreClient,
+    engines: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    traces = TraceStoreConfig(timeout_s=30).build(store)
     handle, lease = store.put_leased(routing(8, 9), "keeper")
-    traces.insert("s", range(9), handle)
+    traces.insert(f"c-{call}", range(9), handle)
     lease.release()
     probe = CancelInFlight(ray_calls.RAY)
     monkeypatch.setattr(ray_calls, "RAY", probe)  # the trace client resolves through it
-    start = {
-        "ainsert": lambda: traces.ainsert("s2", range(9), handle),
-        "aexport": lambda: traces.aexport("s", range(5), "cancelled/export"),
-        "arelease_session": lambda: traces.arelease_session("s"),
-    }[call]
-    asyncio.run(cancel_in_flight(start, probe))
+    asyncio.run(cancel_in_flight(lambda: TRACE_CALLS[call](traces, f"c-{call}", handle), probe))
     monkeypatch.undo()
-    # the export's lease is ended by the actor; what is left is the sessions' own
+    # an export's lease is ended by the actor; what is left is the sessions' own
     assert wait_until(lambda: all(leak.holder.startswith("session/") for leak in store.leaks()))
     traces.release_all()
     assert_nothing_left(store, engines)
-    traces.shutdown()
+
+
+def test_the_engine_store_starts_and_leaves_awaited() -> None:
+    async def start_and_leave() -> tuple[int, bool]:
+        actor = await astart_engine_store(name="shared_store_async", namespace="sglang", user="u")
+        key = await actor.put.remote(routing(4, 0).array)
+        live = (await actor.stats.remote()).live_keys
+        assert await actor.free.remote(key) is True
+        return live, await aleave_engine_store(actor, "u", end_if_last=True)
+
+    assert asyncio.run(start_and_leave()) == (1, True)
 
 
 # -- an actor killed mid-call -------------------------------------------------------

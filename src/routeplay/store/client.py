@@ -210,11 +210,19 @@ class RouteStore:
         return self._backend
 
     def drive(self, flow: Flow[R]) -> R:
-        """Run one of this client's flows to its result, blocking (``Lease`` uses it)."""
+        """Run a flow over this client's backend to its result, blocking.
+
+        Example:
+            handles = store.drive(store_flow)   # what every blocking method does
+        """
         return drive(flow, self._backend)
 
     async def adrive(self, flow: Flow[R]) -> R:
-        """Run one of this client's flows to its result, awaited."""
+        """Run a flow over this client's backend to its result, awaited.
+
+        Example:
+            handles = await store.adrive(store_flow)   # what every a-method does
+        """
         return await adrive(flow, self._backend)
 
     # -- writing ----------------------------------------------------------------------
@@ -711,7 +719,7 @@ class RouteStore:
             return 0
         pending = [self._backend.send_free_key(key, self.run) for key in scoped]
         where = ", ".join(sorted({f"{key.namespace}/{key.actor}" for key in scoped}))
-        answers = yield from self._await(pending, f"{where}.free")
+        answers = yield from self._await(pending, f"{where}.free", ends=True)
         return sum(bool(live) for live in answers)
 
     def scoped(self, key: EngineKey) -> EngineKey:
@@ -861,10 +869,9 @@ class RouteStore:
         await self.adrive(self._release_lease(parts))
 
     def _release_lease(self, parts: Mapping[int, str]) -> Flow[None]:
-        # Cancelled in flight: the release still lands (ending is idempotent).
-        yield from self._calls(
-            [shard_call(i, ShardApi.release, lid) for i, lid in parts.items()], "end a lease"
-        )
+        # Cancelled in flight: the release still lands (ending is idempotent), tracked.
+        calls = [shard_call(i, ShardApi.release, lid) for i, lid in parts.items()]
+        yield from self._calls(calls, "end a lease", ends=True)
 
     def clone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
         """A new lease of ``holder`` over the same payloads, on every shard or none;
@@ -1036,7 +1043,7 @@ class RouteStore:
             for shard, lease_id in ids:
                 by_shard.setdefault(shard, []).append(lease_id)
         calls = [shard_call(i, ShardApi.revoke_leases, ids) for i, ids in sorted(by_shard.items())]
-        ended = yield from self._calls(calls, "revoke leases")
+        ended = yield from self._calls(calls, "revoke leases", ends=True)
         for item in leases:
             if isinstance(item, Lease):
                 item.mark_released()
@@ -1062,7 +1069,7 @@ class RouteStore:
     def _revoke_holder(self, holder: str) -> Flow[int]:
         shards = range(self._backend.shard_count)
         calls = [shard_call(i, ShardApi.revoke_holder, holder) for i in shards]
-        ended = yield from self._calls(calls, f"revoke {holder}")
+        ended = yield from self._calls(calls, f"revoke {holder}", ends=True)
         return sum(len(ids) for ids in ended)
 
     def _each_shard(self, op: Callable[[ShardApi], R]) -> Flow[tuple[list[R], list[str]]]:
@@ -1101,12 +1108,14 @@ class RouteStore:
         timeout_s: float | None = None,
         each: bool = False,
         undo: Undo | None = None,
+        ends: bool = False,
     ) -> Flow[list[Any]]:
         # Shard actors are threaded: wait for this client's releases first, so a call
         # never overtakes a release sent before it.
         yield from self._releases.settle(wait=True)
         pending = self._backend.send(calls)
-        return (yield from self._await(pending, what, timeout_s=timeout_s, each=each, undo=undo))
+        flow = self._await(pending, what, timeout_s=timeout_s, each=each, undo=undo, ends=ends)
+        return (yield from flow)
 
     def _await(
         self,
@@ -1116,9 +1125,15 @@ class RouteStore:
         timeout_s: float | None = None,
         each: bool = False,
         undo: Undo | None = None,
+        ends: bool = False,
     ) -> Flow[list[Any]]:
-        """Wait for calls sent; abandoned in flight, ``undo`` what they grant as they land."""
-        rescue = None if undo is None else partial(self._releases.rescue, undo=undo)
+        """Wait for calls sent. Abandoned in flight: ``undo`` what they grant as they
+        land, or, for calls that end things (``ends``), settle them as releases."""
+        rescue: Callable[[Sequence[Any]], None] | None = None
+        if ends:
+            rescue = self._releases.track
+        elif undo is not None:
+            rescue = partial(self._releases.rescue, undo=undo)
         what = f"{self.run}: {what}"
         return (yield from awaiting(pending, what, timeout_s=timeout_s, each=each, rescue=rescue))
 

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar
 
 from routeplay.errors import RouteplayError, StoreTimeout
 
-__all__ = ["Flow", "Resolver", "Wait", "adrive", "awaiting", "drive", "finished"]
+__all__ = ["Flow", "Resolver", "Wait", "adrive", "answered", "awaiting", "drive"]
 
 R = TypeVar("R")
 
@@ -114,7 +114,12 @@ async def adrive(flow: Flow[R], resolver: Resolver) -> R:
 
 def answered(exc: BaseException) -> bool:
     """Whether a wait ended with the calls' own error (they granted nothing), rather
-    than while they were still in flight (cancelled, timed out, interrupted)."""
+    than while they were still in flight (cancelled, timed out, interrupted).
+
+    Example:
+        answered(RoutesExpired("ttl"))          # True: nothing to undo
+        answered(asyncio.CancelledError())      # False: rescue what is in flight
+    """
     return isinstance(exc, RouteplayError) and not isinstance(exc, StoreTimeout)
 
 
@@ -139,9 +144,3 @@ def awaiting(
             rescue(pending)
         raise
     return answer
-
-
-def finished(value: R) -> Flow[R]:
-    """A flow that waits for nothing (a call whose answer is known without asking)."""
-    yield from ()
-    return value

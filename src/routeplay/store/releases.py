@@ -7,7 +7,9 @@ call (acquire, stats, ...) first waits for every release in flight (shard actors
 threaded, so this keeps "release, then ask" in order for one client); ``flush`` and
 ``shutdown`` wait too. A failed release is raised there (``ReleaseFailed``), once.
 
-Rescues land here too: a call abandoned while in flight (a cancelled task, a deadline)
+Calls that end things (revokes, frees, a waited release) whose wait was abandoned in
+flight are tracked here as well (``track``), so no later call overtakes them. Rescues
+land here too: a call abandoned while in flight (a cancelled task, a deadline)
 hands its pending results to ``rescue``; when each lands, the calls that undo what it
 granted are sent like releases, so their failures surface the same way and ``flush``
 waits for them.
@@ -48,6 +50,11 @@ class PendingReleases:
         """Send the calls; their outcome is collected by a later call, never here."""
         if calls:
             self._keep(self._backend.send(calls))
+
+    def track(self, pending: Sequence[Any]) -> None:
+        """Settle calls that end things (releases, revokes, frees) whose wait was
+        abandoned in flight, as releases: later calls wait for them, failures surface."""
+        self._keep(pending)
 
     def rescue(self, pending: Sequence[Any], undo: Undo) -> None:
         """When each of ``pending`` lands, send what ``undo`` makes of its value (the
