@@ -158,6 +158,33 @@ def test_an_async_actor_ingests_100_samples_at_once_without_blocking(
     assert_nothing_left(store, engines)
 
 
+@producer_actor
+class AsyncProducer(RoutesProducer):
+    """An asyncio rollout worker on the one-write path: a shard owns what it writes."""
+
+    async def ingest(self, store: RouteStore, n: int) -> dict[str, Any]:
+        async def one(i: int) -> None:
+            if i % 2:
+                handle = await self.aput_routes(store, routing(8, i))
+            else:
+                [handle] = await self.aput_routes_many(store, [routing(8, i)])
+            lease = await store.aacquire(handle, f"rollout/p-{i}")
+            await lease.arelease()
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+        stats = await store.astats()
+        staged = self.staged_count()
+        return {"leases": stats.leases, "staged": staged, "warned": _blocking_calls_warned()}
+
+
+def test_an_async_producer_writes_through_a_shard_without_blocking(
+    store: RouteStore, engines: dict[str, Any]
+) -> None:
+    result = ray.get(AsyncProducer.remote().ingest.remote(store, 20), timeout=120)
+    assert result == {"leases": 0, "staged": 0, "warned": False}
+    assert_nothing_left(store, engines)
+
+
 # -- cancellation of each awaitable call, its Ray reference in flight ---------------
 
 

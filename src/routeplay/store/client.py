@@ -423,7 +423,7 @@ class RouteStore:
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
     ) -> Handle:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
-        return self.drive(self._put_staged(producer, token, blocks, routes, weight_version))
+        return self.drive(self.put_staged_flow(producer, token, blocks, routes, weight_version))
 
     async def aput_staged(
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
@@ -433,12 +433,13 @@ class RouteStore:
         Example:
             handle = await store.aput_staged(me, token, blocks, routes)
         """
-        flow = self._put_staged(producer, token, blocks, routes, weight_version)
+        flow = self.put_staged_flow(producer, token, blocks, routes, weight_version)
         return await self.adrive(flow)
 
-    def _put_staged(
+    def put_staged_flow(
         self, producer: Any, token: str, blocks: int, routes: Routes, weight_version: int
     ) -> Flow[Handle]:
+        """The flow of ``put_staged`` (a producer drives it blocking or awaited)."""
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
         shard = self._pick_shard(token)
         call = shard_call(
@@ -470,7 +471,7 @@ class RouteStore:
         weight_version: int = 0,
     ) -> list[Handle]:
         """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
-        return self.drive(self._put_staged_many(producer, token, layout, spec, weight_version))
+        return self.drive(self.put_staged_many_flow(producer, token, layout, spec, weight_version))
 
     async def aput_staged_many(
         self,
@@ -486,12 +487,13 @@ class RouteStore:
         Example:
             handles = await store.aput_staged_many(me, token, layout, spec)
         """
-        flow = self._put_staged_many(producer, token, layout, spec, weight_version)
+        flow = self.put_staged_many_flow(producer, token, layout, spec, weight_version)
         return await self.adrive(flow)
 
-    def _put_staged_many(
+    def put_staged_many_flow(
         self, producer: Any, token: str, layout: BatchLayout, spec: RouteSpec, weight_version: int
     ) -> Flow[list[Handle]]:
+        """The flow of ``put_staged_many`` (a producer drives it blocking or awaited)."""
         _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
         shard = self._pick_shard(token)
         call = shard_call(
