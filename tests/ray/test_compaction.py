@@ -20,6 +20,7 @@ from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.rollout import CompactionPolicy, TraceStoreClient, TraceStoreConfig
 from routeplay.rollout.trace_actor import TraceStoreShell
 from routeplay.store import Lease, RouteStore, StoreConfig
+from routeplay.store.flow import Flow
 from routeplay.store.producer import producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -124,8 +125,9 @@ class _StallingStore(RouteStore):
         super().__init__(config, backend)
         self._stall = stall
 
-    def put_staged_many(self, *args: Any, **kwargs: Any) -> list[Handle]:
-        written = super().put_staged_many(*args, **kwargs)
+    def put_staged_many_flow(self, *args: Any, **kwargs: Any) -> Flow[list[Handle]]:
+        # The flow both faces run (a producer's put_routes_many drives it).
+        written = yield from super().put_staged_many_flow(*args, **kwargs)
         if self._stall == "written":  # compacted rows stored, not yet leased
             time.sleep(120)
         return written

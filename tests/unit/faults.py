@@ -9,13 +9,14 @@ exactly what the store holds. ``heal()`` brings the "shard" back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from routeplay.core import EngineKey, RouteSpec
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend, Settled
+from routeplay.store.backend import LocalBackend, Settled, settled_answers
+from routeplay.store.flow import Wait
 from routeplay.store.lease import Lease
 from routeplay.store.shard import Grant
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
@@ -57,59 +58,61 @@ class FaultyBackend:
     def shard_count(self) -> int:
         return self.inner.shard_count
 
+    def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
+        """Every shard call goes through here (answered now, in process): a dead lease's
+        release or an unclonable lease's clone is answered with ``RoutesLost``."""
+        return [self._send_one(call) for call in calls]
+
+    def _send_one(self, call: ShardCall[Any]) -> Settled:
+        args = call.args
+        if _is(call, ShardApi.release) and args[0] in self.dead:
+            self.failed_releases += 1
+            return Settled(error=RoutesLost("the shard holding the lease died", where=args[0]))
+        if _is(call, ShardApi.release_many):
+            lost = [lid for lid in args[0] if lid in self.dead]
+            if lost:
+                self.failed_releases += len(lost)
+                healthy = [lid for lid in args[0] if lid not in self.dead]
+                self.inner.send([shard_call(call.shard, ShardApi.release_many, healthy)])
+                error = RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
+                return Settled(error=error)
+        if _is(call, ShardApi.clone) and args[0] in self.unclonable:
+            return Settled(error=RoutesLost("the shard holding the lease died", where=args[0]))
+        [settled] = self.inner.send([call])
+        self._note_dead_grants(call, settled.value)
+        return settled
+
+    def _note_dead_grants(self, call: ShardCall[Any], result: Any) -> None:
+        args = call.args
+        granting = _is(call, ShardApi.acquire) or _is(call, ShardApi.clone)
+        if granting and args[1] in self.dead_holders and isinstance(result, str):
+            self.dead.add(result)
+        if _is(call, ShardApi.lease_many) and isinstance(result, Grant):  # (ids, holder)s
+            for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
+                if holder in self.dead_holders:
+                    self.dead.add(lease_id)
+
     def call(
         self, calls: Sequence[ShardCall[Any]], what: str, *, timeout_s: float | None = None
     ) -> list[Any]:
-        lost = [c.args[0] for c in calls if _is(c, ShardApi.release) and c.args[0] in self.dead]
-        healthy = [c for c in calls if not (_is(c, ShardApi.release) and c.args[0] in self.dead)]
-        results = self.inner.call(healthy, what, timeout_s=timeout_s)
-        if lost:
-            self.failed_releases += len(lost)
-            raise RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
-        return results
+        return settled_answers(Wait(tuple(self.send(calls)), what, timeout_s))
 
-    def call_each(self, calls: Sequence[ShardCall[Any]], what: str) -> list[Any]:
-        out: list[Any] = []
-        for call in calls:
-            args = call.args
-            if _is(call, ShardApi.clone) and args[0] in self.unclonable:
-                out.append(RoutesLost("the shard holding the lease died", where=f"{args[0]}"))
-                continue
-            [result] = self.inner.call_each([call], what)
-            granting = _is(call, ShardApi.acquire) or _is(call, ShardApi.clone)
-            holder = args[1] if granting else None
-            if holder in self.dead_holders and isinstance(result, str):
-                self.dead.add(result)
-            if _is(call, ShardApi.lease_many) and isinstance(result, Grant):  # (ids, holder)s
-                for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
-                    if holder in self.dead_holders:
-                        self.dead.add(lease_id)
-            out.append(result)
-        return out
+    def resolve(self, wait: Wait) -> list[Any]:
+        return self.inner.resolve(wait)
 
-    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
-        """Releases sent without waiting: a dead lease's outcome is a ``RoutesLost``."""
-        out: list[Any] = []
-        for call in calls:
-            releasing = _is(call, ShardApi.release_many)
-            lost = [lid for lid in call.args[0] if lid in self.dead] if releasing else []
-            if lost:
-                self.failed_releases += len(lost)
-                healthy = [lid for lid in call.args[0] if lid not in self.dead]
-                self.inner.submit([shard_call(call.shard, ShardApi.release_many, healthy)])
-                error = RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
-                out.append(Settled(error=error))
-                continue
-            out.extend(self.inner.submit([call]))
-        return out
+    async def aresolve(self, wait: Wait) -> list[Any]:
+        return await self.inner.aresolve(wait)
 
-    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
-        return self.inner.settle(pending, wait=wait)
+    def ready(self, pending: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        return self.inner.ready(pending)
+
+    def when_done(self, pending: Any, landed: Callable[[Any], None]) -> Any:
+        return self.inner.when_done(pending, landed)
 
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         return self.inner.borrow(refs)
 
-    def adopt_keys(
+    def send_adopt_keys(
         self,
         shard: int,
         keys: Sequence[EngineKey],
@@ -117,8 +120,8 @@ class FaultyBackend:
         shared_prefix: int = 0,
         starts: Sequence[int] | None = None,
         pack: bool = False,
-    ) -> list[Any]:
-        return self.inner.adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
+    ) -> Any:
+        return self.inner.send_adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return self.inner.put_blocks(blocks)
@@ -129,11 +132,11 @@ class FaultyBackend:
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return self.inner.lost_index(refs, error)
 
-    def free_key(self, key: EngineKey, run: str) -> bool:
-        return self.inner.free_key(key, run)
+    def send_free_key(self, key: EngineKey, run: str) -> Any:
+        return self.inner.send_free_key(key, run)
 
-    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
-        return self.inner.key_refs(key, run)
+    def send_key_refs(self, key: EngineKey, run: str) -> Any:
+        return self.inner.send_key_refs(key, run)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

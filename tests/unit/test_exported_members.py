@@ -90,6 +90,8 @@ EXPORTS: dict[str, list[str]] = {
         "StoreConfig",
         "StoreStats",
         "TableStats",
+        "aleave_engine_store",
+        "astart_engine_store",
         "leave_engine_store",
         "producer_actor",
         "start_engine_store",

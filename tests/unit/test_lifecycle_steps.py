@@ -67,12 +67,6 @@ class WatchedBackend:
         finally:
             self._watch()
 
-    def call_each(self, calls: Sequence[ShardCall[Any]], what: str) -> list[Any]:
-        try:
-            return self.inner.call_each(calls, what)
-        finally:
-            self._watch()
-
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return self.inner.put_blocks(blocks)
 

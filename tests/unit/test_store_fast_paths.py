@@ -35,13 +35,13 @@ def routing(rows: int, seed: int) -> Routes:
 
 
 class CountingStore:
-    """Counts the shard calls a client makes (every metadata call goes through ``call``
-    or ``call_each``; releases through ``submit``)."""
+    """Counts the shard calls a client makes (every shard call, metadata or release, is
+    sent through ``Backend.send``)."""
 
     def __init__(self, store: RouteStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[str] = []
         backend = store.backend
-        for name in ("call", "call_each", "submit"):
+        for name in ("send",):
             real = getattr(backend, name)
 
             def counted(calls: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:

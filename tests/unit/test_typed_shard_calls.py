@@ -23,7 +23,7 @@ from routeplay.store.shard_api import ShardApi, shard_call
 STORE = Path(routeplay.store.__file__).parent
 OPERATIONS = frozenset(name for name in vars(ShardApi) if not name.startswith("_"))
 MACHINERY = frozenset(
-    {"call", "call_each", "submit", "_call", "_grant_all", "_each_shard", "ShardCall"}
+    {"call", "send", "submit", "_call", "_calls", "_grant_all", "_each_shard", "ShardCall"}
 )
 MODULES = sorted(p for p in STORE.glob("*.py") if p.name != "shard_api.py")
 

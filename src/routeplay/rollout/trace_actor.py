@@ -17,12 +17,19 @@ through a store shard, which owns them, so a compacted session's payloads (and s
 exported from them) survive the actor. A session that becomes due for compaction is
 compacted by a call the actor sends itself after answering the insert: the rollout
 worker that inserted does not wait for it.
+
+Each call has an awaitable twin (``ainsert``, ``aexport``, ``arelease_session``, ...):
+the same flow (``routeplay.store.flow``), awaited on the actor's reference instead of
+``ray.get``. Cancelled in flight, a call still lands in the actor: an insert is the
+session's (``release_session`` ends it), a release still ends its leases, and an
+export's lease is released by the actor as soon as the export is done
+(``release_exported``, handed the export's own reference): nobody is left holding it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +42,7 @@ from routeplay.rollout.trace_store import Exported, PrefixMatch, TraceStore, Tra
 from routeplay.store import ray_calls
 from routeplay.store.client import RouteStore
 from routeplay.store.compaction import CompactionReport
+from routeplay.store.flow import Flow, adrive, awaiting, drive
 from routeplay.store.lease import Lease
 from routeplay.store.producer import RoutesProducer, producer_actor
 
@@ -66,6 +74,14 @@ class TraceStoreShell(RoutesProducer):
 
     def export(self, session: str, token_ids: list[int], holder: str) -> Exported | None:
         return self._traces.export(session, token_ids, holder)
+
+    def release_exported(self, exported: Exported | None) -> int:
+        """End an export's lease that nobody received (its caller was cancelled); Ray
+        hands the export's result here once it exists. Returns the leases ended."""
+        if exported is None:
+            return 0
+        exported.lease.release()
+        return 1
 
     def release_session(self, session: str) -> int:
         return self._traces.release_session(session)
@@ -153,36 +169,112 @@ class TraceStoreClient:
 
     def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
         """``TraceStore.insert``: the session leases ``handle`` (its own lease)."""
-        self._call("insert", session, list(token_ids), handle, where=f"session {session}")
+        drive(self._insert(session, token_ids, handle), ray_calls.RAY)
+
+    async def ainsert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
+        """Awaitable ``insert``.
+
+        Example:
+            >>> await traces.ainsert("s1", prompt + response, handle)  # doctest: +SKIP
+        """
+        await adrive(self._insert(session, token_ids, handle), ray_calls.RAY)
+
+    def _insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> Flow[None]:
+        call = self.actor.insert.remote(session, list(token_ids), handle)
+        yield from self._await(call, "insert", f"session {session}")
 
     def longest_prefix(self, session: str, token_ids: Iterable[int]) -> PrefixMatch:
         """``TraceStore.longest_prefix`` (no lease is taken)."""
-        match: PrefixMatch = self._call(
-            "longest_prefix", session, list(token_ids), where=f"session {session}"
-        )
+        match: PrefixMatch = drive(self._longest_prefix(session, token_ids), ray_calls.RAY)
         return match
+
+    async def alongest_prefix(self, session: str, token_ids: Iterable[int]) -> PrefixMatch:
+        """Awaitable ``longest_prefix``.
+
+        Example:
+            >>> match = await traces.alongest_prefix("s1", prompt)  # doctest: +SKIP
+        """
+        match: PrefixMatch = await adrive(self._longest_prefix(session, token_ids), ray_calls.RAY)
+        return match
+
+    def _longest_prefix(self, session: str, token_ids: Iterable[int]) -> Flow[Any]:
+        call = self.actor.longest_prefix.remote(session, list(token_ids))
+        return (yield from self._await(call, "longest_prefix", f"session {session}"))
 
     def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
         """``TraceStore.export``: the matched rows with a lease of ``holder`` (the
         caller's to release); None when no row is reusable."""
-        exported: Exported | None = self._call(
-            "export", session, list(token_ids), holder, where=f"session {session} for {holder}"
-        )
+        exported: Exported | None = drive(self._export(session, token_ids, holder), ray_calls.RAY)
         return exported
+
+    async def aexport(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
+        """Awaitable ``export`` (cancelled in flight: the actor ends the export's lease).
+
+        Example:
+            >>> exported = await traces.aexport("s1", prompt, "rollout/a")  # doctest: +SKIP
+        """
+        flow = self._export(session, token_ids, holder)
+        exported: Exported | None = await adrive(flow, ray_calls.RAY)
+        return exported
+
+    def _export(self, session: str, token_ids: Iterable[int], holder: str) -> Flow[Any]:
+        call = self.actor.export.remote(session, list(token_ids), holder)
+        where = f"session {session} for {holder}"
+        return (yield from self._await(call, "export", where, rescue=self._release_exported))
+
+    def _release_exported(self, pending: Sequence[Any]) -> None:
+        # A top-level reference argument is resolved by Ray before the task runs: the
+        # actor gets the export itself, once it exists, and ends its lease. Not waited for.
+        for export in pending:
+            self.actor.release_exported.remote(export)
 
     def release_session(self, session: str) -> int:
         """``TraceStore.release_session``: the leases released (idempotent)."""
-        released: int = self._call("release_session", session, where=f"session {session}")
+        released: int = drive(self._release_session(session), ray_calls.RAY)
         return released
+
+    async def arelease_session(self, session: str) -> int:
+        """Awaitable ``release_session`` (cancelled in flight: the release still lands).
+
+        Example:
+            >>> await traces.arelease_session("s1")  # doctest: +SKIP
+            1
+        """
+        released: int = await adrive(self._release_session(session), ray_calls.RAY)
+        return released
+
+    def _release_session(self, session: str) -> Flow[Any]:
+        call = self.actor.release_session.remote(session)
+        return (yield from self._await(call, "release_session", f"session {session}"))
 
     def release_all(self) -> int:
         """``TraceStore.release_all``: every session's leases released."""
-        released: int = self._call("release_all", where="every session")
+        released: int = drive(self._simple("release_all", "every session"), ray_calls.RAY)
+        return released
+
+    async def arelease_all(self) -> int:
+        """Awaitable ``release_all``.
+
+        Example:
+            >>> await traces.arelease_all()  # doctest: +SKIP
+        """
+        released: int = await adrive(self._simple("release_all", "every session"), ray_calls.RAY)
         return released
 
     def take_unreleased(self) -> list[Lease]:
         """``TraceStore.take_unreleased``: the caller now owns these stuck leases."""
-        leases: list[Lease] = self._call("take_unreleased", where="stuck leases")
+        leases: list[Lease] = drive(self._simple("take_unreleased", "stuck"), ray_calls.RAY)
+        return leases
+
+    async def atake_unreleased(self) -> list[Lease]:
+        """Awaitable ``take_unreleased`` (cancelled in flight: the actor has let go of
+        them, so ``RouteStore.leaks()`` names them under their session holders, for
+        ``revoke`` or the lease TTL).
+
+        Example:
+            >>> stuck = await traces.atake_unreleased()  # doctest: +SKIP
+        """
+        leases: list[Lease] = await adrive(self._simple("take_unreleased", "stuck"), ray_calls.RAY)
         return leases
 
     def compact(self, session: str) -> CompactionReport | None:
@@ -194,24 +286,69 @@ class TraceStoreClient:
             >>> traces.compact("s1").segments_after  # doctest: +SKIP
             1
         """
-        report: CompactionReport | None = self._call("compact", session, where=f"session {session}")
+        report: CompactionReport | None = drive(self._compact(session), ray_calls.RAY)
         return report
+
+    async def acompact(self, session: str) -> CompactionReport | None:
+        """Awaitable ``compact`` (cancelled in flight: the compaction still runs in the
+        actor, which swaps its own leases; nothing is left to the caller).
+
+        Example:
+            >>> report = await traces.acompact("s1")  # doctest: +SKIP
+        """
+        report: CompactionReport | None = await adrive(self._compact(session), ray_calls.RAY)
+        return report
+
+    def _compact(self, session: str) -> Flow[Any]:
+        call = self.actor.compact.remote(session)
+        return (yield from self._await(call, "compact", f"session {session}"))
 
     def sessions(self) -> list[str]:
         """Live session ids."""
-        sessions: list[str] = self._call("sessions", where="sessions")
+        sessions: list[str] = drive(self._simple("sessions", "sessions"), ray_calls.RAY)
+        return sessions
+
+    async def asessions(self) -> list[str]:
+        """Awaitable ``sessions``.
+
+        Example:
+            >>> await traces.asessions()  # doctest: +SKIP
+        """
+        sessions: list[str] = await adrive(self._simple("sessions", "sessions"), ray_calls.RAY)
         return sessions
 
     def stats(self) -> TraceStoreStats:
         """A snapshot of what the trace store holds."""
-        stats: TraceStoreStats = self._call("stats", where="stats")
+        stats: TraceStoreStats = drive(self._simple("stats", "stats"), ray_calls.RAY)
+        return stats
+
+    async def astats(self) -> TraceStoreStats:
+        """Awaitable ``stats``.
+
+        Example:
+            >>> (await traces.astats()).leases  # doctest: +SKIP
+        """
+        stats: TraceStoreStats = await adrive(self._simple("stats", "stats"), ray_calls.RAY)
         return stats
 
     def shutdown(self) -> None:
         """End the actor (its sessions' leases end with the run's store; release first)."""
         ray.kill(self.actor)
 
-    def _call(self, method: str, *args: Any, where: str) -> Any:
-        pending = getattr(self.actor, method).remote(*args)
+    def _simple(self, method: str, where: str) -> Flow[Any]:
+        """A call without arguments (``sessions``, ``stats``, ...)."""
+        call = getattr(self.actor, method).remote()
+        return (yield from self._await(call, method, where))
+
+    def _await(
+        self,
+        pending: Any,
+        method: str,
+        where: str,
+        *,
+        rescue: Callable[[Sequence[Any]], None] | None = None,
+    ) -> Flow[Any]:
         what = f"trace store {method}, {where}"
-        return ray_calls.get(pending, timeout_s=self.config.timeout_s, what=what)
+        timeout_s = self.config.timeout_s
+        [answer] = yield from awaiting([pending], what, timeout_s=timeout_s, rescue=rescue)
+        return answer

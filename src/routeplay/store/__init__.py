@@ -9,8 +9,10 @@ Where to read: the write path is ``client.RouteStore.put_many`` / ``put_staged_m
 (adopted keys validated once, near the engine) and ``compaction`` (long handles' rows
 copied once into few payloads); the read path is ``reads`` (leased
 block references, one fetch per read) over ``read_plan``; leases are ``lease`` and
-``lease_table``, releases in flight ``releases``. Every call to a shard is typed: built
-from a ``shard_api.ShardApi`` operation (``shard_call``), never from a method name.
+``lease_table``, releases in flight ``releases``; every call is one flow (``flow``),
+driven blocking or awaited (the ``a``-prefixed twins: docs/asyncio.md). Every call
+to a shard is typed: built from a ``shard_api.ShardApi`` operation (``shard_call``),
+never from a method name.
 
 Names are resolved on first use (PEP 562), so the plain modules (``lease``,
 ``lease_table``, ``shard``, ``engine_store``) import without Ray; ``RouteStore`` and the
@@ -26,7 +28,12 @@ from routeplay.core.lazy import LazyExports
 if TYPE_CHECKING:
     from routeplay.store.client import RouteStore, StoreConfig, StoreStats
     from routeplay.store.compaction import Compacted, CompactionReport
-    from routeplay.store.engine_service import leave_engine_store, start_engine_store
+    from routeplay.store.engine_service import (
+        aleave_engine_store,
+        astart_engine_store,
+        leave_engine_store,
+        start_engine_store,
+    )
     from routeplay.store.engine_store import EngineStore, EngineStoreStats
     from routeplay.store.lease import Lease
     from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
@@ -46,6 +53,8 @@ _HOME = {
     "StoreConfig": "client",
     "StoreStats": "client",
     "TableStats": "lease_table",
+    "aleave_engine_store": "engine_service",
+    "astart_engine_store": "engine_service",
     "leave_engine_store": "engine_service",
     "producer_actor": "producer",
     "start_engine_store": "engine_service",
@@ -65,6 +74,8 @@ __all__ = [
     "StoreConfig",
     "StoreStats",
     "TableStats",
+    "aleave_engine_store",
+    "astart_engine_store",
     "leave_engine_store",
     "producer_actor",
     "start_engine_store",

@@ -265,6 +265,9 @@ class StoreShardShell(_Reaped):
             lambda: self._shard.adopt_leased(refs, payloads, saved_bytes, samples, holder)
         )
 
+    def discard(self, payload_ids: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.discard(payload_ids))
+
     def revoke_holder(self, holder: str) -> list[str]:
         return self._locked(lambda: self._shard.revoke_holder(holder))
 

@@ -2,14 +2,18 @@
 
 ``RayBackend`` is the real one. ``LocalBackend`` runs the very same ``StoreShard`` and
 ``EngineStore`` classes in the calling process (the "fake for actors" of our tests and
-of single-process tools); its block references are the arrays themselves. Both speak
-in batches: ``call`` takes every shard call of one step and answers them together.
-Shard calls are typed ``ShardCall``s (``routeplay.store.shard_api``); engine-store
-calls are typed methods here (``free_key``, ``key_refs``): no caller names a method.
+of single-process tools); its block references are the arrays themselves. Sending and
+waiting are apart: ``send`` (and ``send_adopt_keys``, ``send_free_key``,
+``send_key_refs``) only sends and returns pending results; ``resolve`` blocks for them
+and ``aresolve`` awaits them, so the client's flows (``routeplay.store.flow``) run
+blocking or awaited over the same sends. Shard calls are typed ``ShardCall``s
+(``routeplay.store.shard_api``); engine-store calls are typed methods here: no caller
+names a method.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import secrets
 import threading
 import weakref
@@ -24,11 +28,12 @@ from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
+from routeplay.store.flow import Wait
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.shard import StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardCall
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "Settled"]
+__all__ = ["Backend", "LocalBackend", "RayBackend", "Settled", "settled_answers"]
 
 R = TypeVar("R")
 
@@ -49,9 +54,32 @@ class Backend(Protocol):
     @property
     def shard_count(self) -> int: ...
 
+    def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
+        """Send the calls; their pending results, one per call (nothing waited for)."""
+        ...
+
+    def resolve(self, wait: Wait) -> list[Any]:
+        """The answers of pending results, blocking (``routeplay.store.flow.Wait``)."""
+        ...
+
+    async def aresolve(self, wait: Wait) -> list[Any]:
+        """The answers of pending results, awaited on the running event loop."""
+        ...
+
+    def ready(self, pending: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """The pending results that are done and those still running (no waiting)."""
+        ...
+
+    def when_done(self, pending: Any, landed: Callable[[Any], None]) -> Any:
+        """Call ``landed(value)`` once ``pending`` has a value (not if it failed), on
+        whatever thread completes it; returns a pending result that is done after."""
+        ...
+
     def call(
         self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
-    ) -> list[R]: ...
+    ) -> list[R]:
+        """``send`` then ``resolve``: the blocking shortcut (tools, tests)."""
+        ...
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]: ...
 
@@ -61,19 +89,18 @@ class Backend(Protocol):
         """What a reader keeps of block references granted with a lease."""
         ...
 
-    def call_each(self, calls: Sequence[ShardCall[R]], what: str) -> list[R | RouteplayError]: ...
-
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None: ...
 
-    def free_key(self, key: EngineKey, run: str) -> bool:
-        """Free an unread engine-store key of ``run``; True if it was live."""
+    def send_free_key(self, key: EngineKey, run: str) -> Any:
+        """Free an unread engine-store key of ``run``; answers True if it was live."""
         ...
 
-    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
-        """The key's payload, consumed (one reference, wrapped so it is not resolved)."""
+    def send_key_refs(self, key: EngineKey, run: str) -> Any:
+        """Consume a key; answers its payload (one reference, wrapped so it is not
+        resolved)."""
         ...
 
-    def adopt_keys(
+    def send_adopt_keys(
         self,
         shard: int,
         keys: Sequence[EngineKey],
@@ -81,19 +108,13 @@ class Backend(Protocol):
         shared_prefix: int = 0,
         starts: Sequence[int] | None = None,
         pack: bool = False,
-    ) -> list[Any]:
-        """Per key: a StoreRef (all its rows), a tuple of ``(StoreRef, start, stop)`` row
-        ranges (a group's: a shared prompt, then its own rows), or the error that refused
-        it. ``starts``: per key, the first row stored (rows before it are dropped where
-        the key is validated); ``shared_prefix`` or ``pack`` make the keys one group
-        (laid out together, a refused member set aside)."""
-        ...
-
-    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]: ...
-
-    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
-        """Outcomes of the submitted calls that are done (all of them when ``wait``),
-        and those still running."""
+    ) -> Any:
+        """Have a shard adopt engine keys; answers, per key, a StoreRef (all its rows), a
+        tuple of ``(StoreRef, start, stop)`` row ranges (a group's: a shared prompt, then
+        its own rows), or the error that refused it. ``starts``: per key, the first row
+        stored (rows before it are dropped where the key is validated);
+        ``shared_prefix`` or ``pack`` make the keys one group (laid out together, a
+        refused member set aside)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -105,6 +126,7 @@ class RayBackend:
     def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
         self._shards = list(shards)
         self._timeout_s = timeout_s
+        self._waits = ray_calls.RayWaits(timeout_s)
         self._engines: dict[tuple[str, str], Any] = {}  # ray.get_actor costs a GCS call
 
     @classmethod
@@ -134,12 +156,47 @@ class RayBackend:
     def shard_count(self) -> int:
         return len(self._shards)
 
+    def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
+        return [call.send_to(self._shards[call.shard]) for call in calls]
+
+    def resolve(self, wait: Wait) -> list[Any]:
+        return self._waits.resolve(wait)
+
+    async def aresolve(self, wait: Wait) -> list[Any]:
+        return await self._waits.aresolve(wait)
+
+    def ready(self, pending: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        markers = [p for p in pending if isinstance(p, concurrent.futures.Future)]
+        refs = [p for p in pending if not isinstance(p, concurrent.futures.Future)]
+        done: list[Any] = [m for m in markers if m.done()]
+        running: list[Any] = [m for m in markers if not m.done()]
+        if refs:  # timeout 0: never blocks (and Ray does not call it blocking in async)
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            done += ready
+            running += waiting
+        return done, running
+
+    def when_done(self, pending: Any, landed: Callable[[Any], None]) -> Any:
+        """Ray completes the reference's future on its own thread and runs the callback
+        there: no thread of ours, no wait. The returned future is done after it."""
+        marker: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def done(future: concurrent.futures.Future[Any], ref: Any = pending) -> None:
+            try:
+                if future.exception() is None:  # a failed call granted nothing
+                    landed(future.result())
+            except BaseException as exc:  # never lost: the waiter of the marker sees it
+                marker.set_exception(exc)
+            else:
+                marker.set_result(None)
+
+        pending.future().add_done_callback(done)
+        return marker
+
     def call(
         self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
     ) -> list[R]:
-        pending = [call.send_to(self._shards[call.shard]) for call in calls]
-        deadline = self._timeout_s if timeout_s is None else timeout_s
-        return list(ray_calls.get(pending, timeout_s=deadline, what=what))
+        return self.resolve(Wait(tuple(self.send(calls)), what, timeout_s))
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return [ray.put(block) for block in blocks]
@@ -152,24 +209,14 @@ class RayBackend:
         client drops them (when the lease that pinned them is released)."""
         return list(refs)
 
-    def call_each(self, calls: Sequence[ShardCall[R]], what: str) -> list[R | RouteplayError]:
-        """Like ``call``, but each result is a value or the RouteplayError it raised."""
-        pending = [call.send_to(self._shards[call.shard]) for call in calls]
-        return [
-            _outcome(lambda ref=ref: ray_calls.get(ref, timeout_s=self._timeout_s, what=what))
-            for ref in pending
-        ]
-
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return ray_calls.lost_index(list(refs), error)
 
-    def free_key(self, key: EngineKey, run: str) -> bool:
-        pending = self._engine(key).free.remote(key.key, run)
-        return bool(self._engine_get(pending, key, "free"))
+    def send_free_key(self, key: EngineKey, run: str) -> Any:
+        return self._engine(key).free.remote(key.key, run)
 
-    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
-        pending = self._engine(key).get_ref.remote(key.key, run)
-        return list(self._engine_get(pending, key, "get_ref"))
+    def send_key_refs(self, key: EngineKey, run: str) -> Any:
+        return self._engine(key).get_ref.remote(key.key, run)
 
     def _engine(self, key: EngineKey) -> Any:
         """The engine store actor of ``key`` (looked up once: a look-up is a GCS call)."""
@@ -178,11 +225,7 @@ class RayBackend:
             self._engines[where] = ray_calls.get_actor(key.actor, key.namespace)
         return self._engines[where]
 
-    def _engine_get(self, pending: Any, key: EngineKey, step: str) -> Any:
-        what = f"{key.namespace}/{key.actor}.{step}"
-        return ray_calls.get(pending, timeout_s=self._timeout_s, what=what)
-
-    def adopt_keys(
+    def send_adopt_keys(
         self,
         shard: int,
         keys: Sequence[EngineKey],
@@ -190,35 +233,10 @@ class RayBackend:
         shared_prefix: int = 0,
         starts: Sequence[int] | None = None,
         pack: bool = False,
-    ) -> list[Any]:
+    ) -> Any:
         """One call: the shard consumes the keys and validates them on the engine's node."""
         begin = list(starts) if starts is not None else None
-        pending = self._shards[shard].adopt_keys.remote(
-            list(keys), spec, shared_prefix, begin, pack
-        )
-        # The shard itself waits up to timeout_s for the engine store; give it room.
-        what = f"adopt {len(keys)} engine keys"
-        return list(ray_calls.get(pending, timeout_s=2 * self._timeout_s, what=what))
-
-    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
-        return [call.send_to(self._shards[call.shard]) for call in calls]
-
-    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
-        if not pending:
-            return [], []
-        timeout = self._timeout_s if wait else 0
-        done, running = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
-        outcomes = [
-            _settled(lambda ref=ref: ray_calls.get(ref, timeout_s=self._timeout_s, what="release"))
-            for ref in done
-        ]
-        if wait and running:  # past the deadline: report them as failed, not forgotten
-            outcomes += [
-                _settled(lambda ref=ref: ray_calls.get(ref, timeout_s=0.001, what="release"))
-                for ref in running
-            ]
-            running = []
-        return outcomes, list(running)
+        return self._shards[shard].adopt_keys.remote(list(keys), spec, shared_prefix, begin, pack)
 
     def shutdown(self) -> None:
         for shard in self._shards:
@@ -255,11 +273,29 @@ class LocalBackend:
     def shard_count(self) -> int:
         return len(self._shards)
 
+    def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
+        """Runs the calls now: in process there is nothing to overlap with."""
+        with self._lock:
+            return [_settled(call.run_on, self._shards[call.shard]) for call in calls]
+
+    def resolve(self, wait: Wait) -> list[Any]:
+        return settled_answers(wait)
+
+    async def aresolve(self, wait: Wait) -> list[Any]:
+        return settled_answers(wait)
+
+    def ready(self, pending: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        return list(pending), []
+
+    def when_done(self, pending: Any, landed: Callable[[Any], None]) -> Any:
+        if pending.error is None:
+            landed(pending.value)
+        return Settled()
+
     def call(
         self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
     ) -> list[R]:
-        with self._lock:
-            return [call.run_on(self._shards[call.shard]) for call in calls]
+        return settled_answers(Wait(tuple(self.send(calls)), what, timeout_s))
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return [_LocalBlock(block.copy()) for block in blocks]  # the store owns its bytes
@@ -272,10 +308,6 @@ class LocalBackend:
         that ends a payload at the shard (even a foreign "free" of its leases) is seen by
         every reader, as an object freed in a real object store would be."""
         return [weakref.ref(ref) if isinstance(ref, _LocalBlock) else ref for ref in refs]
-
-    def call_each(self, calls: Sequence[ShardCall[R]], what: str) -> list[R | RouteplayError]:
-        with self._lock:
-            return [_outcome(call.run_on, self._shards[call.shard]) for call in calls]
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return None
@@ -294,16 +326,18 @@ class LocalBackend:
             )
         return self._engine_stores[key]
 
-    def free_key(self, key: EngineKey, run: str) -> bool:
+    def send_free_key(self, key: EngineKey, run: str) -> Any:
         with self._lock:
-            return self.engine_store(key.actor, key.namespace).free(key.key, run)
+            return _settled(self.engine_store(key.actor, key.namespace).free, key.key, run)
 
-    def key_refs(self, key: EngineKey, run: str) -> list[Any]:
+    def send_key_refs(self, key: EngineKey, run: str) -> Any:
         with self._lock:
-            wrapped = self.engine_store(key.actor, key.namespace).get_ref(key.key, run)
-        return [ref.value() for ref in wrapped]  # what a block reference is here: the value
+            taken = _settled(self.engine_store(key.actor, key.namespace).get_ref, key.key, run)
+        if taken.error is None:  # what a block reference is here: the value
+            taken.value = [ref.value() for ref in taken.value]
+        return taken
 
-    def adopt_keys(
+    def send_adopt_keys(
         self,
         shard: int,
         keys: Sequence[EngineKey],
@@ -311,6 +345,17 @@ class LocalBackend:
         shared_prefix: int = 0,
         starts: Sequence[int] | None = None,
         pack: bool = False,
+    ) -> Any:
+        return _settled(self._adopt_keys, shard, keys, spec, shared_prefix, starts, pack)
+
+    def _adopt_keys(
+        self,
+        shard: int,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        shared_prefix: int,
+        starts: Sequence[int] | None,
+        pack: bool,
     ) -> list[Any]:
         """The same steps as the Ray shard, in process: check, consume, validate, adopt."""
         begin = list(starts) if starts is not None else [0] * len(keys)
@@ -375,14 +420,6 @@ class LocalBackend:
             )
         return out
 
-    def submit(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
-        """Runs the calls now: in process there is nothing to overlap with."""
-        with self._lock:
-            return [_settled(call.run_on, self._shards[call.shard]) for call in calls]
-
-    def settle(self, pending: Sequence[Any], *, wait: bool) -> tuple[list[Settled], list[Any]]:
-        return list(pending), []
-
     def shutdown(self) -> None:
         self._shards.clear()
 
@@ -394,11 +431,14 @@ def _settled(call: Callable[..., Any], *args: Any) -> Settled:
         return Settled(error=exc)
 
 
-def _outcome(call: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return call(*args)
-    except RouteplayError as exc:
-        return exc
+def settled_answers(wait: Wait) -> list[Any]:
+    """The answers of settled results (``LocalBackend``'s pending results)."""
+    if wait.each:
+        return [s.value if s.error is None else s.error for s in wait.pending]
+    for settled in wait.pending:
+        if settled.error is not None:
+            raise settled.error
+    return [settled.value for settled in wait.pending]
 
 
 class _LocalBlock:

@@ -13,6 +13,9 @@ through a shard.
   whole step; a grant carries the block references, releases are not waited for
   (``routeplay.store.releases``).
 - Read path (``read``, ``read_many``): ``routeplay.store.reads``.
+- Awaitable twins (``aput_many``, ``aacquire_many``, ...): each call is one flow
+  (``routeplay.store.flow``) that the blocking method drives with ``ray.get`` and the
+  ``a``-prefixed one with ``await``; rescues of abandoned calls live in the flows.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, TypeAlias, TypeVar
 
 import numpy.typing as npt
@@ -32,11 +36,12 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, MisuseError, RouteplayError, RunMismatch
 from routeplay.store.backend import Backend, LocalBackend, RayBackend
 from routeplay.store.compaction import Compacted, Write, compact_handles
+from routeplay.store.flow import Flow, adrive, awaiting, drive
 from routeplay.store.key_check import check_start_rows
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.reads import BlockPins, Reader
-from routeplay.store.releases import PendingReleases
+from routeplay.store.releases import PendingReleases, Undo
 from routeplay.store.shard import Grant, StoredPayload, shard_of
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
@@ -130,12 +135,27 @@ Request: TypeAlias = tuple[Handle, int, int]
 class RouteStore:
     """Client of one run's route store (picklable with the Ray backend).
 
+    Every call a rollout or a buffer makes has an awaitable twin of the same name with
+    an ``a`` in front (``aput_many``, ``aadopt_keys_each``, ``aacquire_many``, ...): the
+    same flow (``routeplay.store.flow``), awaited on Ray's references instead of
+    blocking in ``ray.get`` (no executor thread; safe inside an async actor). A task
+    cancelled in the middle of one leaves nothing behind: what the calls in flight
+    grant is undone when they land (docs/asyncio.md).
+
+    Threads: one client may be shared by many threads (and many tasks). Its own state
+    (pinned block references, releases in flight) is locked; every call sends its own
+    shard calls; a call never overtakes a release any thread of this client sent
+    before it, and a failed release is raised once, by the next call that settles it
+    (on whichever thread). A ``Lease`` object is not meant to be released from two
+    threads at once, but doing so is harmless (releases are idempotent).
+
     Example:
         store = StoreConfig(run="run-7").build()
         [handle] = store.put_many([routes])
         [lease] = store.acquire_many([(handle, "train/step-0")])
         rows = lease.read(0, 4096)      # no shard call: the grant carried the blocks
         store.release_many([lease])     # sent, not waited for; errors surface later
+        [lease] = await store.aacquire_many([(handle, "train/step-1")])  # in a coroutine
     """
 
     def __init__(self, config: StoreConfig, backend: Backend) -> None:
@@ -190,11 +210,39 @@ class RouteStore:
         """Where the shards live."""
         return self._backend
 
+    def drive(self, flow: Flow[R]) -> R:
+        """Run a flow over this client's backend to its result, blocking.
+
+        Example:
+            handles = store.drive(store_flow)   # what every blocking method does
+        """
+        return drive(flow, self._backend)
+
+    async def adrive(self, flow: Flow[R]) -> R:
+        """Run a flow over this client's backend to its result, awaited.
+
+        Example:
+            handles = await store.adrive(store_flow)   # what every a-method does
+        """
+        return await adrive(flow, self._backend)
+
     # -- writing ----------------------------------------------------------------------
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Write from *this* process, which then owns the bytes: for long-lived callers
-        (the driver, a store-side service). Rollout workers use ``RoutesProducer``."""
+        (the driver, a store-side service). Rollout workers use ``RoutesProducer``.
+
+        Example:
+            handle = store.put(routes, weight_version=3)
+        """
         return self.put_many([routes], weight_version=weight_version)[0]
+
+    async def aput(self, routes: Routes, *, weight_version: int = 0) -> Handle:
+        """Awaitable ``put``.
+
+        Example:
+            handle = await store.aput(routes, weight_version=3)
+        """
+        return (await self.aput_many([routes], weight_version=weight_version))[0]
 
     def put_many(
         self,
@@ -215,6 +263,26 @@ class RouteStore:
             handles = store.put_many(group, shared_prefix=prompt_tokens)
             store.stats().shared_prefix_bytes_saved   # (G - 1) prompt copies not written
         """
+        return self.drive(self._put_many(batch, weight_version, shared_prefix, pack))
+
+    async def aput_many(
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Awaitable ``put_many`` (cancelled in flight: the payloads are dropped).
+
+        Example:
+            handles = await store.aput_many(group, shared_prefix=prompt_tokens)
+        """
+        return await self.adrive(self._put_many(batch, weight_version, shared_prefix, pack))
+
+    def _put_many(
+        self, batch: Sequence[Routes], weight_version: int, shared_prefix: int, pack: bool
+    ) -> Flow[list[Handle]]:
         spec = batch_spec(batch)
         if spec is None:
             return []
@@ -225,7 +293,7 @@ class RouteStore:
         refs = self._backend.put_blocks(blocks)
         shard = self._pick_shard(uuid.uuid4().hex)
         call = shard_call(shard, ShardApi.adopt_many, refs, payloads, layout.saved_bytes)
-        [stored] = self._call([call], "adopt a batch")
+        [stored] = yield from self._calls([call], "adopt a batch", undo=_discard_stored(shard))
         return _handles(layout, stored, spec, weight_version)
 
     def put_leased(
@@ -238,6 +306,17 @@ class RouteStore:
             handle, lease = store.put_leased(routes, "sample/s-3")
         """
         [pair] = self.put_leased_many([routes], holder, weight_version=weight_version)
+        return pair
+
+    async def aput_leased(
+        self, routes: Routes, holder: str, *, weight_version: int = 0
+    ) -> tuple[Handle, Lease]:
+        """Awaitable ``put_leased``.
+
+        Example:
+            handle, lease = await store.aput_leased(routes, "sample/s-3")
+        """
+        [pair] = await self.aput_leased_many([routes], holder, weight_version=weight_version)
         return pair
 
     def put_leased_many(
@@ -254,12 +333,42 @@ class RouteStore:
         Example:
             pairs = store.put_leased_many(group, "buffer/g-1", shared_prefix=prompt)
         """
+        flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
+        return self.drive(flow)
+
+    async def aput_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holder: str,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """Awaitable ``put_leased_many`` (cancelled in flight: leases and payloads end).
+
+        Example:
+            pairs = await store.aput_leased_many(group, "buffer/g-1", shared_prefix=prompt)
+        """
+        flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
+        return await self.adrive(flow)
+
+    def _put_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holder: str,
+        weight_version: int,
+        shared_prefix: int,
+        pack: bool,
+    ) -> Flow[list[tuple[Handle, Lease]]]:
         spec = batch_spec(batch)
         if spec is None:
             return []
         layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
         if not layout.arrays:
-            return [(h, self.acquire(h, holder)) for h in (Handle(spec) for _ in batch)]
+            empty = [Handle(spec) for _ in batch]
+            leases = yield from self._acquire_many([(h, holder) for h in empty])
+            return list(zip(empty, leases, strict=True))
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
         shard = self._pick_shard(uuid.uuid4().hex)
@@ -267,7 +376,9 @@ class RouteStore:
         call = shard_call(
             shard, ShardApi.adopt_leased, refs, payloads, layout.saved_bytes, per_sample, holder
         )
-        [(stored, grant)] = self._call([call], f"put for {holder}")
+        [(stored, grant)] = yield from self._calls(
+            [call], f"put for {holder}", undo=_release_adopted(shard)
+        )
         handles = _handles(layout, stored, spec, weight_version)
         return [
             (handle, self._lease_of(handle, holder, shard, lease_id, grant))
@@ -313,9 +424,27 @@ class RouteStore:
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
     ) -> Handle:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
+        return self.drive(self.put_staged_flow(producer, token, blocks, routes, weight_version))
+
+    async def aput_staged(
+        self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
+    ) -> Handle:
+        """Awaitable ``put_staged``.
+
+        Example:
+            handle = await store.aput_staged(me, token, blocks, routes)
+        """
+        flow = self.put_staged_flow(producer, token, blocks, routes, weight_version)
+        return await self.adrive(flow)
+
+    def put_staged_flow(
+        self, producer: Any, token: str, blocks: int, routes: Routes, weight_version: int
+    ) -> Flow[Handle]:
+        """The flow of ``put_staged`` (a producer drives it blocking or awaited)."""
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
+        shard = self._pick_shard(token)
         call = shard_call(
-            self._pick_shard(token),
+            shard,
             ShardApi.adopt_from,
             producer,
             token,
@@ -325,7 +454,12 @@ class RouteStore:
             block_rows,
         )
         # The shard itself waits up to timeout_s for the producer; give its answer room.
-        [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
+        [stored] = yield from self._calls(
+            [call],
+            f"adopt {token}",
+            timeout_s=2 * self.config.timeout_s,
+            undo=lambda _, ref: [shard_call(shard, ShardApi.discard, [ref.payload_id])],
+        )
         return self._handle(stored, routes.spec, weight_version)
 
     def put_staged_many(
@@ -338,12 +472,40 @@ class RouteStore:
         weight_version: int = 0,
     ) -> list[Handle]:
         """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
+        return self.drive(self.put_staged_many_flow(producer, token, layout, spec, weight_version))
+
+    async def aput_staged_many(
+        self,
+        producer: Any,
+        token: str,
+        layout: BatchLayout,
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+    ) -> list[Handle]:
+        """Awaitable ``put_staged_many``.
+
+        Example:
+            handles = await store.aput_staged_many(me, token, layout, spec)
+        """
+        flow = self.put_staged_many_flow(producer, token, layout, spec, weight_version)
+        return await self.adrive(flow)
+
+    def put_staged_many_flow(
+        self, producer: Any, token: str, layout: BatchLayout, spec: RouteSpec, weight_version: int
+    ) -> Flow[list[Handle]]:
+        """The flow of ``put_staged_many`` (a producer drives it blocking or awaited)."""
         _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
         shard = self._pick_shard(token)
         call = shard_call(
             shard, ShardApi.adopt_from_many, producer, token, payloads, layout.saved_bytes
         )
-        [stored] = self._call([call], f"adopt {token}", timeout_s=2 * self.config.timeout_s)
+        [stored] = yield from self._calls(
+            [call],
+            f"adopt {token}",
+            timeout_s=2 * self.config.timeout_s,
+            undo=_discard_stored(shard),
+        )
         return _handles(layout, stored, spec, weight_version)
 
     def adopt_key(
@@ -364,9 +526,20 @@ class RouteStore:
             new = store.adopt_key(routing.key, spec, weight_version=2, start_row=history.rows)
             handle = history + new
         """
-        return self.adopt_keys([key], spec, weight_version=weight_version, start_rows=[start_row])[
-            0
-        ]
+        flow = self._adopt_keys([key], spec, weight_version, 0, [start_row], False)
+        return self.drive(flow)[0]
+
+    async def aadopt_key(
+        self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
+    ) -> Handle:
+        """Awaitable ``adopt_key`` (LMDeploy's and SGLang's keys alike; cancelled in
+        flight: the key is consumed and its payload dropped).
+
+        Example:
+            new = await store.aadopt_key(routing.key, spec, start_row=history.rows)
+        """
+        flow = self._adopt_keys([key], spec, weight_version, 0, [start_row], False)
+        return (await self.adrive(flow))[0]
 
     def adopt_keys(
         self,
@@ -391,13 +564,38 @@ class RouteStore:
         Example:
             handles = store.adopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
         """
-        results = self.adopt_keys_each(
-            keys,
-            spec,
-            weight_version=weight_version,
-            shared_prefix=shared_prefix,
-            start_rows=start_rows,
-            pack=pack,
+        flow = self._adopt_keys(keys, spec, weight_version, shared_prefix, start_rows, pack)
+        return self.drive(flow)
+
+    async def aadopt_keys(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Awaitable ``adopt_keys``.
+
+        Example:
+            handles = await store.aadopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
+        """
+        flow = self._adopt_keys(keys, spec, weight_version, shared_prefix, start_rows, pack)
+        return await self.adrive(flow)
+
+    def _adopt_keys(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        weight_version: int,
+        shared_prefix: int,
+        start_rows: Sequence[int] | None,
+        pack: bool,
+    ) -> Flow[list[Handle]]:
+        results = yield from self._adopt_keys_each(
+            keys, spec, weight_version, shared_prefix, start_rows, pack
         )
         for result in results:
             if isinstance(result, BaseException):
@@ -424,13 +622,51 @@ class RouteStore:
             out = store.adopt_keys_each(keys, spec, shared_prefix=600, pack=True)
             good = [h for h in out if isinstance(h, Handle)]
         """
+        flow = self._adopt_keys_each(keys, spec, weight_version, shared_prefix, start_rows, pack)
+        return self.drive(flow)
+
+    async def aadopt_keys_each(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
+    ) -> list[Handle | RouteplayError]:
+        """Awaitable ``adopt_keys_each`` (cancelled in flight: the keys are consumed and
+        their payloads dropped).
+
+        Example:
+            out = await store.aadopt_keys_each(keys, spec, shared_prefix=600, pack=True)
+        """
+        flow = self._adopt_keys_each(keys, spec, weight_version, shared_prefix, start_rows, pack)
+        return await self.adrive(flow)
+
+    def _adopt_keys_each(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        weight_version: int,
+        shared_prefix: int,
+        start_rows: Sequence[int] | None,
+        pack: bool,
+    ) -> Flow[list[Handle | RouteplayError]]:
         if not keys:
             return []
         keys = [self.scoped(key) for key in keys]
         starts = check_start_rows(keys, start_rows)
-        self._releases.settle(wait=False)
+        yield from self._releases.settle(wait=False)
         shard = self._pick_shard(keys[0].key)
-        results = self._backend.adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
+        pending = self._backend.send_adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
+        # The shard itself waits up to timeout_s for the engine store; give it room.
+        [results] = yield from self._await(
+            [pending],
+            f"adopt {len(keys)} engine keys",
+            timeout_s=2 * self.config.timeout_s,
+            undo=_discard_adopted(shard),
+        )
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, RouteplayError):
                 raise result  # not a refusal of one key: the call failed
@@ -447,15 +683,47 @@ class RouteStore:
 
     def free_engine_keys(self, handle: Handle) -> int:
         """Release the engine-store keys a dropped sample still references (never read);
-        returns how many were live. Keys already consumed or expired are skipped."""
-        keys = [src for src in handle.sources() if isinstance(src, EngineKey)]
-        return sum(self.free_key(key) for key in keys)
+        returns how many were live. Keys already consumed or expired are skipped.
+
+        Example:
+            store.free_engine_keys(dropped.handle)
+        """
+        return self.drive(self._free_keys(_engine_keys(handle)))
+
+    async def afree_engine_keys(self, handle: Handle) -> int:
+        """Awaitable ``free_engine_keys``.
+
+        Example:
+            await store.afree_engine_keys(dropped.handle)
+        """
+        return await self.adrive(self._free_keys(_engine_keys(handle)))
 
     def free_key(self, key: EngineKey) -> bool:
         """Release one unread engine-store key of this run (idempotent); True if it was
-        live. A key of another run is refused (``RunMismatch``) and stays live."""
-        key = self.scoped(key)
-        return self._backend.free_key(key, self.run)
+        live. A key of another run is refused (``RunMismatch``) and stays live.
+
+        Example:
+            store.free_key(routing.key)
+        """
+        return self.drive(self._free_keys([key])) > 0
+
+    async def afree_key(self, key: EngineKey) -> bool:
+        """Awaitable ``free_key``.
+
+        Example:
+            await store.afree_key(routing.key)
+        """
+        return await self.adrive(self._free_keys([key])) > 0
+
+    def _free_keys(self, keys: Sequence[EngineKey]) -> Flow[int]:
+        """Free keys (one engine-store call each, all sent first); how many were live."""
+        scoped = [self.scoped(key) for key in keys]
+        if not scoped:
+            return 0
+        pending = [self._backend.send_free_key(key, self.run) for key in scoped]
+        where = ", ".join(sorted({f"{key.namespace}/{key.actor}" for key in scoped}))
+        answers = yield from self._await(pending, f"{where}.free", ends=True)
+        return sum(bool(live) for live in answers)
 
     def scoped(self, key: EngineKey) -> EngineKey:
         """``key`` carrying this run's id (a key read from a response carries none yet);
@@ -477,8 +745,20 @@ class RouteStore:
 
     # -- leases -----------------------------------------------------------------------
     def acquire(self, handle: Handle, holder: str) -> Lease:
-        """A lease of ``holder`` over every stored payload of ``handle``."""
+        """A lease of ``holder`` over every stored payload of ``handle``.
+
+        Example:
+            with store.acquire(handle, "buffer/s-1") as lease: ...
+        """
         return self.acquire_many([(handle, holder)])[0]
+
+    async def aacquire(self, handle: Handle, holder: str) -> Lease:
+        """Awaitable ``acquire``.
+
+        Example:
+            async with await store.aacquire(handle, "buffer/s-1") as lease: ...
+        """
+        return (await self.aacquire_many([(handle, holder)]))[0]
 
     def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
         """Leases for many ``(handle, holder)`` pairs (a training step): one call per
@@ -490,6 +770,17 @@ class RouteStore:
             rows = store.read_many([(h, lo, hi) for h in handles])  # no shard call
             store.release_many(leases)
         """
+        return self.drive(self._acquire_many(items))
+
+    async def aacquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
+        """Awaitable ``acquire_many`` (cancelled in flight: every grant is revoked).
+
+        Example:
+            leases = await store.aacquire_many([(h, "train/step-3") for h in handles])
+        """
+        return await self.adrive(self._acquire_many(items))
+
+    def _acquire_many(self, items: Sequence[tuple[Handle, str]]) -> Flow[list[Lease]]:
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
             per_shard: dict[int, list[str]] = {}
@@ -505,7 +796,7 @@ class RouteStore:
             for i in shards
         ]
         holders = ", ".join(sorted({holder for _, holder in items})[:3])
-        grants = self._grant_all(calls, f"acquire for {holders}")
+        grants = yield from self._grant_all(calls, f"acquire for {holders}")
         parts: list[dict[int, str]] = [{} for _ in items]
         blocks: list[dict[str, list[Any]]] = [{} for _ in items]
         borrow = self._backend.borrow
@@ -525,7 +816,11 @@ class RouteStore:
         """End many leases with one call per shard, not waited for (idempotent per
         lease): the reader's path (a training step, a materializer's finished samples).
         A failure is raised by this client's next call or ``flush`` (``ReleaseFailed``).
-        ``Lease.release`` waits instead, for holders that must know the outcome."""
+        ``Lease.release`` waits instead, for holders that must know the outcome.
+
+        Example:
+            store.release_many(leases)
+        """
         by_shard: dict[int, list[str]] = {}
         live = [lease for lease in leases if not lease.released]
         for lease in live:  # another run's lease is refused before anything is marked
@@ -540,30 +835,77 @@ class RouteStore:
         for lease in live:
             lease.mark_released()
 
+    async def arelease_many(self, leases: Sequence[Lease]) -> None:
+        """``release_many`` from a coroutine: it only sends (nothing to await), so it is
+        the same call; ``aflush`` awaits the outcome.
+
+        Example:
+            await store.arelease_many(leases)
+        """
+        self.release_many(leases)
+
     def flush(self) -> None:
-        """Wait for every release in flight; raise ``ReleaseFailed`` if one failed."""
-        self._releases.settle(wait=True)
+        """Wait for every release in flight; raise ``ReleaseFailed`` if one failed.
+
+        Example:
+            store.flush()
+        """
+        self.drive(self._releases.settle(wait=True))
+
+    async def aflush(self) -> None:
+        """Awaitable ``flush`` (cancelled: the releases stay in flight, still tracked).
+
+        Example:
+            await store.aflush()
+        """
+        await self.adrive(self._releases.settle(wait=True))
 
     # -- what a Lease calls (``routeplay.store.lease.LeaseOwner``) ----------------------
     def release_lease(self, parts: Mapping[int, str]) -> None:
         """End one lease's parts (its id per shard), waited for: a holder's lifecycle
         (buffer, session, sample state) must know whether its lease ended, to keep it
         or retry it if the shard failed. ``Lease.release`` calls it."""
+        self.drive(self._release_lease(parts))
+
+    async def arelease_lease(self, parts: Mapping[int, str]) -> None:
+        """Awaitable ``release_lease`` (``Lease.arelease`` calls it)."""
+        await self.adrive(self._release_lease(parts))
+
+    def _release_lease(self, parts: Mapping[int, str]) -> Flow[None]:
+        # Cancelled in flight: the release still lands (ending is idempotent), tracked.
         calls = [shard_call(i, ShardApi.release, lid) for i, lid in parts.items()]
-        self._call(calls, "end a lease")
+        yield from self._calls(calls, "end a lease", ends=True)
 
     def clone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
         """A new lease of ``holder`` over the same payloads, on every shard or none;
         returns its parts. ``Lease.clone`` calls it."""
+        return self.drive(self._clone_lease(parts, holder))
+
+    async def aclone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Awaitable ``clone_lease`` (``Lease.aclone`` calls it)."""
+        return await self.adrive(self._clone_lease(parts, holder))
+
+    def _clone_lease(self, parts: Mapping[int, str], holder: str) -> Flow[dict[int, str]]:
         calls = [shard_call(i, ShardApi.clone, lid, holder) for i, lid in parts.items()]
-        clones = self._grant_all(calls, f"clone for {holder}")
+        clones = yield from self._grant_all(calls, f"clone for {holder}")
         return dict(zip(parts, clones, strict=True))
 
     def transfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
         """Clone on every shard (all or nothing), then end the old parts: the payloads
-        never reach zero leases. ``Lease.transfer`` calls it."""
-        moved = self.clone_lease(parts, holder)
-        self.release_lease(parts)
+        never reach zero leases. The old parts' release is sent, not waited for (a
+        failure is raised by the next call, as ``release_many``'s), so the new lease is
+        always handed back. ``Lease.transfer`` calls it."""
+        return self.drive(self._transfer_lease(parts, holder))
+
+    async def atransfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Awaitable ``transfer_lease`` (``Lease.atransfer`` calls it)."""
+        return await self.adrive(self._transfer_lease(parts, holder))
+
+    def _transfer_lease(self, parts: Mapping[int, str], holder: str) -> Flow[dict[int, str]]:
+        moved = yield from self._clone_lease(parts, holder)  # cancelled here: nothing moved
+        self._releases.submit(
+            [shard_call(i, ShardApi.release_many, [lid]) for i, lid in parts.items()]
+        )
         return moved
 
     def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
@@ -576,22 +918,26 @@ class RouteStore:
         released, pickled or collected); the last one drops them."""
         self._pins.unpin(payload_ids)
 
-    def _grant_all(self, calls: Sequence[ShardCall[R]], what: str) -> list[R]:
+    def _grant_all(self, calls: Sequence[ShardCall[R]], what: str) -> Flow[list[R]]:
         """Per-call grants, or none at all: a shard that fails rolls the others back,
-        so a half-granted lease can never be left behind with nobody to release it."""
-        self._releases.settle(wait=True)
-        results = self._backend.call_each(calls, f"{self.run}: {what}")
+        so a half-granted lease can never be left behind with nobody to release it (nor
+        can a wait abandoned in flight: each grant is revoked when it lands)."""
+
+        def revoke(index: int, granted: Any) -> list[ShardCall[list[str]]]:
+            return [shard_call(calls[index].shard, ShardApi.revoke_many, _lease_ids(granted))]
+
+        results = yield from self._calls(calls, what, each=True, undo=revoke)
         granted: list[R] = []
         failures: list[BaseException] = []
         undo: list[ShardCall[list[str]]] = []
-        for call, result in zip(calls, results, strict=True):
+        for index, result in enumerate(results):
             if isinstance(result, BaseException):
                 failures.append(result)
             else:
                 granted.append(result)
-                undo.append(shard_call(call.shard, ShardApi.revoke_many, _lease_ids(result)))
+                undo += revoke(index, result)
         if failures:
-            self._call(undo, "roll back")
+            yield from self._calls(undo, "roll back")
             raise failures[0]
         return granted
 
@@ -631,7 +977,7 @@ class RouteStore:
                         self._check_run(source)
                 elif isinstance(source, EngineKey) and source.run != self.run:
                     self.scoped(source)
-        self._releases.settle(wait=False)
+        self.drive(self._releases.settle(wait=False))
         return self._reader.read_many(requests, holder=holder, out=out)
 
     def compact(
@@ -655,17 +1001,39 @@ class RouteStore:
     # -- accounting -------------------------------------------------------------------
     def stats(self) -> StoreStats:
         """Sum of every live shard's snapshot (after the releases in flight have landed);
-        a shard that does not answer is named in ``dead_shards``, not fatal."""
-        parts, dead = self._each_shard(ShardApi.stats)
+        a shard that does not answer is named in ``dead_shards``, not fatal.
+
+        Example:
+            assert store.stats().leases == 0
+        """
+        parts, dead = self.drive(self._each_shard(ShardApi.stats))
+        return _merge_stats(parts, dead)
+
+    async def astats(self) -> StoreStats:
+        """Awaitable ``stats``.
+
+        Example:
+            assert (await store.astats()).leases == 0
+        """
+        parts, dead = await self.adrive(self._each_shard(ShardApi.stats))
         return _merge_stats(parts, dead)
 
     def leaks(self) -> list[LeakRecord]:
         """Leases still held, oldest first, across the live shards (a dead shard's are
-        gone with it: it is logged, and ``stats().dead_shards`` names it)."""
-        per_shard, dead = self._each_shard(ShardApi.leaks)
-        for why in dead:
-            log.warning("run %s: leaks() skipped %s", self.run, why)
-        return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
+        gone with it: it is logged, and ``stats().dead_shards`` names it).
+
+        Example:
+            for leak in store.leaks(): print(leak.holder, leak.age_s)
+        """
+        return _sorted_leaks(self.run, *self.drive(self._each_shard(ShardApi.leaks)))
+
+    async def aleaks(self) -> list[LeakRecord]:
+        """Awaitable ``leaks``.
+
+        Example:
+            assert await store.aleaks() == []
+        """
+        return _sorted_leaks(self.run, *await self.adrive(self._each_shard(ShardApi.leaks)))
 
     def revoke(self, leases: Sequence[str | LeakRecord | Lease]) -> int:
         """End leases whose holder died (from ``leaks()``, or their ids); returns how many
@@ -675,6 +1043,17 @@ class RouteStore:
             stale = [leak for leak in store.leaks() if leak.age_s > 3600]
             store.revoke(stale)
         """
+        return self.drive(self._revoke(leases))
+
+    async def arevoke(self, leases: Sequence[str | LeakRecord | Lease]) -> int:
+        """Awaitable ``revoke``.
+
+        Example:
+            await store.arevoke(await store.aleaks())
+        """
+        return await self.adrive(self._revoke(leases))
+
+    def _revoke(self, leases: Sequence[str | LeakRecord | Lease]) -> Flow[int]:
         by_shard: dict[int, list[str]] = {}
         for item in leases:
             ids = (
@@ -685,7 +1064,7 @@ class RouteStore:
             for shard, lease_id in ids:
                 by_shard.setdefault(shard, []).append(lease_id)
         calls = [shard_call(i, ShardApi.revoke_leases, ids) for i, ids in sorted(by_shard.items())]
-        ended = self._call(calls, "revoke leases")
+        ended = yield from self._calls(calls, "revoke leases", ends=True)
         for item in leases:
             if isinstance(item, Lease):
                 item.mark_released()
@@ -698,17 +1077,27 @@ class RouteStore:
         Example:
             store.revoke_holder("rollout/worker-3")   # its samples' bytes can go now
         """
+        return self.drive(self._revoke_holder(holder))
+
+    async def arevoke_holder(self, holder: str) -> int:
+        """Awaitable ``revoke_holder``.
+
+        Example:
+            await store.arevoke_holder("rollout/worker-3")
+        """
+        return await self.adrive(self._revoke_holder(holder))
+
+    def _revoke_holder(self, holder: str) -> Flow[int]:
         shards = range(self._backend.shard_count)
         calls = [shard_call(i, ShardApi.revoke_holder, holder) for i in shards]
-        ended = self._call(calls, f"revoke {holder}")
+        ended = yield from self._calls(calls, f"revoke {holder}", ends=True)
         return sum(len(ids) for ids in ended)
 
-    def _each_shard(self, op: Callable[[ShardApi], R]) -> tuple[list[R], list[str]]:
+    def _each_shard(self, op: Callable[[ShardApi], R]) -> Flow[tuple[list[R], list[str]]]:
         """Every shard's answer to ``op``; those that failed, named, apart."""
-        self._releases.settle(wait=True)
         shards = range(self._backend.shard_count)
         calls = [shard_call(i, op) for i in shards]
-        results = self._backend.call_each(calls, f"{self.run}: {op.__name__}")
+        results = yield from self._calls(calls, op.__name__, each=True)
         live = [r for r in results if not isinstance(r, BaseException)]
         dead = [
             f"shard {i} ({type(r).__name__}: {r.summary if isinstance(r, RouteplayError) else r})"
@@ -729,10 +1118,45 @@ class RouteStore:
     def _call(
         self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
     ) -> list[R]:
+        """Shard calls answered, blocking (the reader's metadata call)."""
+        return self.drive(self._calls(calls, what, timeout_s=timeout_s))
+
+    def _calls(
+        self,
+        calls: Sequence[ShardCall[R]],
+        what: str,
+        *,
+        timeout_s: float | None = None,
+        each: bool = False,
+        undo: Undo | None = None,
+        ends: bool = False,
+    ) -> Flow[list[Any]]:
         # Shard actors are threaded: wait for this client's releases first, so a call
         # never overtakes a release sent before it.
-        self._releases.settle(wait=True)
-        return self._backend.call(calls, f"{self.run}: {what}", timeout_s=timeout_s)
+        yield from self._releases.settle(wait=True)
+        pending = self._backend.send(calls)
+        flow = self._await(pending, what, timeout_s=timeout_s, each=each, undo=undo, ends=ends)
+        return (yield from flow)
+
+    def _await(
+        self,
+        pending: Sequence[Any],
+        what: str,
+        *,
+        timeout_s: float | None = None,
+        each: bool = False,
+        undo: Undo | None = None,
+        ends: bool = False,
+    ) -> Flow[list[Any]]:
+        """Wait for calls sent. Abandoned in flight: ``undo`` what they grant as they
+        land, or, for calls that end things (``ends``), settle them as releases."""
+        rescue: Callable[[Sequence[Any]], None] | None = None
+        if ends:
+            rescue = self._releases.track
+        elif undo is not None:
+            rescue = partial(self._releases.rescue, undo=undo)
+        what = f"{self.run}: {what}"
+        return (yield from awaiting(pending, what, timeout_s=timeout_s, each=each, rescue=rescue))
 
     def _pick_shard(self, key: str) -> int:
         return zlib.crc32(key.encode()) % self._backend.shard_count
@@ -761,6 +1185,51 @@ class RouteStore:
             source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
         )
         return Handle.of(segment)
+
+
+def _discard_stored(shard: int) -> Undo:
+    """Undo of an adopt whose caller never got the handles: drop the unleased payloads."""
+
+    def undo(_: int, stored: Sequence[StoreRef]) -> list[ShardCall[list[str]]]:
+        return [shard_call(shard, ShardApi.discard, [ref.payload_id for ref in stored])]
+
+    return undo
+
+
+def _release_adopted(shard: int) -> Undo:
+    """Undo of ``adopt_leased``: end its leases, which drops the payloads they alone hold."""
+
+    def undo(_: int, result: tuple[list[StoreRef], Grant]) -> list[ShardCall[list[str]]]:
+        return [shard_call(shard, ShardApi.release_many, list(result[1].lease_ids))]
+
+    return undo
+
+
+def _discard_adopted(shard: int) -> Undo:
+    """Undo of an engine-key adopt: drop every payload it stored (keys stay consumed)."""
+
+    def undo(_: int, results: Sequence[Any]) -> list[ShardCall[list[str]]]:
+        pids: dict[str, None] = {}
+        for result in results:
+            if isinstance(result, StoreRef):
+                pids[result.payload_id] = None
+            elif isinstance(result, tuple):
+                pids.update((ref.payload_id, None) for ref, _, _ in result)
+        return [shard_call(shard, ShardApi.discard, list(pids))]
+
+    return undo
+
+
+def _engine_keys(handle: Handle) -> list[EngineKey]:
+    return [src for src in handle.sources() if isinstance(src, EngineKey)]
+
+
+def _sorted_leaks(
+    run: str, per_shard: Sequence[list[LeakRecord]], dead: Sequence[str]
+) -> list[LeakRecord]:
+    for why in dead:
+        log.warning("run %s: leaks() skipped %s", run, why)
+    return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
 
 
 def _handle_of(

@@ -11,6 +11,11 @@ first), it raises ``ForeignEngineStore`` instead of joining it; if the actor's R
 cannot import routeplay, it raises ``RouteplayNotImportable``. Both checks are cheap: the
 first reads the method names Ray keeps on the handle (no call), the second is one
 ``stats`` call, answered once the actor is up.
+
+``astart_engine_store`` and ``aleave_engine_store`` are the awaitable twins (one flow
+each, ``routeplay.store.flow``: awaited on Ray's references, no ``ray.get``), for an
+asyncio rollout service that owns the engine store. A start cancelled in flight leaves
+a started (detached) actor, as a finished start would: start again to join it.
 """
 
 from __future__ import annotations
@@ -20,16 +25,24 @@ import re
 from typing import Any
 
 import ray
-from ray import exceptions as rex
 
-from routeplay.errors import ForeignEngineStore, RouteplayNotImportable, StoreFailure, StoreTimeout
+from routeplay.errors import (
+    ForeignEngineStore,
+    RouteplayNotImportable,
+    RoutesLost,
+    StoreFailure,
+    StoreTimeout,
+)
 from routeplay.store import ray_calls
 from routeplay.store.actors import EngineStoreActor, EngineStoreShell
+from routeplay.store.flow import Flow, adrive, awaiting, drive
 
 __all__ = [
     "LMDEPLOY_NAME",
     "LMDEPLOY_NAMESPACE",
     "SGLANG_NAMESPACE",
+    "aleave_engine_store",
+    "astart_engine_store",
     "leave_engine_store",
     "start_engine_store",
 ]
@@ -77,6 +90,38 @@ def start_engine_store(
         >>> store = start_engine_store(ttl_s=600)  # before the LMDeploy server starts
         >>> key = ray.get(store.put.remote(routing))  # what LMDeploy's engine then does
     """
+    flow = _start(name, namespace, ttl_s, resources, runtime_env, timeout_s, user)
+    return drive(flow, ray_calls.RAY)
+
+
+async def astart_engine_store(
+    *,
+    name: str = LMDEPLOY_NAME,
+    namespace: str = LMDEPLOY_NAMESPACE,
+    ttl_s: float | None = 600.0,
+    resources: dict[str, float] | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+    user: str = "",
+) -> Any:
+    """Awaitable ``start_engine_store`` (same arguments, same refusals).
+
+    Example:
+        >>> store = await astart_engine_store(namespace=SGLANG_NAMESPACE)  # doctest: +SKIP
+    """
+    flow = _start(name, namespace, ttl_s, resources, runtime_env, timeout_s, user)
+    return await adrive(flow, ray_calls.RAY)
+
+
+def _start(
+    name: str,
+    namespace: str,
+    ttl_s: float | None,
+    resources: dict[str, float] | None,
+    runtime_env: dict[str, Any] | None,
+    timeout_s: float,
+    user: str,
+) -> Flow[Any]:
     where = f"Ray actor {namespace}/{name}"
     actor = EngineStoreActor.options(
         name=name,
@@ -88,9 +133,10 @@ def start_engine_store(
         runtime_env=runtime_env,
     ).remote(ttl_s, timeout_s)
     _refuse_foreign(actor, where)
-    _wait_until_up(actor, where, timeout_s)
+    yield from _wait_until_up(actor, where, timeout_s)
     if user:
-        ray_calls.get(actor.attach.remote(user), timeout_s=timeout_s, what=f"{where}: attach")
+        attach = [actor.attach.remote(user)]
+        yield from awaiting(attach, f"{where}: attach", timeout_s=timeout_s)
     return actor
 
 
@@ -109,8 +155,24 @@ def leave_engine_store(
         >>> leave_engine_store(store, "run-7", end_if_last=True)  # last user: ended
         True
     """
-    where = "engine store: detach"
-    remaining = ray_calls.get(actor.detach.remote(user), timeout_s=timeout_s, what=where)
+    return drive(_leave(actor, user, end_if_last, timeout_s), ray_calls.RAY)
+
+
+async def aleave_engine_store(
+    actor: Any, user: str, *, end_if_last: bool, timeout_s: float = 60.0
+) -> bool:
+    """Awaitable ``leave_engine_store``.
+
+    Example:
+        >>> await aleave_engine_store(store, "run-7", end_if_last=True)  # doctest: +SKIP
+        True
+    """
+    return await adrive(_leave(actor, user, end_if_last, timeout_s), ray_calls.RAY)
+
+
+def _leave(actor: Any, user: str, end_if_last: bool, timeout_s: float) -> Flow[bool]:
+    detach = [actor.detach.remote(user)]
+    [remaining] = yield from awaiting(detach, "engine store: detach", timeout_s=timeout_s)
     if end_if_last and remaining == 0:
         ray.kill(actor)
         return True
@@ -142,28 +204,31 @@ def _class_of(actor: Any) -> str:
     return f"{module}.{name}" if module and name else "an actor of another class"
 
 
-def _wait_until_up(actor: Any, where: str, timeout_s: float) -> None:
+def _wait_until_up(actor: Any, where: str, timeout_s: float) -> Flow[None]:
     """One ``stats`` call: the actor exists, runs routeplay's code and can answer us."""
     try:
-        ray.get(actor.stats.remote(), timeout=timeout_s)
-    except rex.GetTimeoutError as exc:
+        yield from awaiting([actor.stats.remote()], where, timeout_s=timeout_s)
+    except StoreTimeout as exc:
         raise StoreTimeout(
             "the engine store actor did not come up in time",
             where=where,
             expected=f"an answer within {timeout_s}s",
             hint="Are the resources it is pinned to (resources=...) on the cluster?",
-        ) from exc
-    except rex.RayActorError as exc:
-        if "failed to import" in str(exc):  # Ray's words when the actor's class won't load
+        ) from exc.__cause__
+    except RoutesLost as exc:  # the actor died: Ray's own error is the cause
+        cause = str(exc.__cause__)
+        if "failed to import" in cause:  # Ray's words when the actor's class won't load
             raise RouteplayNotImportable(
                 "the engine store actor's Ray worker cannot import routeplay",
                 where=where,
-                found=_import_failure(str(exc)),
+                found=_import_failure(cause),
                 hint=_IMPORT_HINT,
-            ) from exc
+            ) from exc.__cause__
         raise StoreFailure(
-            "the engine store actor died while starting", where=where, found=type(exc).__name__
-        ) from exc
+            "the engine store actor died while starting",
+            where=where,
+            found=type(exc.__cause__).__name__,
+        ) from exc.__cause__
 
 
 def _import_failure(message: str) -> str:

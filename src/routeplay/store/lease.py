@@ -16,6 +16,12 @@ released) and when the lease object is garbage collected. A pickled copy carries
 references: it locates what it reads. So no reference handed out with a lease keeps an
 object alive past its release.
 
+Every waited step has an awaitable twin (``arelease``, ``aclone``, ``atransfer``,
+``async with lease``), over the client's awaitable lease calls (no thread, no
+``ray.get``). Cancelled in flight: ``arelease``'s release still lands (the lease stays
+unmarked, so releasing again is safe); ``aclone``'s and ``atransfer``'s new lease is
+revoked when it lands, and the lease they started from is untouched.
+
 A lease talks to the client that granted it only through ``LeaseOwner``, the client's
 public lease methods (``RouteStore`` implements it): never through its internals.
 """
@@ -64,6 +70,18 @@ class LeaseOwner(Protocol):
         """Move a lease to ``holder`` (the payloads never reach zero leases)."""
         ...
 
+    async def arelease_lease(self, parts: Mapping[int, str]) -> None:
+        """Awaitable ``release_lease``."""
+        ...
+
+    async def aclone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Awaitable ``clone_lease``."""
+        ...
+
+    async def atransfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
+        """Awaitable ``transfer_lease``."""
+        ...
+
     def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
         """One more local lease on pinned block references; returns those pinned."""
         ...
@@ -74,7 +92,14 @@ class LeaseOwner(Protocol):
 
 
 class Lease:
-    """A holder's lease over a handle's stored payloads (one lease id per store shard)."""
+    """A holder's lease over a handle's stored payloads (one lease id per store shard).
+
+    Example:
+        with store.acquire(handle, "buffer/s-1") as lease:         # released on exit
+            rows = lease.read(0, 64)
+        async with await store.aacquire(handle, "buffer/s-2"):     # awaited release
+            ...
+    """
 
     __slots__ = (
         "__weakref__",
@@ -143,6 +168,17 @@ class Lease:
         self._store.release_lease(self._parts)  # may raise: then a retry releases for real
         self.mark_released()
 
+    async def arelease(self) -> None:
+        """Awaitable ``release``.
+
+        Example:
+            await lease.arelease()
+        """
+        if self._released:
+            return
+        await self._store.arelease_lease(self._parts)
+        self.mark_released()
+
     @staticmethod
     def release_all(leases: Iterable[Lease]) -> None:
         """Release many leases with one call per shard of each store (idempotent), not
@@ -160,14 +196,36 @@ class Lease:
     def clone(self, holder: str) -> Lease:
         """A new lease over the same payloads for ``holder``; this one stays valid."""
         self._check_live("clone")
-        parts = self._store.clone_lease(self._parts, holder)
-        pinned = self._store.repin_blocks(self._pinned)
-        return Lease(self._store, self.handle, holder, parts, pinned=pinned)
+        return self._cloned(holder, self._store.clone_lease(self._parts, holder))
+
+    async def aclone(self, holder: str) -> Lease:
+        """Awaitable ``clone``.
+
+        Example:
+            mine = await lease.aclone("rollout/a")
+        """
+        self._check_live("clone")
+        return self._cloned(holder, await self._store.aclone_lease(self._parts, holder))
 
     def transfer(self, holder: str) -> Lease:
         """Hand this lease to ``holder`` (no data moves; payloads never reach zero leases)."""
         self._check_live("transfer")
-        moved = self._store.transfer_lease(self._parts, holder)
+        return self._moved(holder, self._store.transfer_lease(self._parts, holder))
+
+    async def atransfer(self, holder: str) -> Lease:
+        """Awaitable ``transfer``.
+
+        Example:
+            taken = await lease.atransfer("buffer/g-2")
+        """
+        self._check_live("transfer")
+        return self._moved(holder, await self._store.atransfer_lease(self._parts, holder))
+
+    def _cloned(self, holder: str, parts: dict[int, str]) -> Lease:
+        pinned = self._store.repin_blocks(self._pinned)
+        return Lease(self._store, self.handle, holder, parts, pinned=pinned)
+
+    def _moved(self, holder: str, moved: dict[int, str]) -> Lease:
         pinned, self._pinned = self._pinned, ()  # the pins move with the lease
         self._unpin_once.detach()
         self._released = True
@@ -183,6 +241,17 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.arelease()
 
     def __repr__(self) -> str:
         state = "released" if self._released else "live"

@@ -173,6 +173,18 @@ class LeaseTable(Generic[Ref]):
             out[pid] = record.ref
         return out
 
+    def discard(self, payload_ids: Iterable[str]) -> list[str]:
+        """Drop payloads nobody has leased yet, at once (a write whose caller never got
+        its handle: a cancelled put); leased or gone ones are left alone. Returns the
+        dropped ids (counted as released)."""
+        dropped = []
+        for pid in payload_ids:
+            record = self._payloads.get(pid)
+            if record is not None and record.state is PayloadState.STORED:
+                self._drop(pid, PayloadState.RELEASED)
+                dropped.append(pid)
+        return dropped
+
     def expire(self) -> list[str]:
         """Drop every payload nobody leased within the TTL (and, with a lease TTL, end
         leases held longer than it); returns the dropped payloads' ids."""

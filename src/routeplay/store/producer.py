@@ -9,7 +9,8 @@ store, they survive this actor's death, and they never travel through the shard.
 
 ``take_staged`` runs in its own concurrency group (it must answer while ``put_routes``
 is waiting), so producer actors are created with ``producer_actor(cls)`` instead of
-plain ``ray.remote(cls)``.
+plain ``ray.remote(cls)``. An asyncio producer awaits ``aput_routes`` /
+``aput_routes_many`` instead (the same flows, no ``ray.get``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ray
 from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore
+from routeplay.store.flow import Flow
 from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.writes import batch_spec, plan_batch
 
@@ -49,6 +51,19 @@ class RoutesProducer:
 
     def put_routes(self, store: RouteStore, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Store ``routes`` with one object-store write, owned by a store shard."""
+        return store.drive(self._put_routes(store, routes, weight_version))
+
+    async def aput_routes(
+        self, store: RouteStore, routes: Routes, *, weight_version: int = 0
+    ) -> Handle:
+        """Awaitable ``put_routes``, for an asyncio producer actor (no ``ray.get``).
+
+        Example:
+            handle = await self.aput_routes(store, routes, weight_version=2)
+        """
+        return await store.adrive(self._put_routes(store, routes, weight_version))
+
+    def _put_routes(self, store: RouteStore, routes: Routes, weight_version: int) -> Flow[Handle]:
         if routes.rows == 0:
             return Handle(routes.spec)
         token, blocks = self.stage_routes(
@@ -56,7 +71,7 @@ class RoutesProducer:
         )
         me = ray.get_runtime_context().current_actor
         try:
-            return store.put_staged(me, token, blocks, routes, weight_version=weight_version)
+            return (yield from store.put_staged_flow(me, token, blocks, routes, weight_version))
         finally:
             self._outbox().discard(token)  # a no-op once taken; frees it if the put failed
 
@@ -76,6 +91,34 @@ class RoutesProducer:
         Example:
             handles = self.put_routes_many(store, group, shared_prefix=prompt_rows)
         """
+        flow = self._put_routes_many(store, batch, weight_version, shared_prefix, pack)
+        return store.drive(flow)
+
+    async def aput_routes_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Awaitable ``put_routes_many``.
+
+        Example:
+            handles = await self.aput_routes_many(store, group, shared_prefix=prompt_rows)
+        """
+        flow = self._put_routes_many(store, batch, weight_version, shared_prefix, pack)
+        return await store.adrive(flow)
+
+    def _put_routes_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        weight_version: int,
+        shared_prefix: int,
+        pack: bool,
+    ) -> Flow[list[Handle]]:
         spec = batch_spec(batch)
         if spec is None:
             return []
@@ -86,7 +129,7 @@ class RoutesProducer:
         token = self._outbox().stage_many(blocks)
         me = ray.get_runtime_context().current_actor
         try:
-            return store.put_staged_many(me, token, layout, spec, weight_version=weight_version)
+            return (yield from store.put_staged_many_flow(me, token, layout, spec, weight_version))
         finally:
             self._outbox().discard(token)
 

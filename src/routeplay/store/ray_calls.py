@@ -1,8 +1,16 @@
-"""Every blocking Ray call of the store goes through here: a timeout, and Ray's
-exceptions translated into routeplay's (``raise ... from``) so callers see one tree."""
+"""Every Ray wait of the store goes through here: a deadline, and Ray's exceptions
+translated into routeplay's (``raise ... from``) so callers see one tree. ``get``
+blocks (``ray.get``); ``aget`` awaits Ray's references on the running event loop (no
+thread, no ``ray.get``); both translate with ``translated``. ``RAY`` resolves a flow's
+waits (``routeplay.store.flow``) either way, for clients of plain actors."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import ray
@@ -15,8 +23,19 @@ from routeplay.errors import (
     StoreFailure,
     StoreTimeout,
 )
+from routeplay.store.flow import Wait
 
-__all__ = ["INLINE_LIMIT", "get", "get_actor", "in_object_store", "lost_index"]
+__all__ = [
+    "INLINE_LIMIT",
+    "RAY",
+    "RayWaits",
+    "aget",
+    "get",
+    "get_actor",
+    "in_object_store",
+    "lost_index",
+    "translated",
+]
 
 _LOST = (
     rex.OwnerDiedError,
@@ -28,9 +47,37 @@ _LOST = (
 
 def get(refs: Any, *, timeout_s: float, what: str) -> Any:
     """``ray.get`` with a deadline; ``what`` names the payload or call for the error."""
-    try:
+    with translated(what, timeout_s):
         return ray.get(refs, timeout=timeout_s)
-    except rex.GetTimeoutError as exc:
+
+
+async def aget(refs: Sequence[Any], *, timeout_s: float, what: str) -> list[Any]:
+    """The values of ``refs`` (Ray references or ``concurrent.futures`` futures), awaited
+    with a deadline, errors translated as ``get``'s. A cancellation is not an error: it
+    propagates as it is (the calls stay in flight; the caller's flow rescues them)."""
+    gathered = asyncio.gather(*map(_awaitable, refs))
+    gathered.add_done_callback(_retrieved)  # abandoned (cancelled, timed out): not an error
+    with translated(what, timeout_s):
+        return list(await asyncio.wait_for(gathered, timeout_s))
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _awaitable(ref: Any) -> Any:
+    if isinstance(ref, concurrent.futures.Future):
+        return asyncio.wrap_future(ref)
+    return ref  # an ObjectRef is awaitable: Ray completes it on this loop
+
+
+@contextlib.contextmanager
+def translated(what: str, timeout_s: float) -> Iterator[None]:
+    """Ray's exceptions (and a deadline's) raised inside, as routeplay's."""
+    try:
+        yield
+    except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as exc:
         raise StoreTimeout(
             "a store call did not answer in time",
             where=what,
@@ -55,6 +102,72 @@ def get(refs: Any, *, timeout_s: float, what: str) -> Any:
         raise StoreFailure(
             "a store actor failed", where=what, found=f"{type(cause).__name__}: {cause}"
         ) from exc
+
+
+class RayWaits:
+    """Resolves a flow's ``Wait`` on Ray: ``resolve`` blocks, ``aresolve`` awaits.
+
+    ``each`` answers are per result, a ``RouteplayError`` in place of a failed one,
+    under one deadline for the whole wait. ``default_timeout_s`` applies to waits that
+    name none."""
+
+    def __init__(self, default_timeout_s: float = 60.0) -> None:
+        self.default_timeout_s = default_timeout_s
+
+    def resolve(self, wait: Wait) -> list[Any]:
+        timeout_s = self._deadline(wait)
+        if not wait.each:
+            return list(_get_all(wait.pending, timeout_s, wait.what))
+        end = time.monotonic() + timeout_s
+        return [
+            _outcome(lambda ref=ref: _get_all([ref], max(0.0, end - time.monotonic()), wait.what))
+            for ref in wait.pending
+        ]
+
+    async def aresolve(self, wait: Wait) -> list[Any]:
+        timeout_s = self._deadline(wait)
+        if not wait.each:
+            return await aget(wait.pending, timeout_s=timeout_s, what=wait.what)
+        answers = await asyncio.gather(
+            *(_aoutcome(ref, timeout_s, wait.what) for ref in wait.pending)
+        )
+        return list(answers)
+
+    def _deadline(self, wait: Wait) -> float:
+        return self.default_timeout_s if wait.timeout_s is None else wait.timeout_s
+
+
+def _get_all(pending: Sequence[Any], timeout_s: float, what: str) -> list[Any]:
+    futures = [p for p in pending if isinstance(p, concurrent.futures.Future)]
+    if not futures:
+        return list(get(list(pending), timeout_s=timeout_s, what=what))
+    with translated(what, timeout_s):  # rescue markers: plain futures, not references
+        return [
+            p.result(timeout_s)
+            if isinstance(p, concurrent.futures.Future)
+            else get(p, timeout_s=timeout_s, what=what)
+            for p in pending
+        ]
+
+
+def _outcome(fetch: Any) -> Any:
+    try:
+        [value] = fetch()
+    except RouteplayError as exc:
+        return exc
+    return value
+
+
+async def _aoutcome(ref: Any, timeout_s: float, what: str) -> Any:
+    try:
+        [value] = await aget([ref], timeout_s=timeout_s, what=what)
+    except RouteplayError as exc:
+        return exc
+    return value
+
+
+RAY: Final = RayWaits()
+"""Resolves waits on Ray references with the deadline each wait names."""
 
 
 def get_actor(name: str, namespace: str) -> Any:

@@ -27,6 +27,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MisuseError, RoutesLost
 from routeplay.store.backend import Backend
+from routeplay.store.flow import Wait
 from routeplay.store.key_check import check_key_payload
 from routeplay.store.read_plan import ReadPlan, plan_reads
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
@@ -195,7 +196,9 @@ class Reader:
         so a payload that is not an array, or not the rows the key claims, is refused
         without allocating for the claim."""
         where = f"engine key {key.key}"
-        wrapped = self._backend.key_refs(key, self._run)
+        pending = self._backend.send_key_refs(key, self._run)
+        [wrapped] = self._backend.resolve(Wait((pending,), f"{key.namespace}/{key.actor}.get_ref"))
+        del pending
         [view] = self._backend.fetch(wrapped, where)
         del wrapped
         try:  # copy the counted rows out; the view goes, also on a refusal: nothing pinned

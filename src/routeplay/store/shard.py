@@ -171,6 +171,10 @@ class StoreShard:
         requests = [([stored[i].payload_id for i in parts], holder) for parts in samples]
         return stored, self.lease_many(requests, self.run)
 
+    def discard(self, payload_ids: Sequence[str]) -> list[str]:
+        """Drop payloads nobody leased yet (a write its caller never saw); returns them."""
+        return self._table.discard(payload_ids)
+
     def revoke_holder(self, holder: str) -> list[str]:
         """End every lease of a dead holder; returns the lease ids ended."""
         return self._table.revoke_holder(holder)

@@ -94,6 +94,10 @@ class ShardApi(Protocol):
         """End leases of a dead holder; returns those that were live."""
         ...
 
+    def discard(self, payload_ids: list[str]) -> list[str]:
+        """Drop payloads nobody leased yet (a cancelled write's); returns them."""
+        ...
+
     def revoke_holder(self, holder: str) -> list[str]:
         """End every lease of a dead holder; returns the lease ids ended."""
         ...
