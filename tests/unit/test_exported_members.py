@@ -96,6 +96,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "routeplay.rollout": [
         "ADAPTERS",
+        "ROLLOUT_STATE_CODEC",
         "BufferConfig",
         "CompactionPolicy",
         "Continuation",
