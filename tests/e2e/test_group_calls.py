@@ -1,19 +1,25 @@
-"""A group's worker call on a wire that carries the rows: one member's bad answer is set
+"""A group's worker call on a wire that carries the rows: one member's bad answer (a
+corrupted body, or rows that disagree with the member's tokens at completion) is set
 aside with its typed error, the others come back leased from one packed write, and
 nothing leaks."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from typing import Any
+
 import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from routeplay.errors import MalformedPayload
+from routeplay.errors import MalformedPayload, RowCountMismatch
 from routeplay.pipeline.config import recipe
-from routeplay.pipeline.rollout_worker import Sampling
+from routeplay.pipeline.rollout_worker import Sampling, WorkerShell
 from routeplay.pipeline.services import DemoServices
 from routeplay.pipeline.soak_worker import TamperingWorker
 from routeplay.rollout import RolloutState, Status
+from routeplay.store import producer_actor
 
 pytestmark = pytest.mark.e2e
 
@@ -46,5 +52,52 @@ def test_one_bad_answer_costs_only_its_member() -> None:
             assert state.routing is not None
             assert svc.store.read(state.routing).shape[0] == state.tokens - 1
             state.release()
+        assert svc.store.leaks() == []
+        ray.kill(worker)
+
+
+class PromptSkewShell(WorkerShell):
+    """A worker whose engine sees one prompt token fewer than member ``m1`` holds (a chat
+    template or BOS mismatch between the sample and the request): its answer's rows are
+    one short of the sample's tokens."""
+
+    def _request(
+        self, state: RolloutState, sampling: Sampling, start: int
+    ) -> tuple[str, dict[str, Any]]:
+        if state.sample_id == "m1":
+            state = dataclasses.replace(state, prompt_ids=state.prompt_ids[1:])
+        return super()._request(state, sampling, start)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_completion_whose_rows_disagree_with_its_tokens_costs_only_its_member() -> None:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship the shell class
+    config = recipe("smoke").replace(wire="sglang")
+    with DemoServices(config) as svc:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        worker = (
+            producer_actor(PromptSkewShell, num_cpus=0)
+            .options(scheduling_strategy=here)
+            .remote(svc.store, svc.trace, svc.server.url, "sglang", svc.engine.spec, 60.0)
+        )
+        states = [
+            RolloutState(sample_id=f"m{i}", group_id="g", prompt_ids=(5, 6, 7, 8, 9, 10))
+            for i in range(3)
+        ]
+        samplings = [Sampling(max_new_tokens=3, seed=i) for i in range(3)]
+        out = ray.get(worker.rollout_group.remote(states, samplings, 0), timeout=120)
+        assert isinstance(out[1], RowCountMismatch)
+        assert "sample m1" in str(out[1])
+        done = [out[0], out[2]]
+        assert all(isinstance(s, RolloutState) and s.status is Status.COMPLETED for s in done)
+        held = dict(svc.store.stats().leases_by_holder)
+        assert "rollout/m1" not in held  # the refused member's new lease ended
+        assert held == {"rollout/m0": 1, "rollout/m2": 1}
+        for state in done:
+            state.release()
+        # The single-sample call refuses the same way, leaving nothing leased.
+        with pytest.raises(RowCountMismatch, match="sample m1"):
+            ray.get(worker.rollout.remote(states[1], samplings[1], 0), timeout=120)
+        assert svc.store.stats().leases == 0
         assert svc.store.leaks() == []
         ray.kill(worker)

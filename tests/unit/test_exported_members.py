@@ -98,6 +98,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "routeplay.rollout": [
         "ADAPTERS",
+        "ROLLOUT_STATE_CODEC",
         "BufferConfig",
         "CompactionPolicy",
         "Continuation",

@@ -22,7 +22,10 @@ shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
 
 Lease order (``Continuation.finish``): the new lease first, then the input's. If
 anything fails, the input state still holds its lease and the caller (who keeps a copy
-of it) releases it.
+of it) releases it. A completed answer is checked against the sample's tokens
+(``RolloutState.complete``: rows == prompt + response - 1); one that disagrees is
+refused with ``RowCountMismatch`` like any other per-sample refusal (its new lease
+ended; in a group, the error takes the member's place).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
 from routeplay.core.wires.base import Completion
-from routeplay.errors import EngineUnavailable, MalformedPayload, RouteplayError
+from routeplay.errors import EngineUnavailable, MalformedPayload, RouteplayError, RowCountMismatch
 from routeplay.rollout import ADAPTERS, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter, check_continues
 from routeplay.rollout.lifecycle import Continuation, continuation, ingest_group, store_turn
@@ -209,9 +212,9 @@ class WorkerShell(RoutesProducer):
     ) -> RolloutState | Exception:
         try:
             routed = cont.finish(self._store, handle)
-        except Exception as exc:
+            return _finished(routed, completion, version)
+        except Exception as exc:  # a refused member (e.g. RowCountMismatch) costs itself only
             return _portable(exc)
-        return _finished(routed, completion, version)
 
     def _request(
         self, state: RolloutState, sampling: Sampling, start: int
@@ -334,13 +337,20 @@ def _portable(error: Exception) -> Exception:
 
 
 def _finished(routed: RolloutState, completion: Completion, version: int) -> RolloutState:
-    return routed.extend(completion.token_ids, completion.logprobs, version).with_status(
-        _status(completion.finish_reason), completion.finish_reason
-    )
-
-
-def _status(finish_reason: str) -> Status:
-    return Status.ABORTED if finish_reason == "abort" else Status.COMPLETED
+    """The answered sample: ABORTED (a partial rollout resumes it), or COMPLETED once its
+    rows match its tokens (``complete()``: rows == prompt + response - 1). A completion
+    whose rows disagree (the engine saw other tokens than the sample holds) is refused
+    with ``RowCountMismatch`` after its new lease ended: nobody can train it, and the
+    input's lease already ended in ``finish``."""
+    answered = routed.extend(completion.token_ids, completion.logprobs, version)
+    if completion.finish_reason == "abort":
+        return answered.with_status(Status.ABORTED, completion.finish_reason)
+    try:
+        return answered.complete(completion.finish_reason)
+    except RowCountMismatch as exc:
+        _, error = answered.try_release()
+        attach_notes(exc, [error] if error is not None else [], f"releasing {routed.sample_id}")
+        raise
 
 
 # The Ray actor class (typed Any: ray.remote's result has no useful static type).

@@ -31,13 +31,7 @@ if TYPE_CHECKING:
     )
     from routeplay.rollout.batch import TrainingBatch
     from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
-    from routeplay.rollout.checkpoint import (
-        SampleCodec,
-        load_buffer,
-        record_sample,
-        restore_sample,
-        save_buffer,
-    )
+    from routeplay.rollout.checkpoint import SampleCodec
     from routeplay.rollout.lifecycle import (
         Continuation,
         borrow_prefix,
@@ -56,7 +50,19 @@ if TYPE_CHECKING:
     )
     from routeplay.rollout.session_compaction import CompactionPolicy
     from routeplay.rollout.sessions import SessionLedger
-    from routeplay.rollout.state import Origin, RolloutState, RoutingKind, Status
+    from routeplay.rollout.state import (
+        ROLLOUT_STATE_CODEC,
+        Origin,
+        RolloutState,
+        RoutingKind,
+        Status,
+    )
+    from routeplay.rollout.state_checkpoint import (
+        load_buffer,
+        record_sample,
+        restore_sample,
+        save_buffer,
+    )
     from routeplay.rollout.token_trie import TokenTrie
     from routeplay.rollout.trace_actor import TraceStoreActor, TraceStoreClient, TraceStoreConfig
     from routeplay.rollout.trace_store import (
@@ -69,6 +75,7 @@ if TYPE_CHECKING:
 
 _HOME = {
     "ADAPTERS": "adapters",
+    "ROLLOUT_STATE_CODEC": "state",
     "BufferConfig": "buffer",
     "CompactionPolicy": "session_compaction",
     "Continuation": "lifecycle",
@@ -102,12 +109,12 @@ _HOME = {
     "TrainingBatch": "batch",
     "borrow_prefix": "lifecycle",
     "continuation": "lifecycle",
-    "load_buffer": "checkpoint",
+    "load_buffer": "state_checkpoint",
     "record_routings": "sample_routing",
-    "record_sample": "checkpoint",
-    "restore_sample": "checkpoint",
+    "record_sample": "state_checkpoint",
+    "restore_sample": "state_checkpoint",
     "sample_holder": "lifecycle",
-    "save_buffer": "checkpoint",
+    "save_buffer": "state_checkpoint",
     "session_holder": "trace_store",
     "stitch": "adapters",
     "store_turn": "lifecycle",
@@ -115,6 +122,7 @@ _HOME = {
 
 __all__ = [
     "ADAPTERS",
+    "ROLLOUT_STATE_CODEC",
     "BufferConfig",
     "CompactionPolicy",
     "Continuation",

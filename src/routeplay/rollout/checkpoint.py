@@ -14,7 +14,10 @@ that stopped the load.
 Any ``RoutedSample`` can be checkpointed: the routing part of each record is its
 ``SampleRouting`` (``sample_id``, ``session_id``, ``origin``, ``retries``, the routing's
 array and segments), the rest is the sample's own, written and read by a
-``SampleCodec`` (``ROLLOUT_STATE_CODEC`` by default, for routeplay's ``RolloutState``).
+``SampleCodec``, always passed in: this module knows no sample type. routeplay's own
+``RolloutState`` passes ``ROLLOUT_STATE_CODEC``; ``routeplay.rollout.save_buffer`` and
+its three siblings (``rollout/state_checkpoint.py``, next to ``RolloutState``) default to
+it.
 A single sample's routing is recorded and restored with ``SampleRouting.record`` /
 ``RoutingRecord.restore`` (``record_routings`` for many with one read).
 
@@ -43,7 +46,6 @@ from routeplay.rollout.sample_routing import (
     SampleRouting,
     record_routings,
 )
-from routeplay.rollout.state import ROLLOUT_STATE_CODEC
 
 if TYPE_CHECKING:  # the client loads Ray; a restore only calls it
     from routeplay.store.client import RouteStore
@@ -92,12 +94,12 @@ def save_buffer(
     folder: Path,
     spec: RouteSpec,
     *,
-    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+    codec: SampleCodec[Any],
 ) -> None:
     """Write every waiting group and queued retry, routing by value.
 
     Example:
-        >>> save_buffer(buffer, Path("ckpt/step-3"), spec)  # doctest: +SKIP
+        >>> save_buffer(buffer, Path("ckpt/step-3"), spec, codec=codec)  # doctest: +SKIP
     """
     folder.mkdir(parents=True, exist_ok=True)
     waiting = buffer.groups()
@@ -138,12 +140,12 @@ def load_buffer(
     store: RouteStore,
     config: BufferConfig,
     *,
-    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+    codec: SampleCodec[Any],
 ) -> ReplayBuffer[Any]:
     """A buffer holding the checkpoint's groups, its routing stored anew and leased.
 
     Example:
-        >>> buffer = load_buffer(Path("ckpt/step-3"), store, BufferConfig())  # doctest: +SKIP
+        >>> buffer = load_buffer(Path("ckpt/3"), store, BufferConfig(), codec=c)  # doctest: +SKIP
     """
     meta = json.loads((folder / "buffer.json").read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT or meta.get("version") not in (1, 2):
@@ -179,15 +181,15 @@ def load_buffer(
 
 
 def record_sample(
-    sample: Any, store: RouteStore, *, codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC
+    sample: Any, store: RouteStore, *, codec: SampleCodec[Any]
 ) -> tuple[dict[str, Any], npt.NDArray[Any] | None]:
     """One sample's checkpoint: its record (JSON-safe, the same layout a buffer checkpoint
     writes per sample) and its routing rows by value (None without routing). The sample
     keeps its lease: recording reads, it never releases.
 
     Example:
-        >>> record, rows = record_sample(state, store)  # doctest: +SKIP
-        >>> again = restore_sample(record, rows, store, spec)
+        >>> record, rows = record_sample(state, store, codec=codec)  # doctest: +SKIP
+        >>> again = restore_sample(record, rows, store, spec, codec=codec)
     """
     [routing] = record_routings([sample.sample_routing], store)
     array = routing.array
@@ -200,13 +202,13 @@ def restore_sample(
     store: RouteStore,
     spec: RouteSpec,
     *,
-    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
+    codec: SampleCodec[Any],
 ) -> Any:
     """The sample of ``record_sample``: its rows validated, stored anew and leased for the
     sample (``rollout/<id>``), segments at their recorded weight versions, ``RESTORED``.
 
     Example:
-        >>> state = restore_sample(record, rows, store, spec)  # doctest: +SKIP
+        >>> state = restore_sample(record, rows, store, spec, codec=codec)  # doctest: +SKIP
         >>> state.lease.holder
         'rollout/a'
     """
