@@ -27,7 +27,7 @@ from routeplay.store import (
     start_engine_store,
 )
 from routeplay.store.flow import Wait
-from routeplay.store.producer import RoutesProducer, producer_actor
+from routeplay.store.producer import AsyncRoutesProducer, RoutesProducer, producer_actor
 from routeplay.store.writes import plan_batch
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -159,7 +159,7 @@ def test_an_async_actor_ingests_100_samples_at_once_without_blocking(
 
 
 @producer_actor
-class AsyncProducer(RoutesProducer):
+class AsyncProducer(AsyncRoutesProducer):
     """An asyncio rollout worker on the one-write path: a shard owns what it writes."""
 
     async def ingest(self, store: RouteStore, n: int) -> dict[str, Any]:

@@ -86,6 +86,7 @@ EXPORTS: dict[str, list[str]] = {
         "LeaseTable",
         "PayloadState",
         "RouteStore",
+        "AsyncRoutesProducer",
         "RoutesProducer",
         "StoreConfig",
         "StoreStats",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from routeplay.store.engine_store import EngineStore, EngineStoreStats
     from routeplay.store.lease import Lease
     from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
-    from routeplay.store.producer import RoutesProducer, producer_actor
+    from routeplay.store.producer import AsyncRoutesProducer, RoutesProducer, producer_actor
 
 _HOME = {
     "Compacted": "compaction",
@@ -49,6 +49,7 @@ _HOME = {
     "LeaseTable": "lease_table",
     "PayloadState": "lease_table",
     "RouteStore": "client",
+    "AsyncRoutesProducer": "producer",
     "RoutesProducer": "producer",
     "StoreConfig": "client",
     "StoreStats": "client",
@@ -61,6 +62,7 @@ _HOME = {
 }
 
 __all__ = [
+    "AsyncRoutesProducer",
     "Compacted",
     "CompactionReport",
     "EngineStore",

@@ -27,7 +27,13 @@ from routeplay.store.flow import Flow
 from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.writes import batch_spec, plan_batch
 
-__all__ = ["PRODUCER_CONCURRENCY", "TAKE_GROUP", "RoutesProducer", "producer_actor"]
+__all__ = [
+    "PRODUCER_CONCURRENCY",
+    "TAKE_GROUP",
+    "AsyncRoutesProducer",
+    "RoutesProducer",
+    "producer_actor",
+]
 
 TAKE_GROUP: Final = "routeplay-take"
 PRODUCER_CONCURRENCY: Final = {TAKE_GROUP: 1}
@@ -52,16 +58,6 @@ class RoutesProducer:
     def put_routes(self, store: RouteStore, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Store ``routes`` with one object-store write, owned by a store shard."""
         return store.drive(self._put_routes(store, routes, weight_version))
-
-    async def aput_routes(
-        self, store: RouteStore, routes: Routes, *, weight_version: int = 0
-    ) -> Handle:
-        """Awaitable ``put_routes``, for an asyncio producer actor (no ``ray.get``).
-
-        Example:
-            handle = await self.aput_routes(store, routes, weight_version=2)
-        """
-        return await store.adrive(self._put_routes(store, routes, weight_version))
 
     def _put_routes(self, store: RouteStore, routes: Routes, weight_version: int) -> Flow[Handle]:
         if routes.rows == 0:
@@ -93,23 +89,6 @@ class RoutesProducer:
         """
         flow = self._put_routes_many(store, batch, weight_version, shared_prefix, pack)
         return store.drive(flow)
-
-    async def aput_routes_many(
-        self,
-        store: RouteStore,
-        batch: Sequence[Routes],
-        *,
-        weight_version: int = 0,
-        shared_prefix: int = 0,
-        pack: bool = False,
-    ) -> list[Handle]:
-        """Awaitable ``put_routes_many``.
-
-        Example:
-            handles = await self.aput_routes_many(store, group, shared_prefix=prompt_rows)
-        """
-        flow = self._put_routes_many(store, batch, weight_version, shared_prefix, pack)
-        return await store.adrive(flow)
 
     def _put_routes_many(
         self,
@@ -153,3 +132,48 @@ class RoutesProducer:
         if self._routeplay_outbox is None:
             self._routeplay_outbox = PayloadOutbox()
         return self._routeplay_outbox
+
+
+class AsyncRoutesProducer(RoutesProducer):
+    """``RoutesProducer`` with awaitable puts, for a producer actor that is asyncio by
+    design (its methods ``async def``).
+
+    Kept apart on purpose: Ray makes every actor whose class has one ``async def``
+    method an async actor, whose sync methods then share an event loop per concurrency
+    group. A threaded producer (a rollout worker blocking on its engine) that inherited
+    these would silently become such an actor, and a blocking put would stall the loop
+    that must answer the store's ``take_staged``.
+
+    Example:
+        @ray.remote
+        class Worker(AsyncRoutesProducer):
+            async def ingest(self, store, routes):
+                return await self.aput_routes(store, routes)
+    """
+
+    async def aput_routes(
+        self, store: RouteStore, routes: Routes, *, weight_version: int = 0
+    ) -> Handle:
+        """Awaitable ``put_routes``, for an asyncio producer actor (no ``ray.get``).
+
+        Example:
+            handle = await self.aput_routes(store, routes, weight_version=2)
+        """
+        return await store.adrive(self._put_routes(store, routes, weight_version))
+
+    async def aput_routes_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Awaitable ``put_routes_many``.
+
+        Example:
+            handles = await self.aput_routes_many(store, group, shared_prefix=prompt_rows)
+        """
+        flow = self._put_routes_many(store, batch, weight_version, shared_prefix, pack)
+        return await store.adrive(flow)
