@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from routeplay.core import Handle, RouteSpec, canonicalize
 from routeplay.errors import (
+    HandleError,
     MalformedPayload,
     MisuseError,
     RoutesLost,
@@ -358,6 +359,25 @@ def test_a_refused_new_lease_ends_the_borrowed_one_and_a_stuck_one_rides_along(
     assert cont.borrowed.released
     assert holders(store) == {"session/s": 1}
     traces.close()
+    assert store.leaks() == []
+
+
+@FACES
+def test_store_turn_ends_the_own_lease_even_when_the_insert_is_refused(
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch, face: str
+) -> None:
+    traces = TraceStore(store)
+    sink = traces if face == "blocking" else AwaitableTraces(traces)
+    empty = Handle(SPEC)
+    short = SampleRouting(sample_id="t1", session_id="s").attach(
+        empty, store.acquire(empty, "rollout/t1"), Origin.PRODUCED
+    )
+    log = LeaseLog(store, monkeypatch)
+    with pytest.raises(HandleError):  # 0 rows for 11 tokens: the session refuses it
+        step(face, short, "store_turn", sink, tuple(range(11)))
+    assert log.calls == [("release", "rollout/t1")]
+    with pytest.raises(MisuseError):  # no session, no routing: nothing is called
+        step(face, SampleRouting(sample_id="x"), "store_turn", sink, ())
     assert store.leaks() == []
 
 
