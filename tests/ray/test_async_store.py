@@ -18,7 +18,7 @@ import ray
 from store_probe import kill_and_wait, wait_until
 
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, Segment, canonicalize
-from routeplay.rollout import ADAPTERS, Origin, SampleRouting
+from routeplay.rollout import ADAPTERS, Origin, ProducerWriter, SampleRouting
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
 from routeplay.store import (
@@ -179,12 +179,42 @@ class AsyncProducer(RoutesProducer):
         staged = self.staged_count()
         return {"leases": stats.leases, "staged": staged, "warned": _blocking_calls_warned()}
 
+    async def ingest_sample(self, store: RouteStore) -> dict[str, Any]:
+        """One sample's answer written through the producer (``ProducerWriter.aput``)."""
+        writer = ProducerWriter(producer=self, store=store)
+        full = routing(8, 3).array
+        async with await SampleRouting(sample_id="p").acontinuation() as cont:
+            body = FakeSglang(spec=SPEC).respond(full, prompt_tokens=5, completion_tokens=4)
+            handle = await cont.aingest(
+                ADAPTERS["sglang"], body, spec=SPEC, writer=writer, weight_version=0
+            )
+            done = await cont.afinish(store, handle)
+        leased = dict((await store.astats()).leases_by_holder)  # reads are the trainer's
+        await done.arelease()
+        stats = await store.astats()
+        return {
+            "rows": done.rows,
+            "leased": sorted(leased),
+            "leases": stats.leases,
+            "staged": self.staged_count(),
+            "warned": _blocking_calls_warned(),
+        }
+
 
 def test_an_async_producer_writes_through_a_shard_without_blocking(
     store: RouteStore, engines: dict[str, Any]
 ) -> None:
     result = ray.get(AsyncProducer.remote().ingest.remote(store, 20), timeout=120)
     assert result == {"leases": 0, "staged": 0, "warned": False}
+    assert_nothing_left(store, engines)
+
+
+def test_an_async_producer_ingests_a_sample_through_its_writer_without_blocking(
+    store: RouteStore, engines: dict[str, Any]
+) -> None:
+    result = ray.get(AsyncProducer.remote().ingest_sample.remote(store), timeout=120)
+    expected = {"rows": 8, "leased": ["rollout/p"], "leases": 0, "staged": 0, "warned": False}
+    assert result == expected
     assert_nothing_left(store, engines)
 
 
