@@ -69,7 +69,7 @@ def run_step(step: Step[R]) -> R:
     an error is thrown into the step at the call that raised it).
 
     Example:
-        routing = run_step(cont._finish(store, handle))
+        handle = run_step(stitch_step(routing, spec, store, 2, history))
     """
     return drive(step, _CALLS)
 
@@ -80,7 +80,7 @@ async def arun_step(step: Step[R]) -> R:
     call's own flow rescues what it sent).
 
     Example:
-        routing = await arun_step(cont._finish(store, handle))
+        handle = await arun_step(stitch_step(routing, spec, store, 2, history))
     """
     return await adrive(step, _CALLS)
 
