@@ -28,9 +28,9 @@ XTuner handles ``ObjectRef``s by hand today (``docs/xtuner.md`` maps every call 
   an XTuner-style ``GreedyRouter`` fed by ``ReplaySource.decoder_ids``.
 
 It ends by checking exact rows on every rank, zero leases, zero live payloads and zero
-engine keys. The awaitable store calls are being added (``aadopt_key``, ``aacquire``,
-``arelease``...): until then the few places that await them call the sync call, each
-marked ``# ASYNC:`` with its awaitable twin.
+engine keys. The rollout side awaits every store call (``acontinuation``, ``aingest``,
+``afinish``, ``atake_over``, ``aexpire_retryably``, ``astore_turn``, ``aacquire``,
+``arelease``): no ``ray.get`` on its event loop. The trainer is blocking, as XTuner's is.
 
 Run: ``.venv/bin/python examples/xtuner_flow.py`` (starts a local Ray instance).
 """
@@ -239,23 +239,22 @@ async def adopt_answer(cont: RoutingContinuation, body: Any, store: RouteStore, 
     """The answer's routing: the history, then only the rows it lacks (the key adopted
     without reading it, sliced on the engine store's node)."""
     adapter = ADAPTERS["lmdeploy"]
-    # ASYNC: await cont.aingest(...)  (its store call: await store.aadopt_key(...))
-    return cont.ingest(adapter, body, spec=SPEC, writer=store, weight_version=v)
+    return await cont.aingest(adapter, body, spec=SPEC, writer=store, weight_version=v)
 
 
 async def finish(cont: RoutingContinuation, store: RouteStore, handle: Handle) -> SampleRouting:
     """The sample's new lease first, then the leases it replaces (own, borrowed)."""
-    return cont.finish(store, handle)  # ASYNC: await cont.afinish(store, handle)
+    return await cont.afinish(store, handle)
 
 
 async def take_over(routing: SampleRouting, holder: str, store: RouteStore) -> SampleRouting:
     """A clone for ``holder`` first, then the previous holder's lease ends."""
-    return routing.take_over(holder, store)  # ASYNC: await routing.atake_over(holder, store)
+    return await routing.atake_over(holder, store)
 
 
 async def expire(routing: SampleRouting) -> SampleRouting:
     """Release first, then reset (a lease whose release failed would stay visible)."""
-    expiry = routing.expire_retryably()  # ASYNC: await routing.aexpire_retryably()
+    expiry = await routing.aexpire_retryably()
     assert expiry.stuck is None, expiry.error
     return expiry.retry
 
@@ -286,9 +285,9 @@ class Message:
 class TraceTrie:
     """XTuner's ``RolloutTraceStore`` shape: per session, a trie keyed by message text.
 
-    ``export`` is what ``SampleRouting.continuation`` calls to borrow a session's prefix
-    (``PrefixSource``), ``turn_sink(...)`` what ``store_turn`` inserts through
-    (``SessionSink``). Each node's routing is a slice of its turn's handle under the
+    ``aexport`` is what ``SampleRouting.acontinuation`` awaits to borrow a session's
+    prefix (``AsyncPrefixSource``), ``turn_sink(...)`` what ``astore_turn`` inserts
+    through (``AsyncSessionSink``). Each node's routing is a slice of its turn's handle under the
     session's own lease; overwriting a node leases the new slice before the old lease
     ends; ``release_session`` is the one place the session's leases end."""
 
@@ -296,7 +295,7 @@ class TraceTrie:
         self.store = store
         self.sessions: dict[str, TraceNode] = {}
 
-    def insert(self, session: str, messages: Sequence[Message], handle: Handle) -> None:
+    async def ainsert(self, session: str, messages: Sequence[Message], handle: Handle) -> None:
         node = self.sessions.setdefault(session, TraceNode("", [], [], []))
         start = 0
         for message in messages:
@@ -310,16 +309,15 @@ class TraceTrie:
             rows = handle[start : start + len(ids)]
             if child.routing is None or child.routing.handle.rows < rows.rows:
                 replaced = child.routing
-                # ASYNC: await self.store.aacquire(rows, session_holder(session))
-                child.routing = self.store.acquire(rows, session_holder(session))
+                child.routing = await self.store.aacquire(rows, session_holder(session))
                 if replaced is not None:
-                    replaced.release()  # ASYNC: await replaced.arelease()
+                    await replaced.arelease()
             node, start = child, start + len(ids)
 
     def turn_sink(self, messages: Sequence[Message]) -> TurnSink:
         return TurnSink(self, messages)
 
-    def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
+    async def aexport(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
         """The longest stored prefix of ``token_ids`` in the session, matched message by
         message on the text, under a lease of ``holder``'s own."""
         text, node, matched, slices = decode(token_ids), self.sessions.get(session), 0, []
@@ -334,15 +332,16 @@ class TraceTrie:
         handle = Handle.concat(SPEC, slices)[: len(text) - 1]
         if handle.rows == 0:
             return None
-        lease = self.store.acquire(handle, holder)  # ASYNC: await self.store.aacquire(...)
+        lease = await self.store.aacquire(handle, holder)
         return Exported(matched=matched, rows=handle.rows, lease=lease)
 
     def release_session(self, session: str) -> None:
+        # The trainer's (TrainingBatch's release_session): blocking, as the trainer is.
         stack = [self.sessions.pop(session)] if session in self.sessions else []
         while stack:
             node = stack.pop()
             if node.routing is not None:
-                node.routing.release()  # ASYNC: await node.routing.arelease()
+                node.routing.release()
             stack.extend(node.children.values())
 
     def leases(self) -> int:
@@ -362,9 +361,9 @@ class TurnSink:
     trie: TraceTrie
     messages: Sequence[Message]
 
-    def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
+    async def ainsert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
         assert decode(token_ids) == "".join(m.text for m in self.messages)
-        self.trie.insert(session, self.messages, handle)
+        await self.trie.ainsert(session, self.messages, handle)
 
 
 # ----------------------------------------------------------------- the rollout worker
@@ -380,7 +379,7 @@ class RolloutWorker:
     async def generate(self, state: XtunerRolloutState, version: int) -> XtunerRolloutState:
         """One request: a fresh sample, an ABORTED one resumed (its own rows are the
         history) or a session's next turn (the session's rows borrowed)."""
-        with state.routing.continuation(self.traces, state.prompt_ids) as cont:
+        async with await state.routing.acontinuation(self.traces, state.prompt_ids) as cont:
             _, request = lmdeploy_wire.WIRE.request(
                 state.tokens,
                 max_new_tokens=MAX_TOKENS - len(state.response_ids),
@@ -417,8 +416,7 @@ class RolloutWorker:
             Message("assistant", decode(first.response_ids), tuple(first.logprobs)),
         ]
         sink = self.traces.turn_sink(messages)
-        # ASYNC: await first.routing.astore_turn(sink, first.tokens)
-        first.routing = first.routing.store_turn(sink, first.tokens)
+        first.routing = await first.routing.astore_turn(sink, first.tokens)
         prompt = "".join(m.text for m in messages) + user
         second = new_state(
             state.id + 100, state.task, state.group_id, prompt, session=state.session
@@ -429,7 +427,7 @@ class RolloutWorker:
         assert second.session is not None
         assert second.routing.handle is not None
         # The session records turn 2 too (its own leases); the sample keeps its lease to train.
-        self.traces.insert(second.session, turn, second.routing.handle)
+        await self.traces.ainsert(second.session, turn, second.routing.handle)
         return second
 
 

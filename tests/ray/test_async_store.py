@@ -1,7 +1,8 @@
 """The awaitable store on real Ray: an async actor ingesting 100 samples at once without a
-blocking ``ray.get``, every awaitable call cancelled while its Ray reference is in
-flight (nothing left behind), an actor killed mid-call (a named leak the lease TTL
-reclaims), and one synchronous client shared by many threads."""
+blocking ``ray.get`` (and one sample through every awaitable lifecycle step), every
+awaitable call cancelled while its Ray reference is in flight (nothing left behind), an
+actor killed mid-call (a named leak the lease TTL reclaims), and one synchronous client
+shared by many threads."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import ray
 from store_probe import kill_and_wait, wait_until
 
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, Segment, canonicalize
+from routeplay.rollout import ADAPTERS, Origin, ProducerWriter, SampleRouting
+from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
 from routeplay.store import (
     RouteStore,
@@ -176,12 +179,42 @@ class AsyncProducer(AsyncRoutesProducer):
         staged = self.staged_count()
         return {"leases": stats.leases, "staged": staged, "warned": _blocking_calls_warned()}
 
+    async def ingest_sample(self, store: RouteStore) -> dict[str, Any]:
+        """One sample's answer written through the producer (``ProducerWriter.aput``)."""
+        writer = ProducerWriter(producer=self, store=store)
+        full = routing(8, 3).array
+        async with await SampleRouting(sample_id="p").acontinuation() as cont:
+            body = FakeSglang(spec=SPEC).respond(full, prompt_tokens=5, completion_tokens=4)
+            handle = await cont.aingest(
+                ADAPTERS["sglang"], body, spec=SPEC, writer=writer, weight_version=0
+            )
+            done = await cont.afinish(store, handle)
+        leased = dict((await store.astats()).leases_by_holder)  # reads are the trainer's
+        await done.arelease()
+        stats = await store.astats()
+        return {
+            "rows": done.rows,
+            "leased": sorted(leased),
+            "leases": stats.leases,
+            "staged": self.staged_count(),
+            "warned": _blocking_calls_warned(),
+        }
+
 
 def test_an_async_producer_writes_through_a_shard_without_blocking(
     store: RouteStore, engines: dict[str, Any]
 ) -> None:
     result = ray.get(AsyncProducer.remote().ingest.remote(store, 20), timeout=120)
     assert result == {"leases": 0, "staged": 0, "warned": False}
+    assert_nothing_left(store, engines)
+
+
+def test_an_async_producer_ingests_a_sample_through_its_writer_without_blocking(
+    store: RouteStore, engines: dict[str, Any]
+) -> None:
+    result = ray.get(AsyncProducer.remote().ingest_sample.remote(store), timeout=120)
+    expected = {"rows": 8, "leased": ["rollout/p"], "leases": 0, "staged": 0, "warned": False}
+    assert result == expected
     assert_nothing_left(store, engines)
 
 
@@ -461,4 +494,88 @@ def test_one_sync_client_shared_by_threads_ends_with_zero_leases(
     assert not errors, errors
     store.flush()
     assert store.stats().leases == 0
+    assert_nothing_left(store, engines)
+
+
+# -- one sample's lifecycle steps, awaited ---------------------------------------------
+
+
+async def engine_key_body(engine: Any, full: np.ndarray, prompt: int, completion: int) -> Any:
+    """LMDeploy's answer: its rows put into its engine store (awaited), the key in the body."""
+    rows: list[Any] = []
+    FakeLmdeployKey(spec=SPEC, put=lambda array: rows.append(array) or "").respond(
+        full, prompt_tokens=prompt, completion_tokens=completion
+    )
+    key = await engine.put.remote(rows[0])
+    return FakeLmdeployKey(spec=SPEC, put=lambda _: key).respond(
+        full, prompt_tokens=prompt, completion_tokens=completion
+    )
+
+
+@ray.remote(num_cpus=0)
+class AsyncSampleWorker:
+    """An asyncio rollout worker and buffer: every lifecycle step through its awaitable twin."""
+
+    async def run(
+        self, store: RouteStore, traces: TraceStoreClient, engines: dict[str, Any]
+    ) -> dict[str, Any]:
+        prompt, first, second = 5, 4, 3
+        full = routing(prompt + first + second - 1, 7).array
+        kept, lease = await store.aput_leased(routing(prompt + first - 1, 7), "rollout/w")
+        partial = SampleRouting(sample_id="w", session_id="sw").attach(kept, lease, Origin.PRODUCED)
+        async with await partial.acontinuation(traces) as cont:  # a resume: its own rows
+            body = await engine_key_body(engines["lmdeploy"], full, prompt + first, second)
+            handle = await cont.aingest(
+                ADAPTERS["lmdeploy"], body, spec=SPEC, writer=store, weight_version=1
+            )
+            done = await cont.afinish(store, handle)
+        done = done.complete(prompt_tokens=prompt, response_tokens=first + second)
+        buffered = await done.atake_over("buffer/g", store)
+        holders = sorted(dict((await store.astats()).leases_by_holder))  # one per shard
+        expiry = await buffered.aexpire_retryably()
+
+        tokens = tuple(range(prompt + first))  # the retry's turn goes to the session
+        async with await expiry.retry.acontinuation(traces, tokens[:prompt]) as cont:
+            body = FakeSglang(spec=SPEC).respond(
+                full, prompt_tokens=prompt, completion_tokens=first, start_row=cont.rows
+            )
+            handle = await cont.aingest(
+                ADAPTERS["sglang"], body, spec=SPEC, writer=store, weight_version=2
+            )
+            turn = await cont.afinish(store, handle)
+        turn = await turn.complete(prompt_tokens=prompt, response_tokens=first).astore_turn(
+            traces, tokens
+        )
+        next_turn = SampleRouting(sample_id="w2", session_id="sw")
+        async with await next_turn.acontinuation(traces, (*tokens, 9)) as cont:
+            borrowed = cont.rows  # the session's prefix, under the sample's own lease
+        await traces.arelease_session("sw")
+        await store.aflush()
+        stats = await store.astats()
+        return {
+            "rows": done.rows,
+            "holders": holders,
+            "retries": expiry.retry.retries,
+            "borrowed": borrowed,
+            "turn_leased": turn.holds_lease,
+            "leases": stats.leases,
+            "live_payloads": stats.live_payloads,
+            "warned": _blocking_calls_warned(),
+        }
+
+
+def test_an_async_actor_runs_a_sample_through_the_awaitable_steps_without_blocking(
+    store: RouteStore, traces: TraceStoreClient, engines: dict[str, Any]
+) -> None:
+    result = ray.get(AsyncSampleWorker.remote().run.remote(store, traces, engines), timeout=120)
+    assert result == {
+        "rows": 11,
+        "holders": ["buffer/g"],  # taken over: the rollout's lease ended after
+        "retries": 1,
+        "borrowed": 8,
+        "turn_leased": False,
+        "leases": 0,
+        "live_payloads": 0,
+        "warned": False,  # no blocking ray.get / ray.wait in the actor
+    }
     assert_nothing_left(store, engines)

@@ -1,19 +1,21 @@
 """``SampleRouting``: the lifecycle steps on the embeddable routing value.
 
 Three kinds of test: the step order is pinned through a store that records every lease
-call (and a deliberately swapped ``finish`` written here must fail the same check, so
-the check can fail); a hypothesis state machine drives random steps, stale copies
-included, against the real in-process store's lease tables; and an XTuner-shaped
+call, through the blocking steps and their awaitable twins alike (and a deliberately
+swapped ``finish`` written here must fail the same check, so the check can fail); a
+hypothesis state machine drives random steps, stale copies included, against the real
+in-process store's lease tables; and an XTuner-shaped
 mutable pydantic sample runs ingest -> partial -> resume -> finish -> buffer take-over
 -> expire retryably -> train -> release without routeplay's ``RolloutState``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from routeplay.core import Handle, RouteSpec
-from routeplay.errors import MalformedPayload, MisuseError, RoutesLost, RowCountMismatch
+from routeplay.core import Handle, RouteSpec, canonicalize
+from routeplay.errors import (
+    HandleError,
+    MalformedPayload,
+    MisuseError,
+    RoutesLost,
+    RowCountMismatch,
+    RunMismatch,
+)
 from routeplay.rollout import (
     ADAPTERS,
     BufferConfig,
@@ -52,6 +61,7 @@ from routeplay.rollout import (
 )
 from routeplay.rollout.fake_engines import FakeSglang
 from routeplay.rollout.sample_routing import prefix_holder, sample_holder
+from routeplay.rollout.trace_store import Exported
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.lease import Lease
 
@@ -80,6 +90,7 @@ class LeaseLog:
     def __init__(self, store: RouteStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, str]] = []
         acquire, clone, release = store.acquire, Lease.clone, Lease.release
+        aacquire, aclone, arelease = store.aacquire, Lease.aclone, Lease.arelease
 
         def logged_acquire(handle: Handle, holder: str) -> Lease:
             self.calls.append(("acquire", holder))
@@ -94,12 +105,55 @@ class LeaseLog:
                 self.calls.append(("release", lease.holder))
             release(lease)
 
+        async def logged_aacquire(handle: Handle, holder: str) -> Lease:
+            self.calls.append(("acquire", holder))
+            return await aacquire(handle, holder)
+
+        async def logged_aclone(lease: Lease, holder: str) -> Lease:
+            self.calls.append(("clone", holder))
+            return await aclone(lease, holder)
+
+        async def logged_arelease(lease: Lease) -> None:
+            if not lease.released:
+                self.calls.append(("release", lease.holder))
+            await arelease(lease)
+
         monkeypatch.setattr(store, "acquire", logged_acquire)
         monkeypatch.setattr(Lease, "clone", logged_clone)
         monkeypatch.setattr(Lease, "release", logged_release)
+        # the awaitable twins log the same names: their order must be the same
+        monkeypatch.setattr(store, "aacquire", logged_aacquire)
+        monkeypatch.setattr(Lease, "aclone", logged_aclone)
+        monkeypatch.setattr(Lease, "arelease", logged_arelease)
 
     def clear(self) -> None:
         self.calls.clear()
+
+
+FACES = pytest.mark.parametrize("face", ["blocking", "awaited"])
+"""Run a test through the blocking steps and through their awaitable twins."""
+
+
+def step(face: str, target: Any, name: str, *args: Any) -> Any:
+    """The step ``name`` of ``target`` through ``face``: the blocking method, or its
+    ``a``-twin awaited on an event loop of its own."""
+    if face == "blocking":
+        return getattr(target, name)(*args)
+    return asyncio.run(getattr(target, f"a{name}")(*args))
+
+
+class AwaitableTraces:
+    """The in-process ``TraceStore`` behind the awaitable faces the async steps call
+    (``TraceStoreClient``'s, on Ray: tests/ray/test_async_steps.py)."""
+
+    def __init__(self, traces: TraceStore) -> None:
+        self.traces = traces
+
+    async def aexport(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None:
+        return self.traces.export(session, token_ids, holder)
+
+    async def ainsert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None:
+        self.traces.insert(session, token_ids, handle)
 
 
 def request(
@@ -112,8 +166,14 @@ def request(
     traces: TraceStore | None = None,
     prompt_ids: tuple[int, ...] = (),
     finish: Callable[[RoutingContinuation, RouteStore, Handle], SampleRouting] | None = None,
+    face: str = "blocking",
 ) -> SampleRouting:
-    """One SGLang request of a sample, through the routing's own steps."""
+    """One SGLang request of a sample, through the routing's own steps (``face``: the
+    blocking ones or their awaitable twins)."""
+    if face == "awaited":
+        assert finish is None
+        args = (store, routing, full, input_tokens, new_tokens, version, traces, prompt_ids)
+        return asyncio.run(arequest(*args))
     with routing.continuation(traces, prompt_ids) as cont:
         body = FakeSglang(spec=SPEC).respond(
             full, prompt_tokens=input_tokens, completion_tokens=new_tokens, start_row=cont.rows
@@ -127,6 +187,33 @@ def request(
             start_row=cont.rows,
         )
         return (finish or RoutingContinuation.finish)(cont, store, handle)
+
+
+async def arequest(
+    store: RouteStore,
+    routing: SampleRouting,
+    full: npt.NDArray[Any],
+    input_tokens: int,
+    new_tokens: int,
+    version: int,
+    traces: TraceStore | None,
+    prompt_ids: tuple[int, ...],
+) -> SampleRouting:
+    """``request`` through the awaitable twins."""
+    source = AwaitableTraces(traces) if traces is not None else None
+    async with await routing.acontinuation(source, prompt_ids) as cont:
+        body = FakeSglang(spec=SPEC).respond(
+            full, prompt_tokens=input_tokens, completion_tokens=new_tokens, start_row=cont.rows
+        )
+        handle = await cont.aingest(
+            ADAPTERS["sglang"],
+            body,
+            spec=SPEC,
+            writer=store,
+            weight_version=version,
+            start_row=cont.rows,
+        )
+        return await cont.afinish(store, handle)
 
 
 def swapped_finish(cont: RoutingContinuation, store: RouteStore, handle: Handle) -> SampleRouting:
@@ -146,25 +233,27 @@ def resume_order(
     store: RouteStore,
     log: LeaseLog,
     finish: Callable[[RoutingContinuation, RouteStore, Handle], SampleRouting] | None,
+    face: str = "blocking",
 ) -> SampleRouting:
     """A partial rollout resumed; asserts finish's order: acquire, then release."""
     full = truth(PROMPT + FIRST + SECOND - 1)
-    partial = request(store, SampleRouting(sample_id="a"), full, PROMPT, FIRST, 0)
+    partial = request(store, SampleRouting(sample_id="a"), full, PROMPT, FIRST, 0, face=face)
     log.clear()
-    resumed = request(store, partial, full, PROMPT + FIRST, SECOND, 1, finish=finish)
+    resumed = request(store, partial, full, PROMPT + FIRST, SECOND, 1, finish=finish, face=face)
     assert log.calls == [("acquire", "rollout/a"), ("release", "rollout/a")]
     return resumed
 
 
+@FACES
 def test_finish_acquires_the_new_lease_before_releasing_the_replaced_one(
-    store: RouteStore, monkeypatch: pytest.MonkeyPatch
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch, face: str
 ) -> None:
     log = LeaseLog(store, monkeypatch)
-    resumed = resume_order(store, log, None)
+    resumed = resume_order(store, log, None, face)
     assert resumed.holds_lease
     assert resumed.rows == PROMPT + FIRST + SECOND - 1
     np.testing.assert_array_equal(store.read(resumed.handle), truth(resumed.rows))  # type: ignore[arg-type]
-    resumed.release()
+    step(face, resumed, "release")
     assert store.leaks() == []
 
 
@@ -177,22 +266,24 @@ def test_the_order_check_fails_when_finish_releases_first(
     assert log.calls == [("release", "rollout/a"), ("acquire", "rollout/a")]  # != the pinned order
 
 
+@FACES
 def test_finish_on_a_borrowed_prefix_acquires_then_releases_the_borrowed_lease(
-    store: RouteStore, monkeypatch: pytest.MonkeyPatch
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch, face: str
 ) -> None:
     traces = TraceStore(store)
     turn1_tokens = tuple(range(PROMPT + FIRST))
-    turn1 = request(store, SampleRouting(sample_id="t1", session_id="s"), truth(8), 5, 4, 0)
+    first = SampleRouting(sample_id="t1", session_id="s")
+    turn1 = request(store, first, truth(8), 5, 4, 0, face=face)
     turn1 = turn1.complete(prompt_tokens=PROMPT, response_tokens=FIRST)
     log = LeaseLog(store, monkeypatch)
-    turn1 = turn1.store_turn(traces, turn1_tokens)
+    sink = traces if face == "blocking" else AwaitableTraces(traces)
+    turn1 = step(face, turn1, "store_turn", sink, turn1_tokens)
     assert log.calls == [("acquire", "session/s"), ("release", "rollout/t1")]  # insert first
     prompt2 = (*turn1_tokens, 50, 51)
     full = np.concatenate([truth(8), truth(5, seed=3)])
     log.clear()
-    turn2 = request(
-        store, SampleRouting(sample_id="b", session_id="s"), full, 11, 3, 1, traces, prompt2
-    )
+    second = SampleRouting(sample_id="b", session_id="s")
+    turn2 = request(store, second, full, 11, 3, 1, traces, prompt2, face=face)
     assert log.calls == [
         ("acquire", prefix_holder("b")),  # borrow
         ("acquire", sample_holder("b")),  # finish: the new lease first
@@ -200,26 +291,93 @@ def test_finish_on_a_borrowed_prefix_acquires_then_releases_the_borrowed_lease(
     ]
     assert turn2.origin is Origin.BORROWED
     assert [seg.weight_version for seg in turn2.handle.segments] == [0, 1]  # type: ignore[union-attr]
-    turn2.release()
+    step(face, turn2, "release")
     traces.close()
     assert store.leaks() == []
 
 
+@FACES
 def test_take_over_clones_before_it_releases_and_expire_releases_before_reset(
-    store: RouteStore, monkeypatch: pytest.MonkeyPatch
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch, face: str
 ) -> None:
-    done = request(store, SampleRouting(sample_id="a"), truth(8), PROMPT, FIRST, 0)
+    done = request(store, SampleRouting(sample_id="a"), truth(8), PROMPT, FIRST, 0, face=face)
     log = LeaseLog(store, monkeypatch)
-    taken = done.take_over("buffer/g")
+    taken = step(face, done, "take_over", "buffer/g")
     assert log.calls == [("clone", "buffer/g"), ("release", "rollout/a")]
     assert taken.lease is not None
     assert taken.lease.holder == "buffer/g"
     with pytest.raises(MisuseError, match="live lease"):
         taken.reset()  # a reset before the release would drop a live lease: refused
     log.clear()
-    retry, stuck, error = taken.expire_retryably()
+    retry, stuck, error = step(face, taken, "expire_retryably")
     assert log.calls == [("release", "buffer/g")]
     assert (retry.handle, retry.lease, retry.retries, stuck, error) == (None, None, 1, None, None)
+    assert store.leaks() == []
+
+
+@FACES
+def test_claim_clones_or_acquires_and_hand_over_releases_after(
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch, face: str
+) -> None:
+    done = request(store, SampleRouting(sample_id="a"), truth(8), PROMPT, FIRST, 0, face=face)
+    log = LeaseLog(store, monkeypatch)
+    unleased = dataclasses.replace(done, lease=None)
+    fresh = step(face, unleased, "claim", "batch/1", store)  # no own lease: acquire
+    cloned = step(face, done, "claim", "batch/2")  # a live lease: clone it
+    assert step(face, unleased, "claim", "batch/3") is None  # nothing to clone, no store
+    moved = step(face, done, "hand_over", cloned)
+    assert step(face, moved, "hand_over", None) is moved
+    gone, error = step(face, moved, "discard")
+    ended, failure = step(face, dataclasses.replace(unleased, lease=fresh), "try_release")
+    assert log.calls == [
+        ("acquire", "batch/1"),
+        ("clone", "batch/2"),
+        ("release", "rollout/a"),  # hand_over: after the new lease exists
+        ("release", "batch/2"),
+        ("release", "batch/1"),
+    ]
+    assert (gone.lease, error, ended.lease, failure) == (None, None, None, None)
+    assert store.leaks() == []
+
+
+@FACES
+def test_a_refused_new_lease_ends_the_borrowed_one_and_a_stuck_one_rides_along(
+    store: RouteStore, face: str
+) -> None:
+    traces = TraceStore(store)
+    turn1 = request(store, SampleRouting(sample_id="t1", session_id="s"), truth(8), 5, 4, 0)
+    turn1 = turn1.store_turn(traces, tuple(range(PROMPT + FIRST)))
+    other = RouteStore.local(StoreConfig(run="theirs"))
+    foreign = other.put(canonicalize(truth(3), SPEC))  # another run's payload: refused
+    turn2 = SampleRouting(sample_id="b", session_id="s")
+    prompt = (*range(PROMPT + FIRST), 7)
+    source = traces if face == "blocking" else AwaitableTraces(traces)
+    cont = step(face, turn2, "continuation", source, prompt)
+    assert cont.borrowed is not None
+    with pytest.raises(RunMismatch):
+        step(face, cont, "finish", store, foreign)
+    assert cont.borrowed.released
+    assert holders(store) == {"session/s": 1}
+    traces.close()
+    assert store.leaks() == []
+
+
+@FACES
+def test_store_turn_ends_the_own_lease_even_when_the_insert_is_refused(
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch, face: str
+) -> None:
+    traces = TraceStore(store)
+    sink = traces if face == "blocking" else AwaitableTraces(traces)
+    empty = Handle(SPEC)
+    short = SampleRouting(sample_id="t1", session_id="s").attach(
+        empty, store.acquire(empty, "rollout/t1"), Origin.PRODUCED
+    )
+    log = LeaseLog(store, monkeypatch)
+    with pytest.raises(HandleError):  # 0 rows for 11 tokens: the session refuses it
+        step(face, short, "store_turn", sink, tuple(range(11)))
+    assert log.calls == [("release", "rollout/t1")]
+    with pytest.raises(MisuseError):  # no session, no routing: nothing is called
+        step(face, SampleRouting(sample_id="x"), "store_turn", sink, ())
     assert store.leaks() == []
 
 

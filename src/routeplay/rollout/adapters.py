@@ -18,13 +18,18 @@ Where routing sits in each body is ``routeplay.core.wires``' business; adapters 
 call it.
 
 Row counts are checked at every resume against the response's token counts.
+
+``stitch`` is a step (``routeplay.rollout.steps``): ``stitch`` runs it blocking over a
+``RoutesWriter``, ``astitch`` awaited over an ``AsyncRoutesWriter`` (``RouteStore``'s
+``aput``/``aadopt_key``/``afree_key``); an adapter's ``read`` decodes (no store call), so
+``RoutingContinuation.aingest`` is ``read`` then ``astitch``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from routeplay.core.handle import EngineKey, Handle
 from routeplay.core.routes import Routes
@@ -33,6 +38,7 @@ from routeplay.core.validate import expected_rows
 from routeplay.core.wires import ENGINES, Engine, EngineRouting, read_response
 from routeplay.core.wires import vllm as vllm_wire
 from routeplay.errors import HandleError, RouteplayError, RowCountMismatch
+from routeplay.rollout.steps import Call, Step, arun_step, run_step
 
 if TYPE_CHECKING:  # both load Ray; adapters only call them
     from routeplay.store.client import RouteStore
@@ -40,14 +46,17 @@ if TYPE_CHECKING:  # both load Ray; adapters only call them
 
 __all__ = [
     "ADAPTERS",
+    "AsyncRoutesWriter",
     "EngineAdapter",
     "HttpAdapter",
     "ProducerWriter",
     "RoutesWriter",
     "VllmInProcessAdapter",
+    "astitch",
     "check_continues",
     "new_rows",
     "stitch",
+    "stitch_step",
 ]
 
 
@@ -63,6 +72,18 @@ class RoutesWriter(Protocol):
     def free_key(self, key: EngineKey) -> bool: ...
 
 
+class AsyncRoutesWriter(Protocol):
+    """The awaitable ``RoutesWriter`` (``RouteStore``'s, ``ProducerWriter``'s twins)."""
+
+    async def aput(self, routes: Routes, *, weight_version: int = 0) -> Handle: ...
+
+    async def aadopt_key(
+        self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
+    ) -> Handle: ...
+
+    async def afree_key(self, key: EngineKey) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProducerWriter:
     """The ``RoutesWriter`` of a producer actor: one-write puts, owned by the store."""
@@ -76,11 +97,27 @@ class ProducerWriter:
         """Stage in the producer, adopted by a shard: one object-store write."""
         return self.producer.put_routes(self.store, routes, weight_version=weight_version)
 
+    async def aput(self, routes: Routes, *, weight_version: int = 0) -> Handle:
+        """Awaitable ``put`` (an asyncio producer actor).
+
+        Example:
+            >>> handle = await writer.aput(routes, weight_version=2)  # doctest: +SKIP
+        """
+        return await self.producer.aput_routes(self.store, routes, weight_version=weight_version)
+
     def adopt_key(
         self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
     ) -> Handle:
         """Engine-store keys stay lazy: adopted without reading (rows from ``start_row``)."""
         return self.store.adopt_key(key, spec, weight_version=weight_version, start_row=start_row)
+
+    async def aadopt_key(
+        self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
+    ) -> Handle:
+        """Awaitable ``adopt_key``."""
+        return await self.store.aadopt_key(
+            key, spec, weight_version=weight_version, start_row=start_row
+        )
 
     def adopt_keys_each(
         self,
@@ -110,6 +147,10 @@ class ProducerWriter:
         """Drop a key nobody will read."""
         return self.store.free_key(key)
 
+    async def afree_key(self, key: EngineKey) -> bool:
+        """Awaitable ``free_key``."""
+        return await self.store.afree_key(key)
+
     def put_many(
         self,
         batch: Sequence[Routes],
@@ -133,6 +174,12 @@ class EngineAdapter(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    def read(
+        self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
+    ) -> EngineRouting:
+        """The response's routing, decoded and validated (no store call)."""
+        ...
 
     def ingest(
         self,
@@ -173,11 +220,21 @@ class HttpAdapter:
 
         ``start_row``: the first routing row the request asked for (engines never echo it).
         """
-        routing = read_response(
-            self.engine, response, spec, choice=self.choice, where=where, start_row=start_row
-        )
+        routing = self.read(response, spec=spec, where=where, start_row=start_row)
         return stitch(
             routing, spec=spec, writer=writer, weight_version=weight_version, history=history
+        )
+
+    def read(
+        self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
+    ) -> EngineRouting:
+        """The body's routing, decoded and validated (``ingest`` without the store).
+
+        Example:
+            >>> routing = ADAPTERS["sglang"].read(body, spec=spec, start_row=5)  # doctest: +SKIP
+        """
+        return read_response(
+            self.engine, response, spec, choice=self.choice, where=where, start_row=start_row
         )
 
 
@@ -202,10 +259,21 @@ class VllmInProcessAdapter:
         start_row: int = 0,
     ) -> Handle:
         """Concatenate prompt and completion routing, validate, store, stitch."""
-        routing = vllm_wire.WIRE.read_output(response, spec, choice=self.choice, where=where)
+        routing = self.read(response, spec=spec, where=where, start_row=start_row)
         return stitch(
             routing, spec=spec, writer=writer, weight_version=weight_version, history=history
         )
+
+    def read(
+        self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
+    ) -> EngineRouting:
+        """The output's routing, concatenated and validated (``start_row`` unused: the
+        output carries every row).
+
+        Example:
+            >>> routing = ADAPTERS["vllm-inprocess"].read(output, spec=spec)  # doctest: +SKIP
+        """
+        return vllm_wire.WIRE.read_output(response, spec, choice=self.choice, where=where)
 
 
 def stitch(
@@ -216,21 +284,65 @@ def stitch(
     weight_version: int,
     history: Handle | None = None,
 ) -> Handle:
-    """The sample's routing after this response: history rows, then only the new rows."""
+    """The sample's routing after this response: history rows, then only the new rows.
+
+    Example:
+        >>> handle = stitch(routing, spec=spec, writer=store, weight_version=2)  # doctest: +SKIP
+    """
+    return run_step(stitch_step(routing, spec, writer, weight_version, history))
+
+
+async def astitch(
+    routing: EngineRouting,
+    *,
+    spec: RouteSpec,
+    writer: AsyncRoutesWriter,
+    weight_version: int,
+    history: Handle | None = None,
+) -> Handle:
+    """Awaitable ``stitch``.
+
+    Example:
+        >>> handle = await astitch(routing, spec=spec, writer=store,  # doctest: +SKIP
+        ...                        weight_version=2)
+    """
+    return await arun_step(stitch_step(routing, spec, writer, weight_version, history))
+
+
+def stitch_step(
+    routing: EngineRouting,
+    spec: RouteSpec,
+    writer: RoutesWriter | AsyncRoutesWriter,
+    weight_version: int,
+    history: Handle | None,
+) -> Step[Handle]:
+    """``stitch`` as a step (each face calls only its own half of ``writer``).
+
+    Example:
+        >>> handle = run_step(stitch_step(routing, spec, store, 2, None))  # doctest: +SKIP
+    """
+    blocking, awaited = cast("RoutesWriter", writer), cast("AsyncRoutesWriter", writer)
     kept = history if history is not None else Handle(spec)
     _check_total(routing, kept.rows)
     if routing.key is not None:
-        if routing.key.rows <= kept.rows:  # nothing new: never adopt what no handle keeps
-            writer.free_key(routing.key)
+        key = routing.key
+        if key.rows <= kept.rows:  # nothing new: never adopt what no handle keeps
+            yield Call(lambda: blocking.free_key(key), lambda: awaited.afree_key(key))
             return kept
-        adopted = writer.adopt_key(
-            routing.key, spec, weight_version=weight_version, start_row=kept.rows
+        start = kept.rows
+        adopted: Handle = yield Call(
+            lambda: blocking.adopt_key(key, spec, weight_version=weight_version, start_row=start),
+            lambda: awaited.aadopt_key(key, spec, weight_version=weight_version, start_row=start),
         )
         return kept + adopted
     fresh = new_rows(routing, history)
     if fresh is None:
         return kept
-    return kept + writer.put(fresh, weight_version=weight_version)
+    put: Handle = yield Call(
+        lambda: blocking.put(fresh, weight_version=weight_version),
+        lambda: awaited.aput(fresh, weight_version=weight_version),
+    )
+    return kept + put
 
 
 def new_rows(routing: EngineRouting, history: Handle | None) -> Routes | None:

@@ -58,6 +58,21 @@ Step order (each row is one method; the order inside a step is the rule)::
     record(store)             read the rows by value (no refs)          -
     RoutingRecord.restore     put the rows, acquire ``rollout/<id>``    payload dropped
 
+Awaitable twins: every step that makes a store call has one, the same name with an
+``a`` in front, the same arguments and order (``aborrow_prefix``, ``acontinuation``,
+``cont.aingest``, ``cont.afinish``, ``cont.aabandon`` and ``async with``, ``aclaim``,
+``ahand_over``, ``atake_over``, ``astore_turn``, ``aexpire_retryably``, ``adiscard``,
+``arelease``, ``atry_release``). Each step is written once, as a step generator
+(``routeplay.rollout.steps``) that yields its store calls in the order above;
+``run_step`` makes them blocking, ``arun_step`` awaits the store's awaitable calls
+(``aacquire``, ``Lease.aclone``/``arelease``, ``aadopt_key``/``aput``,
+``TraceStoreClient.aexport``/``ainsert``): no thread, no ``ray.get``. The awaitable
+steps take the awaitable protocols (``AsyncLeaseSource``, ``AsyncPrefixSource``,
+``AsyncSessionSink``, ``AsyncRoutesWriter``): ``RouteStore`` and ``TraceStoreClient``
+are both faces; the in-process ``TraceStore`` is blocking only. ``complete``, ``reset``,
+``take_unreleased`` and ``attach`` make no call and have no twin; ``record`` and
+``RoutingRecord.restore`` are the checkpoint's (blocking).
+
 Why the orders: a new lease exists before the lease it replaces ends, so rows shared
 by the two (a resume's history, a session prefix) never reach zero leases on the way;
 a reset forgets routing only after its lease ended, so it can neither leak nor free
@@ -81,7 +96,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -89,16 +104,21 @@ import numpy.typing as npt
 from routeplay.core.handle import Handle, Segment
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MalformedPayload, MisuseError, RowCountMismatch
-from routeplay.rollout.releasing import attach_notes, attempt_each, first_error
+from routeplay.rollout.adapters import stitch_step
+from routeplay.rollout.releasing import attach_notes, first_error
+from routeplay.rollout.steps import Call, Step, arun_step, cloning, releasing, run_step
 from routeplay.store.lease import Lease
 
 if TYPE_CHECKING:
     from routeplay.core.routes import Routes
     from routeplay.core.spec import RouteSpec
-    from routeplay.rollout.adapters import EngineAdapter, RoutesWriter
+    from routeplay.rollout.adapters import AsyncRoutesWriter, EngineAdapter, RoutesWriter
     from routeplay.rollout.trace_store import Exported
 
 __all__ = [
+    "AsyncLeaseSource",
+    "AsyncPrefixSource",
+    "AsyncSessionSink",
     "Expiry",
     "LeaseSource",
     "Origin",
@@ -151,16 +171,78 @@ class LeaseSource(Protocol):
     def acquire(self, handle: Handle, holder: str) -> Lease: ...
 
 
+class AsyncLeaseSource(Protocol):
+    """What ``afinish`` and ``aclaim`` need: ``RouteStore.aacquire``."""
+
+    async def aacquire(self, handle: Handle, holder: str) -> Lease: ...
+
+
 class PrefixSource(Protocol):
     """What ``borrow_prefix`` needs: ``TraceStore.export`` (or ``TraceStoreClient``'s)."""
 
     def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None: ...
 
 
+class AsyncPrefixSource(Protocol):
+    """What ``aborrow_prefix`` needs: ``TraceStoreClient.aexport`` (the in-process
+    ``TraceStore`` has no awaitable face: it makes no call worth awaiting but the
+    store's, and a process with an event loop reaches its traces through the actor)."""
+
+    async def aexport(
+        self, session: str, token_ids: Iterable[int], holder: str
+    ) -> Exported | None: ...
+
+
 class SessionSink(Protocol):
     """What ``store_turn`` needs: ``TraceStore.insert`` (or ``TraceStoreClient``'s)."""
 
     def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None: ...
+
+
+class AsyncSessionSink(Protocol):
+    """What ``astore_turn`` needs: ``TraceStoreClient.ainsert`` (see
+    ``AsyncPrefixSource`` for the in-process ``TraceStore``)."""
+
+    async def ainsert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None: ...
+
+
+def acquiring(store: LeaseSource | AsyncLeaseSource, handle: Handle, holder: str) -> Call[Lease]:
+    """``store.acquire`` / ``store.aacquire`` as a step's call (each face calls only its
+    own half: a blocking step's store needs no awaitable method)."""
+    blocking, awaited = cast("LeaseSource", store), cast("AsyncLeaseSource", store)
+    return Call(lambda: blocking.acquire(handle, holder), lambda: awaited.aacquire(handle, holder))
+
+
+def _exporting(
+    traces: PrefixSource | AsyncPrefixSource, session: str, ids: list[int], holder: str
+) -> Call[Exported | None]:
+    blocking, awaited = cast("PrefixSource", traces), cast("AsyncPrefixSource", traces)
+    return Call(
+        lambda: blocking.export(session, ids, holder),
+        lambda: awaited.aexport(session, ids, holder),
+    )
+
+
+def _inserting(
+    traces: SessionSink | AsyncSessionSink, session: str, ids: list[int], handle: Handle
+) -> Call[None]:
+    blocking, awaited = cast("SessionSink", traces), cast("AsyncSessionSink", traces)
+    return Call(
+        lambda: blocking.insert(session, ids, handle),
+        lambda: awaited.ainsert(session, ids, handle),
+    )
+
+
+def _release_each(leases: Sequence[Lease]) -> Step[list[tuple[Lease, Exception]]]:
+    """Release every lease, whatever the earlier ones raised (``attempt_each`` as a
+    step); the failures, in order."""
+    failures: list[tuple[Lease, Exception]] = []
+    for lease in leases:
+        try:
+            yield releasing(lease)
+        except Exception as exc:  # keep going: the rest must still be released
+            failures.append((lease, exc))
+    return failures
 
 
 class RowReader(Protocol):
@@ -369,20 +451,54 @@ class SampleRouting:
     def claim(self, holder: str, store: LeaseSource | None = None) -> Lease | None:
         """Phase 1 of a take-over: ``holder``'s own lease on the rows (a clone of the
         live lease, else, with ``store``, a fresh acquire of the handle); None when there
-        is nothing to hold. This value is unchanged."""
+        is nothing to hold. This value is unchanged.
+
+        Example:
+            >>> mine = sample.routing.claim("batch/3", store)  # doctest: +SKIP
+        """
+        return run_step(self._claim(holder, store))
+
+    async def aclaim(self, holder: str, store: AsyncLeaseSource | None = None) -> Lease | None:
+        """Awaitable ``claim``.
+
+        Example:
+            >>> mine = await sample.routing.aclaim("batch/3", store)  # doctest: +SKIP
+        """
+        return await arun_step(self._claim(holder, store))
+
+    def _claim(
+        self, holder: str, store: LeaseSource | AsyncLeaseSource | None
+    ) -> Step[Lease | None]:
         if self.lease is not None and not self.lease.released:
-            return self.lease.clone(holder)
+            cloned: Lease = yield cloning(self.lease, holder)
+            return cloned
         if self.handle is not None and store is not None:
-            return store.acquire(self.handle, holder)
+            acquired: Lease = yield acquiring(store, self.handle, holder)
+            return acquired
         return None
 
     def hand_over(self, lease: Lease | None) -> SampleRouting:
         """Phase 2 of a take-over: the own lease ends, ``lease`` (from ``claim``) takes
         its place; a release that fails rides along in ``unreleased`` (the second half
-        of a transfer must not lose the new lease by raising)."""
+        of a transfer must not lose the new lease by raising).
+
+        Example:
+            >>> sample.routing = sample.routing.hand_over(mine)  # doctest: +SKIP
+        """
+        return run_step(self._hand_over(lease))
+
+    async def ahand_over(self, lease: Lease | None) -> SampleRouting:
+        """Awaitable ``hand_over``.
+
+        Example:
+            >>> sample.routing = await sample.routing.ahand_over(mine)  # doctest: +SKIP
+        """
+        return await arun_step(self._hand_over(lease))
+
+    def _hand_over(self, lease: Lease | None) -> Step[SampleRouting]:
         if lease is None:
             return self
-        after, _ = self.try_release()
+        after, _ = yield from self._try_release()
         return dataclasses.replace(after, lease=lease)
 
     def take_over(self, holder: str, store: LeaseSource | None = None) -> SampleRouting:
@@ -391,7 +507,21 @@ class SampleRouting:
         Example:
             >>> sample.routing = sample.routing.take_over("buffer/g", store)  # doctest: +SKIP
         """
-        return self.hand_over(self.claim(holder, store))
+        return run_step(self._take_over(holder, store))
+
+    async def atake_over(self, holder: str, store: AsyncLeaseSource | None = None) -> SampleRouting:
+        """Awaitable ``take_over``.
+
+        Example:
+            >>> routing = await sample.routing.atake_over("buffer/g", store)  # doctest: +SKIP
+        """
+        return await arun_step(self._take_over(holder, store))
+
+    def _take_over(
+        self, holder: str, store: LeaseSource | AsyncLeaseSource | None
+    ) -> Step[SampleRouting]:
+        lease = yield from self._claim(holder, store)
+        return (yield from self._hand_over(lease))
 
     def release(self) -> SampleRouting:
         """End the own lease and retry the ``unreleased`` ones (idempotent); raises the
@@ -400,24 +530,62 @@ class SampleRouting:
         Example:
             >>> sample.routing = sample.routing.release()  # doctest: +SKIP
         """
-        after, error = self.try_release()
+        return run_step(self._release())
+
+    async def arelease(self) -> SampleRouting:
+        """Awaitable ``release``.
+
+        Example:
+            >>> sample.routing = await sample.routing.arelease()  # doctest: +SKIP
+        """
+        return await arun_step(self._release())
+
+    def _release(self) -> Step[SampleRouting]:
+        after, error = yield from self._try_release()
         if error is not None:
             raise error
         return after
 
     def try_release(self) -> tuple[SampleRouting, Exception | None]:
         """``release()`` that never raises: the next value (no own lease; leases whose
-        release failed in ``unreleased``) and the first error, or None."""
+        release failed in ``unreleased``) and the first error, or None.
+
+        Example:
+            >>> routing, error = sample.routing.try_release()  # doctest: +SKIP
+        """
+        return run_step(self._try_release())
+
+    async def atry_release(self) -> tuple[SampleRouting, Exception | None]:
+        """Awaitable ``try_release``.
+
+        Example:
+            >>> routing, error = await sample.routing.atry_release()  # doctest: +SKIP
+        """
+        return await arun_step(self._try_release())
+
+    def _try_release(self) -> Step[tuple[SampleRouting, Exception | None]]:
         leases = [lease for lease in (self.lease, *self.unreleased) if lease is not None]
-        failures = attempt_each(leases, Lease.release)
+        failures = yield from _release_each(leases)
         stuck = tuple(lease for lease, _ in failures)
         error = first_error([exc for _, exc in failures], f"releasing sample {self.sample_id}")
         return dataclasses.replace(self, lease=None, unreleased=stuck), error
 
     def discard(self) -> tuple[SampleRouting, Exception | None]:
         """The sample is dropped for good (trained, discarded, failed): every lease it
-        names is released; one whose release fails rides along (keep the value visible)."""
-        return self.try_release()
+        names is released; one whose release fails rides along (keep the value visible).
+
+        Example:
+            >>> gone, error = sample.routing.discard()  # doctest: +SKIP
+        """
+        return run_step(self._try_release())
+
+    async def adiscard(self) -> tuple[SampleRouting, Exception | None]:
+        """Awaitable ``discard``.
+
+        Example:
+            >>> gone, error = await sample.routing.adiscard()  # doctest: +SKIP
+        """
+        return await arun_step(self._try_release())
 
     def take_unreleased(self) -> tuple[SampleRouting, tuple[Lease, ...]]:
         """This value without its stuck leases, and those leases (still live in the
@@ -446,7 +614,18 @@ class SampleRouting:
         Example:
             >>> retry, stuck, error = sample.routing.expire_retryably()  # doctest: +SKIP
         """
-        after, error = self.try_release()
+        return run_step(self._expire_retryably())
+
+    async def aexpire_retryably(self) -> Expiry:
+        """Awaitable ``expire_retryably``.
+
+        Example:
+            >>> retry, stuck, error = await sample.routing.aexpire_retryably()  # doctest: +SKIP
+        """
+        return await arun_step(self._expire_retryably())
+
+    def _expire_retryably(self) -> Step[Expiry]:
+        after, error = yield from self._try_release()
         if error is None:
             return Expiry(retry=after.reset(), stuck=None, error=None)
         clean, _ = after.take_unreleased()
@@ -456,10 +635,33 @@ class SampleRouting:
     def borrow_prefix(self, traces: PrefixSource, prompt_ids: Iterable[int]) -> Exported | None:
         """The longest stored prefix of ``prompt_ids`` in the sample's trace session,
         under a lease of the sample's own (``prefix_holder``); None without a session or
-        a reusable row. The session keeps its own lease."""
+        a reusable row. The session keeps its own lease.
+
+        Example:
+            >>> exported = sample.routing.borrow_prefix(traces, prompt_ids)  # doctest: +SKIP
+        """
+        return run_step(self._borrow_prefix(traces, prompt_ids))
+
+    async def aborrow_prefix(
+        self, traces: AsyncPrefixSource, prompt_ids: Iterable[int]
+    ) -> Exported | None:
+        """Awaitable ``borrow_prefix``.
+
+        Example:
+            >>> exported = await sample.routing.aborrow_prefix(traces, ids)  # doctest: +SKIP
+        """
+        return await arun_step(self._borrow_prefix(traces, prompt_ids))
+
+    def _borrow_prefix(
+        self, traces: PrefixSource | AsyncPrefixSource, prompt_ids: Iterable[int]
+    ) -> Step[Exported | None]:
         if self.session_id is None:
             return None
-        return traces.export(self.session_id, prompt_ids, prefix_holder(self.sample_id))
+        holder = prefix_holder(self.sample_id)
+        exported: Exported | None = yield _exporting(
+            traces, self.session_id, list(prompt_ids), holder
+        )
+        return exported
 
     def continuation(
         self, traces: PrefixSource | None = None, prompt_ids: Iterable[int] = ()
@@ -473,9 +675,28 @@ class SampleRouting:
             ...     cont.rows == sample.routing.rows
             True
         """
+        return run_step(self._continuation(traces, prompt_ids))
+
+    async def acontinuation(
+        self, traces: AsyncPrefixSource | None = None, prompt_ids: Iterable[int] = ()
+    ) -> RoutingContinuation:
+        """Awaitable ``continuation`` (its only call: a session prefix's export).
+
+        Example:
+            >>> with await sample.routing.acontinuation(traces, ids) as cont:  # doctest: +SKIP
+            ...     handle = await cont.aingest(adapter, body, spec=spec, writer=store,
+            ...                                 weight_version=3)
+        """
+        return await arun_step(self._continuation(traces, prompt_ids))
+
+    def _continuation(
+        self, traces: PrefixSource | AsyncPrefixSource | None, prompt_ids: Iterable[int]
+    ) -> Step[RoutingContinuation]:
         if self.handle is not None:
             return RoutingContinuation(self, history=self.handle, borrowed=None)
-        exported = self.borrow_prefix(traces, prompt_ids) if traces is not None else None
+        exported = None
+        if traces is not None:
+            exported = yield from self._borrow_prefix(traces, prompt_ids)
         if exported is None:
             return RoutingContinuation(self, history=None, borrowed=None)
         return RoutingContinuation(self, history=exported.handle, borrowed=exported.lease)
@@ -483,7 +704,26 @@ class SampleRouting:
     def store_turn(self, traces: SessionSink, token_ids: Iterable[int]) -> SampleRouting:
         """Hand a finished turn (``token_ids``: prompt + response) to its trace session,
         then end the own lease. The session's lease exists before the own one ends; the
-        own lease ends whether or not the insert succeeds."""
+        own lease ends whether or not the insert succeeds.
+
+        Example:
+            >>> sample.routing = sample.routing.store_turn(traces, ids)  # doctest: +SKIP
+        """
+        return run_step(self._store_turn(traces, token_ids))
+
+    async def astore_turn(
+        self, traces: AsyncSessionSink, token_ids: Iterable[int]
+    ) -> SampleRouting:
+        """Awaitable ``store_turn`` (``TraceStoreClient.ainsert``).
+
+        Example:
+            >>> sample.routing = await sample.routing.astore_turn(traces, ids)  # doctest: +SKIP
+        """
+        return await arun_step(self._store_turn(traces, token_ids))
+
+    def _store_turn(
+        self, traces: SessionSink | AsyncSessionSink, token_ids: Iterable[int]
+    ) -> Step[SampleRouting]:
         if self.session_id is None or self.handle is None:
             raise MisuseError(
                 "only a routed sample of a trace session can be stored as a turn",
@@ -492,13 +732,13 @@ class SampleRouting:
                 where=f"sample {self.sample_id}",
             )
         try:
-            traces.insert(self.session_id, token_ids, self.handle)
+            yield _inserting(traces, self.session_id, list(token_ids), self.handle)
         except BaseException as exc:
-            _, error = self.try_release()
+            _, error = yield from self._try_release()
             if error is not None:
                 attach_notes(exc, [error], f"releasing sample {self.sample_id}")
             raise
-        return self.release()
+        return (yield from self._release())
 
     # -- checkpoints ------------------------------------------------------------------
     def record(self, store: RowReader) -> RoutingRecord:
@@ -570,17 +810,50 @@ class RoutingContinuation:
     ) -> Handle:
         """The sample's routing after ``response``: the history rows, then only the rows
         they lack, adopted (an engine-store key) or put (inline routing) under
-        ``weight_version``. The handle holds no lease yet: ``finish`` takes one."""
-        self.check_open("ingest an answer")
-        return adapter.ingest(
-            response,
-            spec=spec,
-            writer=writer,
-            weight_version=weight_version,
-            history=self.history,
-            where=where or f"sample {self.routing.sample_id}",
-            start_row=start_row,
+        ``weight_version``. The handle holds no lease yet: ``finish`` takes one.
+
+        Example:
+            >>> handle = cont.ingest(adapter, body, spec=spec, writer=store,  # doctest: +SKIP
+            ...                      weight_version=3, start_row=cont.rows)
+        """
+        return run_step(
+            self._ingest(adapter, response, spec, writer, weight_version, start_row, where)
         )
+
+    async def aingest(
+        self,
+        adapter: EngineAdapter,
+        response: Any,
+        *,
+        spec: RouteSpec,
+        writer: AsyncRoutesWriter,
+        weight_version: int,
+        start_row: int = 0,
+        where: str = "",
+    ) -> Handle:
+        """Awaitable ``ingest`` (``writer.aadopt_key`` / ``aput``: ``RouteStore``'s).
+
+        Example:
+            >>> handle = await cont.aingest(adapter, body, spec=spec,  # doctest: +SKIP
+            ...     writer=store, weight_version=3, start_row=cont.rows)
+        """
+        step = self._ingest(adapter, response, spec, writer, weight_version, start_row, where)
+        return await arun_step(step)
+
+    def _ingest(
+        self,
+        adapter: EngineAdapter,
+        response: Any,
+        spec: RouteSpec,
+        writer: RoutesWriter | AsyncRoutesWriter,
+        weight_version: int,
+        start_row: int,
+        where: str,
+    ) -> Step[Handle]:
+        self.check_open("ingest an answer")
+        where = where or f"sample {self.routing.sample_id}"
+        routing = adapter.read(response, spec=spec, where=where, start_row=start_row)
+        return (yield from stitch_step(routing, spec, writer, weight_version, self.history))
 
     def finish(self, store: LeaseSource, handle: Handle) -> SampleRouting:
         """Lease ``handle`` for the sample (``rollout/<id>``), *then* end the own lease it
@@ -595,26 +868,52 @@ class RoutingContinuation:
             >>> routing.lease.holder
             'rollout/a'
         """
+        return run_step(self._finish(store, handle))
+
+    async def afinish(self, store: AsyncLeaseSource, handle: Handle) -> SampleRouting:
+        """Awaitable ``finish``.
+
+        Example:
+            >>> routing = await cont.afinish(store, handle)  # doctest: +SKIP
+        """
+        return await arun_step(self._finish(store, handle))
+
+    def _finish(self, store: LeaseSource | AsyncLeaseSource, handle: Handle) -> Step[SampleRouting]:
         self.check_open("finish")
         self._done = True
         try:
-            lease = store.acquire(handle, sample_holder(self.routing.sample_id))
+            lease: Lease = yield acquiring(store, handle, sample_holder(self.routing.sample_id))
         except BaseException as exc:
-            self._end_borrowed(exc)
+            yield from self._end_borrowed(exc)
             raise
-        after, _ = self.routing.try_release()  # a failure keeps the lease in unreleased
+        after, _ = yield from self.routing._try_release()  # a failure stays in unreleased
         if self.borrowed is not None:
-            after, _ = dataclasses.replace(after, lease=self.borrowed).try_release()
+            after, _ = yield from dataclasses.replace(after, lease=self.borrowed)._try_release()
         return after.attach(handle, lease, self.origin)
 
     def abandon(self) -> None:
         """End the borrowed lease without finishing (idempotent; the input's own lease
-        stays with the caller)."""
+        stays with the caller).
+
+        Example:
+            >>> cont.abandon()  # doctest: +SKIP
+        """
+        run_step(self._abandon())
+
+    async def aabandon(self) -> None:
+        """Awaitable ``abandon``.
+
+        Example:
+            >>> await cont.aabandon()  # doctest: +SKIP
+        """
+        await arun_step(self._abandon())
+
+    def _abandon(self) -> Step[None]:
         if self._done:
             return
         self._done = True
         if self.borrowed is not None:
-            self.borrowed.release()
+            yield releasing(self.borrowed)
 
     def __enter__(self) -> RoutingContinuation:
         return self
@@ -625,11 +924,25 @@ class RoutingContinuation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        run_step(self._exit(exc))
+
+    async def __aenter__(self) -> RoutingContinuation:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await arun_step(self._exit(exc))
+
+    def _exit(self, exc: BaseException | None) -> Step[None]:
         if exc is None:
-            self.abandon()
+            yield from self._abandon()
         elif not self._done:
             self._done = True
-            self._end_borrowed(exc)
+            yield from self._end_borrowed(exc)
 
     def check_open(self, action: str) -> None:
         """Refuse ``action`` once finished or abandoned (``MisuseError``)."""
@@ -640,13 +953,13 @@ class RoutingContinuation:
                 hint="Make a new continuation() for the next request of the sample.",
             )
 
-    def _end_borrowed(self, cause: BaseException) -> None:
+    def _end_borrowed(self, cause: BaseException) -> Step[None]:
         """Release the borrowed lease while ``cause`` propagates (a failed release is
         named in a note on ``cause``, never raised over it)."""
         if self.borrowed is None:
             return
         try:
-            self.borrowed.release()
+            yield releasing(self.borrowed)
         except Exception as failure:
             attach_notes(cause, [failure], f"releasing {self.borrowed.holder}")
 

@@ -37,6 +37,8 @@ from routeplay.errors import RouteplayError, StoreTimeout
 __all__ = ["Flow", "Resolver", "Wait", "adrive", "answered", "awaiting", "drive"]
 
 R = TypeVar("R")
+W = TypeVar("W")
+W_contra = TypeVar("W_contra", contravariant=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +61,20 @@ Flow: TypeAlias = Generator[Wait, Any, R]
 result), returns the call's result."""
 
 
-class Resolver(Protocol):
-    """What waits for a ``Wait``: the backend (or ``ray_calls.RAY`` for actor clients)."""
+class Resolver(Protocol[W_contra]):
+    """What answers what a flow yields: for a ``Wait``, the backend (or ``ray_calls.RAY``
+    for actor clients); for a lifecycle step's ``Call``, ``routeplay.rollout.steps``."""
 
-    def resolve(self, wait: Wait) -> list[Any]:
-        """The answers, blocking this thread."""
+    def resolve(self, wait: W_contra) -> Any:
+        """The answer, blocking this thread."""
         ...
 
-    async def aresolve(self, wait: Wait) -> list[Any]:
-        """The answers, awaited on the running event loop."""
+    async def aresolve(self, wait: W_contra) -> Any:
+        """The answer, awaited on the running event loop."""
         ...
 
 
-def drive(flow: Flow[R], resolver: Resolver) -> R:
+def drive(flow: Generator[W, Any, R], resolver: Resolver[W]) -> R:
     """Run ``flow`` to its result, blocking on each wait.
 
     Example:
@@ -91,7 +94,7 @@ def drive(flow: Flow[R], resolver: Resolver) -> R:
         return result
 
 
-async def adrive(flow: Flow[R], resolver: Resolver) -> R:
+async def adrive(flow: Generator[W, Any, R], resolver: Resolver[W]) -> R:
     """Run ``flow`` to its result, awaiting each wait (a cancellation is thrown into
     the flow at the wait where it happened, so the flow rescues what is in flight).
 
