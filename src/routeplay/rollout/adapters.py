@@ -37,7 +37,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import expected_rows
 from routeplay.core.wires import ENGINES, Engine, EngineRouting, read_response
 from routeplay.core.wires import vllm as vllm_wire
-from routeplay.errors import HandleError, RouteplayError, RowCountMismatch
+from routeplay.errors import HandleError, MisuseError, RouteplayError, RowCountMismatch
 from routeplay.rollout.steps import Call, Step, arun_step, run_step
 
 if TYPE_CHECKING:  # both load Ray; adapters only call them
@@ -103,7 +103,17 @@ class ProducerWriter:
         Example:
             >>> handle = await writer.aput(routes, weight_version=2)  # doctest: +SKIP
         """
-        return await self.producer.aput_routes(self.store, routes, weight_version=weight_version)
+        from routeplay.store.producer import AsyncRoutesProducer  # loads Ray: only here
+
+        producer = self.producer
+        if not isinstance(producer, AsyncRoutesProducer):
+            raise MisuseError(
+                "an awaitable put needs an asyncio producer",
+                expected="a producer actor class deriving from AsyncRoutesProducer",
+                found=type(producer).__name__,
+                hint="A threaded producer (RoutesProducer) puts with the blocking put().",
+            )
+        return await producer.aput_routes(self.store, routes, weight_version=weight_version)
 
     def adopt_key(
         self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
