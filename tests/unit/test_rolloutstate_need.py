@@ -17,7 +17,8 @@ Allowed, each for a stated reason:
   delegates to ``SampleRouting``);
 - ``rollout/__init__.py``: the package facade re-exports it (names only, resolved lazily);
 - ``pipeline/``: the demo, a user of the library that picked ``RolloutState`` as its
-  sample type, as XTuner picks its own.
+  sample type, as XTuner picks its own;
+- ``bench/``: the benchmark's session workloads, a user of the same kind.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ALLOWED = {
     "rollout/lifecycle.py",
     "rollout/__init__.py",
 }
-ALLOWED_FOLDERS = ("pipeline/",)
+ALLOWED_FOLDERS = ("pipeline/", "bench/")
 
 
 def needs(source: str) -> list[str]:
