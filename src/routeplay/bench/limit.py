@@ -63,12 +63,8 @@ def object_sizes(w: Workload) -> list[int]:
 
 
 def rank_shares(w: Workload) -> list[int]:
-    """Bytes each SP rank copies out: its rows of every sample."""
-    per_rank = [0] * w.sp
-    for rank in range(w.sp):
-        lo, hi = rank_rows(w.rows, rank, w.sp)
-        per_rank[rank] = w.samples * w.spec.nbytes(hi - lo)
-    return per_rank
+    """Bytes each SP rank copies out: its rows of every sample (``rank_byte_ranges``)."""
+    return [sum(hi - lo for _, lo, hi in rank_byte_ranges(w, rank)) for rank in range(w.sp)]
 
 
 @ray.remote(num_cpus=0)
