@@ -38,6 +38,7 @@ Run: ``.venv/bin/python examples/xtuner_flow.py`` (starts a local Ray instance).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ import torch
 from routeplay.core import Handle, RouteSpec
 from routeplay.core.wires import Answer, BodyOptions, wire_layers
 from routeplay.core.wires import lmdeploy as lmdeploy_wire
+from routeplay.errors import RouteplayError
 from routeplay.rollout import (
     ADAPTERS,
     Exported,
@@ -61,6 +63,7 @@ from routeplay.rollout import (
     SampleRouting,
     StalenessBasis,
     TrainingBatch,
+    aingest_routing_group,
     session_holder,
 )
 from routeplay.store import (
@@ -79,6 +82,8 @@ MAX_TOKENS = 16
 PACK_MAX_LENGTH = 45  # odd: SP=2 zero-pads every pack by one position
 DP, SP = 2, 2
 RUN = "xtuner-flow"
+GROUP = 3  # GRPO group size
+MATH_A = "Q: 2+2="
 
 
 # ----------------------------------------------------------------- tokens and the toy model
@@ -232,6 +237,39 @@ def new_state(
     )
 
 
+def lmdeploy_request(state: XtunerRolloutState) -> dict[str, Any]:
+    """The ``/generate`` request for the sample's next tokens (LMDeploy always answers
+    every row, so the start row is 0)."""
+    _, request = lmdeploy_wire.WIRE.request(
+        state.tokens,
+        max_new_tokens=MAX_TOKENS - len(state.response_ids),
+        temperature=1.0,
+        seed=state.seed,
+        extra={},
+        start_row=0,
+    )
+    return dict(request)
+
+
+def record_answer(state: XtunerRolloutState, body: Any, version: int) -> XtunerRolloutState:
+    """The answer's tokens onto the sample; a finished sample's rows are checked against
+    its tokens (rows == prompt + response - 1, else ``RowCountMismatch`` here, not at
+    packing)."""
+    answer = lmdeploy_wire.WIRE.read_completion(body, where=f"sample {state.id}")
+    state.response_ids += answer.token_ids
+    state.logprobs += answer.logprobs
+    state.response_model_steps += [version] * len(answer.token_ids)
+    state.finish_reason = answer.finish_reason
+    if answer.finish_reason == "abort":
+        state.status, state.aborts = Status.ABORTED, state.aborts + 1
+        return state
+    state.status = Status.COMPLETED
+    state.routing = state.routing.complete(
+        prompt_tokens=len(state.prompt_ids), response_tokens=len(state.response_ids)
+    )
+    return state
+
+
 # ----------------------------------------------------------------- the awaitable store calls
 
 
@@ -380,30 +418,40 @@ class RolloutWorker:
         """One request: a fresh sample, an ABORTED one resumed (its own rows are the
         history) or a session's next turn (the session's rows borrowed)."""
         async with await state.routing.acontinuation(self.traces, state.prompt_ids) as cont:
-            _, request = lmdeploy_wire.WIRE.request(
-                state.tokens,
-                max_new_tokens=MAX_TOKENS - len(state.response_ids),
-                temperature=1.0,
-                seed=state.seed,
-                extra={},
-                start_row=0,  # LMDeploy always answers every row
-            )
-            body = await self.server.generate(request)
-            answer = lmdeploy_wire.WIRE.read_completion(body, where=f"sample {state.id}")
+            body = await self.server.generate(lmdeploy_request(state))
             handle = await adopt_answer(cont, body, self.store, version)
             state.routing = await finish(cont, self.store, handle)
-        state.response_ids += answer.token_ids
-        state.logprobs += answer.logprobs
-        state.response_model_steps += [version] * len(answer.token_ids)
-        state.finish_reason = answer.finish_reason
-        if answer.finish_reason == "abort":
-            state.status, state.aborts = Status.ABORTED, state.aborts + 1
-            return state
-        state.status = Status.COMPLETED
-        state.routing = state.routing.complete(
-            prompt_tokens=len(state.prompt_ids), response_tokens=len(state.response_ids)
-        )  # rows == prompt + response - 1, else RowCountMismatch here, not at packing
-        return state
+        return record_answer(state, body, version)
+
+    async def generate_group(self, group: list[XtunerRolloutState], version: int) -> None:
+        """A fresh GRPO group (one prompt, one answer per member): the requests run
+        together, then the group's keys are adopted in *one* write, the prompt's rows
+        stored once (``aingest_routing_group``); each member then finishes on its own. A
+        member whose key is refused is set aside as ABORTED (its continuation ends with
+        the block) and costs only itself."""
+        async with contextlib.AsyncExitStack() as stack:
+            conts = [
+                await stack.enter_async_context(
+                    await s.routing.acontinuation(self.traces, s.prompt_ids)
+                )
+                for s in group
+            ]
+            requests = [lmdeploy_request(s) for s in group]
+            bodies = await asyncio.gather(*(self.server.generate(r) for r in requests))
+            adapter = ADAPTERS["lmdeploy"]
+            answers = [
+                adapter.read(body, spec=SPEC, where=f"sample {s.id}", start_row=0)
+                for s, body in zip(group, bodies, strict=True)
+            ]
+            handles = await aingest_routing_group(
+                conts, answers, writer=self.store, weight_version=version, spec=SPEC
+            )
+            for state, cont, handle, body in zip(group, conts, handles, bodies, strict=True):
+                if isinstance(handle, RouteplayError):
+                    state.status, state.aborts = Status.ABORTED, state.aborts + 1
+                    continue
+                state.routing = await finish(cont, self.store, handle)
+                record_answer(state, body, version)
 
     async def converse(
         self, state: XtunerRolloutState, user: str, version: int
@@ -652,6 +700,7 @@ class FlowReport:
 
     resumed_bytes: int
     resumed_new_rows: int
+    group_prompt_bytes_saved: int
     expired: list[int]
     step: StepReport
     leases: int
@@ -666,7 +715,7 @@ async def rollout(worker: RolloutWorker, group: list[Any], version: int) -> list
     return group
 
 
-async def flow(store: RouteStore, shared_store: Any) -> tuple[int, int, list[int], Trainer]:
+async def flow(store: RouteStore, shared_store: Any) -> tuple[int, int, int, list[int], Trainer]:
     server = LmdeployServer(shared_store)
     traces = TraceTrie(store)
     worker = RolloutWorker(server, store, traces)
@@ -675,15 +724,18 @@ async def flow(store: RouteStore, shared_store: Any) -> tuple[int, int, list[int
 
     # Version 0: a math group the controller aborts half-way (two members have stopped by
     # then), then a math group and a chat group of two-turn sessions, concurrently.
-    math_a = [new_state(i, "math", 0, "Q: 2+2=") for i in (0, 1, 2)]
+    math_a = [new_state(i, "math", 0, MATH_A) for i in range(GROUP)]
     math_b = [new_state(i, "math", 1, "Q: 7*6=?") for i in (12, 13, 14)]
     chat = [new_state(i, "chat", 2, "Hi! ", session=f"s{i}") for i in (20, 21)]
     server.abort_after = 4
     await rollout(worker, math_b, 0)
     server.abort_after = None
+    saved_before = store.stats().shared_prefix_bytes_saved
     seconds, _ = await asyncio.gather(
-        asyncio.gather(*(worker.converse(s, "More? ", 0) for s in chat)), rollout(worker, math_a, 0)
+        asyncio.gather(*(worker.converse(s, "More? ", 0) for s in chat)),
+        worker.generate_group(math_a, 0),
     )
+    group_saved = store.stats().shared_prefix_bytes_saved - saved_before
     for group in (math_a, math_b, list(seconds)):
         await buffer.put(group, version=0)
     trainer.step(1, buffer.get("math", Status.COMPLETED) + buffer.get("chat", Status.COMPLETED))
@@ -703,7 +755,7 @@ async def flow(store: RouteStore, shared_store: Any) -> tuple[int, int, list[int
     [group_b] = buffer.get("math", Status.ABORTED)
     await buffer.put(await rollout(worker, group_b, 2), version=2)
     trainer.step(2, buffer.get("math", Status.COMPLETED))
-    return resumed_bytes, new_rows, buffer.expired, trainer
+    return resumed_bytes, new_rows, group_saved, buffer.expired, trainer
 
 
 def main() -> FlowReport:
@@ -714,12 +766,13 @@ def main() -> FlowReport:
     store = StoreConfig(run=RUN, timeout_s=30).build()
     shared_store = start_engine_store(ttl_s=120, user=RUN)
     try:
-        resumed_bytes, new_rows, expired, trainer = asyncio.run(flow(store, shared_store))
+        resumed_bytes, new_rows, saved, expired, trainer = asyncio.run(flow(store, shared_store))
         store.flush()
         stats = store.stats()
         report = FlowReport(
             resumed_bytes=resumed_bytes,
             resumed_new_rows=new_rows,
+            group_prompt_bytes_saved=saved,
             expired=expired,
             step=trainer.report,
             leases=stats.leases,
@@ -733,6 +786,8 @@ def main() -> FlowReport:
         if started:
             ray.shutdown()
     assert report.resumed_bytes == SPEC.nbytes(report.resumed_new_rows) > 0, report
+    # One write for the fresh GRPO group: its prompt's rows stored once, not per member.
+    assert report.group_prompt_bytes_saved == (GROUP - 1) * SPEC.nbytes(len(encode(MATH_A))), report
     assert report.step.rows_checked > 0, report
     assert report.step.padding_packs > 0, report
     assert (report.leases, report.live_payloads, report.engine_keys, report.trie_leases) == (

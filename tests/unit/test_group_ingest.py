@@ -7,14 +7,24 @@ the payload lives until the last of them is gone.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from routeplay.core import Handle, RouteSpec, read_response
-from routeplay.core.wires import Engine
+from routeplay.core.wires import Engine, EngineRouting
 from routeplay.errors import DuplicateExperts, MisuseError, RouteplayError
-from routeplay.rollout import Origin, RolloutState, Status, continuation
+from routeplay.rollout import (
+    Origin,
+    RolloutState,
+    SampleRouting,
+    Status,
+    aingest_routing_group,
+    continuation,
+    ingest_routing_group,
+)
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.rollout.lifecycle import ingest_group, sample_holder
 from routeplay.store import RouteStore, StoreConfig
@@ -226,3 +236,105 @@ def test_a_group_of_keys_needs_the_spec() -> None:
             writer=store,
             weight_version=0,
         )
+
+
+# -- any sample type: ingest_routing_group over SampleRouting continuations -----------
+
+
+class Member:
+    """A framework's own mutable sample (XTuner's is pydantic): it embeds a routing."""
+
+    def __init__(self, sample_id: str, prompt: list[int]) -> None:
+        self.sample_id, self.prompt = sample_id, prompt
+        self.routing = SampleRouting(sample_id=sample_id)
+
+
+def member_answers(
+    fake: FakeLmdeployKey, truths: list[npt.NDArray[np.uint8]]
+) -> list[EngineRouting]:
+    return [
+        read_response(
+            Engine.LMDEPLOY,
+            fake.respond(rows, prompt_tokens=PROMPT, completion_tokens=FIRST),
+            SPEC,
+        )
+        for rows in truths
+    ]
+
+
+def run_group(
+    *, awaited: bool, with_prompt: bool
+) -> tuple[RouteStore, LocalBackend, list[Member], list[npt.NDArray[np.uint8]]]:
+    """A fresh group of four own-type members on the LMDeploy key path, written with the
+    blocking or the awaitable group ingest, then finished."""
+    store, fake, backend = key_store()
+    truths = [t[: PROMPT + FIRST] for t in group_truths(4)]
+    group = [Member(f"x{i}", list(range(PROMPT))) for i in range(4)]
+    conts = [m.routing.continuation(prompt_ids=m.prompt if with_prompt else ()) for m in group]
+    answers = member_answers(fake, truths)
+    if awaited:
+        out = asyncio.run(
+            aingest_routing_group(conts, answers, writer=store, weight_version=2, spec=SPEC)
+        )
+    else:
+        out = ingest_routing_group(conts, answers, writer=store, weight_version=2, spec=SPEC)
+    for member, cont, handle in zip(group, conts, out, strict=True):
+        assert isinstance(handle, Handle)
+        member.routing = cont.finish(store, handle).complete(
+            prompt_tokens=PROMPT, response_tokens=FIRST
+        )
+    return store, backend, group, truths
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_an_own_sample_type_writes_its_group_once_with_the_prompt_once(awaited: bool) -> None:
+    store, backend, group, truths = run_group(awaited=awaited, with_prompt=True)
+    stats = store.stats()
+    assert stats.live_payloads == 1
+    assert stats.shared_prefix_bytes_saved == 3 * SPEC.nbytes(PROMPT)
+    assert stats.live_bytes == SPEC.nbytes(PROMPT) + 4 * SPEC.nbytes(FIRST - 1)
+    for member, rows in zip(group, truths, strict=True):
+        assert member.routing.handle is not None
+        np.testing.assert_array_equal(store.read(member.routing.handle), rows[:-1])
+        assert set(member.routing.row_versions()) == {2}
+        member.routing = member.routing.release()
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+    assert backend.engine_store().stats().live_keys == 0
+
+
+def test_a_group_continued_without_its_prompt_shares_no_rows() -> None:
+    """The prompt given to ``continuation`` is what says the fresh members share one:
+    without it each member stores its own prompt rows (still one payload)."""
+    store, _, group, _ = run_group(awaited=False, with_prompt=False)
+    stats = store.stats()
+    assert stats.live_payloads == 1
+    assert stats.shared_prefix_bytes_saved == 0
+    assert stats.live_bytes == 4 * SPEC.nbytes(PROMPT + FIRST - 1)
+    for member in group:
+        member.routing = member.routing.release()
+    assert store.leaks() == []
+
+
+def test_a_key_with_nothing_new_is_freed_and_the_history_kept() -> None:
+    """A resume whose key holds no row past the history is never adopted: its key is
+    freed (awaited on the awaitable face) and the member keeps its history."""
+    store, fake, backend = key_store()
+    truths = [t[: PROMPT + FIRST] for t in group_truths(2)]
+    group = [Member(f"k{i}", list(range(PROMPT))) for i in range(2)]
+    conts = [m.routing.continuation(prompt_ids=m.prompt) for m in group]
+    out = ingest_routing_group(
+        conts, member_answers(fake, truths), writer=store, weight_version=0, spec=SPEC
+    )
+    done = [c.finish(store, h) for c, h in zip(conts, out, strict=True) if isinstance(h, Handle)]
+    again = [r.continuation() for r in done]
+    stale = member_answers(fake, truths)  # the same answer again: no row past it
+    kept = asyncio.run(
+        aingest_routing_group(again, stale, writer=store, weight_version=1, spec=SPEC)
+    )
+    assert [h == c.history for h, c in zip(kept, again, strict=True)] == [True, True]
+    assert backend.engine_store().stats().live_keys == 0  # both freed, none adopted
+    assert store.stats().live_payloads == 1
+    for routing in done:
+        routing.release()
+    assert store.leaks() == []

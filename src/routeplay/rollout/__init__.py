@@ -4,7 +4,8 @@
 type embeds it and becomes a ``RoutedSample``), ``RolloutState`` (routeplay's own
 sample), engine adapters (``ADAPTERS``, ``stitch`` for partial rollouts), the sample
 lifecycle steps for ``RolloutState`` (``continuation``, ``Continuation``,
-``store_turn``), the per-session token-trie ``TraceStore`` (served by the
+``store_turn``, ``ingest_group``; ``ingest_routing_group`` writes a GRPO group's answers
+for any sample type), the per-session token-trie ``TraceStore`` (served by the
 ``TraceStoreActor`` and called through ``TraceStoreClient``), the ``ReplayBuffer`` with
 staleness retries, the ``TrainingBatch`` hand-off and the ``SessionLedger`` (a session
 lives while one of its samples waits): the containers hold any ``RoutedSample``. Every
@@ -32,10 +33,17 @@ if TYPE_CHECKING:
     from routeplay.rollout.batch import TrainingBatch
     from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
     from routeplay.rollout.checkpoint import SampleCodec
+    from routeplay.rollout.group_ingest import (
+        AsyncBatchWriter,
+        BatchWriter,
+        aingest_routing_group,
+        ingest_routing_group,
+    )
     from routeplay.rollout.lifecycle import (
         Continuation,
         borrow_prefix,
         continuation,
+        ingest_group,
         sample_holder,
         store_turn,
     )
@@ -75,6 +83,8 @@ if TYPE_CHECKING:
 
 _HOME = {
     "ADAPTERS": "adapters",
+    "AsyncBatchWriter": "group_ingest",
+    "BatchWriter": "group_ingest",
     "ROLLOUT_STATE_CODEC": "state",
     "BufferConfig": "buffer",
     "CompactionPolicy": "session_compaction",
@@ -107,8 +117,11 @@ _HOME = {
     "TraceStoreConfig": "trace_actor",
     "TraceStoreStats": "trace_store",
     "TrainingBatch": "batch",
+    "aingest_routing_group": "group_ingest",
     "borrow_prefix": "lifecycle",
     "continuation": "lifecycle",
+    "ingest_group": "lifecycle",
+    "ingest_routing_group": "group_ingest",
     "load_buffer": "state_checkpoint",
     "record_routings": "sample_routing",
     "record_sample": "state_checkpoint",
@@ -123,6 +136,8 @@ _HOME = {
 __all__ = [
     "ADAPTERS",
     "ROLLOUT_STATE_CODEC",
+    "AsyncBatchWriter",
+    "BatchWriter",
     "BufferConfig",
     "CompactionPolicy",
     "Continuation",
@@ -154,8 +169,11 @@ __all__ = [
     "TraceStoreConfig",
     "TraceStoreStats",
     "TrainingBatch",
+    "aingest_routing_group",
     "borrow_prefix",
     "continuation",
+    "ingest_group",
+    "ingest_routing_group",
     "load_buffer",
     "record_routings",
     "record_sample",

@@ -43,11 +43,12 @@ Example:
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RouteplayError
-from routeplay.rollout.adapters import EngineAdapter, RoutesWriter, check_continues, new_rows
+from routeplay.rollout.adapters import EngineAdapter, RoutesWriter
+from routeplay.rollout.group_ingest import BatchWriter, ingest_routing_group
 from routeplay.rollout.sample_routing import (
     LeaseSource,
     PrefixSource,
@@ -61,8 +62,6 @@ from routeplay.rollout.state import Origin, RolloutState, RoutingKind
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from routeplay.core.handle import EngineKey
-    from routeplay.core.routes import Routes
     from routeplay.core.spec import RouteSpec
     from routeplay.core.wires import EngineRouting
     from routeplay.rollout.trace_store import Exported
@@ -81,34 +80,6 @@ __all__ = [
     "sample_holder",
     "store_turn",
 ]
-
-
-class BatchWriter(Protocol):
-    """What ``ingest_group`` writes through: ``RouteStore`` (or a producer's
-    ``ProducerWriter``): ``put_many`` for rows carried in the answers, ``adopt_keys_each``
-    and ``free_key`` for engine-store keys."""
-
-    def put_many(
-        self,
-        batch: Sequence[Routes],
-        *,
-        weight_version: int = 0,
-        shared_prefix: int = 0,
-        pack: bool = False,
-    ) -> list[Handle]: ...
-
-    def adopt_keys_each(
-        self,
-        keys: Sequence[EngineKey],
-        spec: RouteSpec,
-        *,
-        weight_version: int = 0,
-        shared_prefix: int = 0,
-        start_rows: Sequence[int] | None = None,
-        pack: bool = False,
-    ) -> list[Handle | RouteplayError]: ...
-
-    def free_key(self, key: EngineKey) -> bool: ...
 
 
 def borrow_prefix(traces: PrefixSource, state: RolloutState) -> Exported | None:
@@ -163,7 +134,9 @@ class Continuation:
     ) -> None:
         self.state = state
         """The input sample (its own lease, if any, ends in ``finish``)."""
-        self.routing = RoutingContinuation(state.sample_routing, history=history, borrowed=borrowed)
+        self.routing = RoutingContinuation(
+            state.sample_routing, history=history, borrowed=borrowed, prompt_ids=state.prompt_ids
+        )
         """The request on the sample's ``SampleRouting`` (the steps live there)."""
 
     @property
@@ -270,17 +243,10 @@ def ingest_group(
     weight_version: int,
     spec: RouteSpec | None = None,
 ) -> list[Handle | RouteplayError]:
-    """Each member's routing after its answer (``Continuation.ingest`` for a whole
-    group), or the typed error that refused the member's answer: the rows each history
-    lacks are written in one call as one payload. When every member is fresh (no
-    history) and has the same prompt, the prompt's rows are shared where verified equal
-    (stored once, the saving counted).
-
-    Rows carried in the answers go through one ``put_many``; engine-store keys through
-    one ``adopt_keys_each`` (``spec`` required), each key from its history's end, so a
-    resume or a later turn stores only its new rows. A member whose answer cannot
-    continue its history, or whose key is refused (metadata, rows, run, consumed,
-    expired), is set aside with its error; the others are written together.
+    """``ingest_routing_group`` for ``RolloutState`` continuations: each member's
+    routing after its answer, or the typed error that refused it; the rows each history
+    lacks are written in one call as one payload, a fresh group's verified-equal prompt
+    rows once (the state's ``prompt_ids`` say which members share one prompt).
 
     Ownership: as for ``ingest``, the handles hold no lease yet; finish each member (a
     set-aside member's continuation is for the caller to abandon).
@@ -289,79 +255,13 @@ def ingest_group(
         >>> out = ingest_group(conts, answers, writer=w, weight_version=3, spec=s)  # doctest: +SKIP
         >>> routed = [c.finish(store, h) for c, h in zip(conts, out) if isinstance(h, Handle)]
     """
-    for cont in conts:
-        cont._check_open("ingest an answer")
-    pairs = list(zip(conts, routings, strict=True))
-    out: list[Handle | RouteplayError | None] = [None] * len(pairs)
-    carried: list[tuple[int, Routes]] = []
-    keyed: list[tuple[int, EngineKey]] = []
-    for index, (cont, routing) in enumerate(pairs):
-        try:
-            check_continues(routing, cont.history)
-            if routing.key is None:
-                rows = new_rows(routing, cont.history)
-                if rows is None:
-                    out[index] = _kept(cont, routing, spec)
-                else:
-                    carried.append((index, rows))
-            elif routing.key.rows <= cont.rows:  # nothing new: never adopt what none keeps
-                writer.free_key(routing.key)
-                out[index] = _kept(cont, routing, spec)
-            else:
-                keyed.append((index, routing.key))
-        except RouteplayError as exc:
-            out[index] = exc
-    if carried:
-        written = writer.put_many(
-            [rows for _, rows in carried],
-            weight_version=weight_version,
-            shared_prefix=_shared_prompt([conts[i] for i, _ in carried]),
-            pack=True,
-        )
-        for (index, _), handle in zip(carried, written, strict=True):
-            out[index] = _kept(conts[index], routings[index], spec) + handle
-    if keyed:
-        adopted = writer.adopt_keys_each(
-            [key for _, key in keyed],
-            _key_spec(conts, spec),
-            weight_version=weight_version,
-            shared_prefix=_shared_prompt([conts[i] for i, _ in keyed]),
-            start_rows=[conts[i].rows for i, _ in keyed],
-            pack=True,
-        )
-        for (index, _), result in zip(keyed, adopted, strict=True):
-            kept = _kept(conts[index], routings[index], spec)
-            out[index] = kept + result if isinstance(result, Handle) else result
-    return [result for result in out if result is not None]
-
-
-def _kept(cont: Continuation, routing: EngineRouting, spec: RouteSpec | None) -> Handle:
-    """The member's history, or an empty handle of its spec."""
-    if cont.history is not None:
-        return cont.history
-    if routing.routes is not None:
-        return Handle(routing.routes.spec)
-    return Handle(_key_spec([cont], spec))
-
-
-def _key_spec(conts: Sequence[Continuation], spec: RouteSpec | None) -> RouteSpec:
-    if spec is not None:
-        return spec
-    raise MisuseError(
-        "adopting engine-store keys in a group needs the model's spec",
-        expected="ingest_group(..., spec=spec)",
-        found="spec=None",
-        where=f"group of {', '.join(c.state.sample_id for c in conts[:3])}",
+    return ingest_routing_group(
+        [cont.routing for cont in conts],
+        routings,
+        writer=writer,
+        weight_version=weight_version,
+        spec=spec,
     )
-
-
-def _shared_prompt(conts: Sequence[Continuation]) -> int:
-    """Prompt rows fresh members of one group may share (0 unless all are fresh with
-    one prompt); ``put_many`` shares only rows it verified equal."""
-    prompts = {cont.state.prompt_ids for cont in conts}
-    if len(prompts) != 1 or any(cont.history is not None for cont in conts):
-        return 0
-    return len(next(iter(prompts)))
 
 
 def store_turn(traces: SessionSink, state: RolloutState) -> RolloutState:

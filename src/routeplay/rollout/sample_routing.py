@@ -692,14 +692,17 @@ class SampleRouting:
     def _continuation(
         self, traces: PrefixSource | AsyncPrefixSource | None, prompt_ids: Iterable[int]
     ) -> Step[RoutingContinuation]:
+        prompt = tuple(prompt_ids)
         if self.handle is not None:
-            return RoutingContinuation(self, history=self.handle, borrowed=None)
+            return RoutingContinuation(self, history=self.handle, borrowed=None, prompt_ids=prompt)
         exported = None
         if traces is not None:
-            exported = yield from self._borrow_prefix(traces, prompt_ids)
+            exported = yield from self._borrow_prefix(traces, prompt)
         if exported is None:
-            return RoutingContinuation(self, history=None, borrowed=None)
-        return RoutingContinuation(self, history=exported.handle, borrowed=exported.lease)
+            return RoutingContinuation(self, history=None, borrowed=None, prompt_ids=prompt)
+        return RoutingContinuation(
+            self, history=exported.handle, borrowed=exported.lease, prompt_ids=prompt
+        )
 
     def store_turn(self, traces: SessionSink, token_ids: Iterable[int]) -> SampleRouting:
         """Hand a finished turn (``token_ids``: prompt + response) to its trace session,
@@ -771,10 +774,15 @@ class RoutingContinuation:
     leaving the ``with`` block without ``finish`` ends the borrowed lease (only that one).
     """
 
-    __slots__ = ("_done", "borrowed", "history", "routing")
+    __slots__ = ("_done", "borrowed", "history", "prompt_ids", "routing")
 
     def __init__(
-        self, routing: SampleRouting, *, history: Handle | None, borrowed: Lease | None
+        self,
+        routing: SampleRouting,
+        *,
+        history: Handle | None,
+        borrowed: Lease | None,
+        prompt_ids: Iterable[int] = (),
     ) -> None:
         self.routing = routing
         """The input (its own lease, if any, ends in ``finish``)."""
@@ -782,6 +790,9 @@ class RoutingContinuation:
         """Rows the request continues (None: none)."""
         self.borrowed = borrowed
         """The sample's lease on a borrowed session prefix, ended by ``finish``."""
+        self.prompt_ids = tuple(prompt_ids)
+        """The request's prompt, as given to ``continuation`` (a group ingest shares
+        the rows of one prompt common to its fresh members; empty: none given)."""
         self._done = False
 
     @property
