@@ -1,9 +1,23 @@
-"""Shared fixtures and the hypothesis profile (seeds print on failure for replay)."""
+"""Shared fixtures and the hypothesis profile (seeds print on failure for replay).
+
+Ray: one local instance per test process (``ray_cluster``; each pytest-xdist worker has
+its own), started once. Starting Ray costs about 8 s of CPU on this machine, connecting
+a driver to a running instance a tenth of a second, and the suite has some twenty
+modules that need Ray. Each module connects as a Ray job of its own (``ray_job``), so
+what its driver owns (objects, actors) ends with the module as it would with an instance
+of its own; what would outlive the job (detached actors, such as an engine store) is
+ended at the module's end, and a module starts only once the cluster is its alone.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -14,3 +28,100 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("routeplay"), derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "routeplay"))
+
+RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+SETTLE_S = 60.0  # an earlier module's job and actors end asynchronously (2 busy CPUs)
+
+RayJob = Callable[..., contextlib.AbstractContextManager[None]]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """The address of this process's local Ray instance (2 CPUs, small object store)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "object_store_memory": RAY_OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        },
+    )
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_job(ray_cluster: str) -> RayJob:
+    """``with ray_job(namespace=...):`` connects this process to the instance as a job of
+    its own, alone on it, and leaves nothing of it behind."""
+    import ray
+
+    @contextlib.contextmanager
+    def connected(*, namespace: str) -> Iterator[None]:
+        ray.init(address=ray_cluster, namespace=namespace, log_to_driver=False)
+        try:
+            _wait_until_alone(ray)
+            yield
+        finally:
+            _end_named_actors(ray)
+            ray.shutdown()
+
+    return connected
+
+
+def _wait_until_alone(ray: Any) -> None:
+    """Until no other job is alive and no named actor is left (both end asynchronously
+    after the earlier module's driver left)."""
+    from ray._private import state
+
+    own = ray.get_runtime_context().get_job_id()
+
+    def others() -> tuple[list[str], list[Any]]:
+        jobs = [j["JobID"] for j in state.jobs() if not j["IsDead"] and j["JobID"] != own]
+        return jobs, ray.util.list_named_actors(all_namespaces=True)
+
+    deadline = time.monotonic() + SETTLE_S
+    while any(others()):
+        assert time.monotonic() < deadline, f"Ray instance not free: {others()}"
+        time.sleep(0.05)
+
+
+def _end_named_actors(ray: Any) -> None:
+    """End the named actors still alive (a detached one outlives its job), and wait until
+    they are gone from the cluster's names."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    deadline = time.monotonic() + SETTLE_S
+    while ray.util.list_named_actors(all_namespaces=True) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# The longest modules start first: pytest-xdist hands whole files (--dist loadfile) to
+# the workers in collection order, so a long module collected last would run alone at
+# the end while the other worker idles. Measured with `pytest --durations=0` (2 workers).
+LONGEST_FIRST = (
+    "e2e/test_demo.py",
+    "e2e/test_soak.py",
+    "ray/test_async_store.py",
+    "ray/test_multinode.py",
+    "e2e/test_two_runs.py",
+    "ray/test_route_store.py",
+    "e2e/test_group_calls.py",
+    "ray/test_key_new_rows.py",
+    "unit/test_import_hygiene.py",
+    "megatron/test_megatron_pipeline.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        ranks = (i for i, name in enumerate(LONGEST_FIRST) if path.endswith("tests/" + name))
+        return next(ranks, len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order inside a module and among the rest stays

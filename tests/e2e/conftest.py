@@ -1,23 +1,15 @@
-"""One local Ray instance (2 CPUs) for the demo runs of this folder."""
+"""A Ray job per test module (the demo runs of this folder) on the test process's shared
+local Ray instance (``tests/conftest.py``: 2 CPUs)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
-import ray
 
 
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(
-        address="local",  # never join a cluster some other process left running
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="routeplay-e2e",
-    )
-    try:
+def ray_local(ray_job: Callable[..., AbstractContextManager[None]]) -> Iterator[None]:
+    with ray_job(namespace="routeplay-e2e"):
         yield
-    finally:
-        ray.shutdown()

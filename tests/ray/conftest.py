@@ -1,28 +1,20 @@
-"""A module-scoped local Ray instance (2 CPUs, small object store)."""
+"""A Ray job per test module on the test process's shared local Ray instance
+(``tests/conftest.py``: 2 CPUs, small object store)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import ray
 
-OBJECT_STORE_BYTES = 256 * 1024 * 1024
-
 
 @pytest.fixture(scope="module")
-def ray_local(request: pytest.FixtureRequest) -> Iterator[None]:
+def ray_local(
+    request: pytest.FixtureRequest, ray_job: Callable[..., AbstractContextManager[None]]
+) -> Iterator[None]:
     # Test modules are not importable by Ray workers: ship their actor classes by value.
     ray.cloudpickle.register_pickle_by_value(request.module)
-    ray.init(
-        address="local",  # never join a cluster some other process left running
-        num_cpus=2,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="routeplay-tests",
-    )
-    try:
+    with ray_job(namespace="routeplay-tests"):
         yield
-    finally:
-        ray.shutdown()

@@ -1,19 +1,33 @@
-"""Three nodes on one machine (engine, rollout, trainer) plus a head that hosts the
-store shards: an adopted key is validated and narrowed once, on the engine's node (one
+"""Four nodes on one machine (a head that hosts the store shards, then engine, rollout
+and trainer), started once for this module (each node is a raylet and its agents: the
+dearest set-up of the suite).
+
+On them: an adopted key is validated and narrowed once, on the engine's node (one
 compact write there), and the trainer pulls those compact rows straight from it;
 nothing is written on the rollout node or on the store's node. The eager path relays
-the payload through the rollout node."""
+the payload through the rollout node.
+
+And ``routeplay bench --smoke --address``: the whole benchmark with tiny payloads. It
+checks what the full run reports: every path delivers the same rows, the routeplay
+paths write each payload once, a GRPO group its prompt once, a rank holds only its
+share, and the results file carries the figures under the documented keys.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
+from routeplay.bench.measure import cluster as bench_cluster
 from routeplay.bench.transfer_paths import actors_on
+from routeplay.bench.workloads import BenchConfig
+from routeplay.cli.main import main
 from routeplay.core import preset
 from routeplay.store import StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
@@ -26,19 +40,145 @@ COMPACT_BYTES = SPEC.nbytes(ROWS)  # uint8, MoE layers only
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[dict[str, Any]]:
-    store_bytes = 96 * 1024 * 1024
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {"head": 1},
-            "object_store_memory": store_bytes,
-        },
-    )
-    for role in ROLES[1:]:
-        nodes.add_node(num_cpus=1, resources={role: 1}, object_store_memory=store_bytes)
-    ray.init(address=nodes.address, log_to_driver=False)
+def nodes() -> Iterator[str]:
+    """The bench's own four-node cluster (``routeplay.bench.measure.cluster``), connected;
+    its address."""
+    with bench_cluster(BenchConfig.smoke().store_bytes):
+        yield ray.get_runtime_context().gcs_address
+
+
+# -- routeplay bench --smoke (first: the nodes are the bench's alone) --------------
+
+KEYS = (
+    "name",
+    "eager_ms",
+    "routeplay_ms",
+    "adopt_ms",
+    "limit_ms",
+    "bytes_written",
+    "bytes_pulled",
+    "peak_rank_bytes",
+)
+METADATA = 1.02  # Ray's per-object headers, at most 2% on top of the payload
+
+
+@pytest.fixture(scope="module")
+def results(nodes: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    out: Path = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--smoke", "--address", nodes, "--out-dir", str(out)]
+    status = main([*argv, "--json", str(out / "r.json")])
+    assert status == 0
+    [stored] = out.glob("data-path_smoke_*.json")
+    assert re.fullmatch(r"data-path_smoke_.+_\d{4}-\d\d-\d\dT\d{4}Z\.json", stored.name)
+    assert stored.with_suffix(".png").stat().st_size > 0
+    document: dict[str, object] = json.loads((out / "r.json").read_text())
+    assert document == json.loads(stored.read_text())
+    return document
+
+
+def test_every_workload_has_the_documented_figures(results: dict[str, object]) -> None:
+    workloads = results["workloads"]
+    assert isinstance(workloads, list)
+    assert len(workloads) == 2
+    for w in workloads:
+        assert all(key in w for key in KEYS)
+        for path in ("eager", "producer", "adopt"):
+            assert w[path]["runs"] == 1
+            assert w[path]["min_ms"] <= w[path]["median_ms"] <= w[path]["max_ms"]
+            assert set(w["bytes_written"]) == {"eager", "producer", "adopt"}
+        assert w["rows_identical_across_paths"] is True
+        assert w["limit_ms"] > 0
+    assert {"ray", "numpy", "routeplay"} <= set(results["versions"])  # type: ignore[arg-type]
+    assert results["config"]["mode"] == "smoke"  # type: ignore[index]
+
+
+def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, object]) -> None:
+    for w in results["workloads"]:  # type: ignore[attr-defined]
+        limit = w["limit"]
+        assert limit["cross_node_bytes"] == w["unique_bytes"]  # the workload's own bytes
+        assert limit["runs"] >= 5
+        assert w["limit_ms"] == min(limit["by_path"].values())
+        for path, ms in limit["by_path"].items():
+            assert ms == pytest.approx(limit["copy_ms"] + limit["pull_ms"][path], abs=0.02)
+            assert 0 < ms <= w[path]["median_ms"]
+        assert w["below_limit"] == []
+        assert w["bare_ray_ms"] >= limit["by_path"]["producer"] > 0  # Ray's floor, not below
+        assert w["producer_beyond_bare_ray_ms"] == pytest.approx(
+            w["producer"]["median_ms"] - w["bare_ray_ms"], abs=0.11
+        )
+    assert results["goals"]["below_limit"] == []  # type: ignore[index]
+
+
+def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:
+    plain, grpo = results["workloads"]  # type: ignore[misc]
+    payload = plain["payload_bytes"]
+    for path in ("producer", "adopt"):
+        assert payload <= plain["bytes_written"][path] <= payload * METADATA
+        assert payload <= plain["bytes_pulled"][path] <= payload * METADATA
+    assert plain["bytes_written"]["eager"] >= 2 * payload  # relayed through the rollout node
+    sp = plain["sp"]
+    assert plain["peak_rank_bytes"]["producer"] <= plain["peak_rank_bytes"]["eager"] / sp
+    assert grpo["shared_prompt"] > 0
+    for path in ("producer", "adopt"):  # the group's prompt is written once on both paths
+        assert (
+            grpo["unique_bytes"] <= grpo["bytes_written"][path] <= grpo["unique_bytes"] * METADATA
+        )
+
+
+def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
+    goals = results["goals"]
+    assert goals["writes_per_payload"]["producer"] <= METADATA  # type: ignore[index]
+    segments = results["scaling"]["segments_per_handle"]  # type: ignore[index]
+    assert [p["segments"] for p in segments] == [1, 50]
+    # compacted: the 50 payloads become one (one weight version), compacting is timed
+    assert [p["compacted_segments"] for p in segments] == [1, 1]
+    assert segments[1]["compact_ms"] > 0
+    small = results["small_puts"]
+    assert small["samples"] == 16  # type: ignore[index]
+    assert small["put_many_per_s"] > 0  # type: ignore[index]
+    assert results["store_end"] == {"live_payloads": 0, "leases": 0}
+
+
+def test_multi_turn_bytes_are_one_per_unique_row_after_compaction_on_every_wire(
+    results: dict[str, object],
+) -> None:
+    sessions = results["sessions"]
+    shape = sessions["shape"]  # type: ignore[index]
+    wires = sessions["wires"]  # type: ignore[index]
+    assert set(wires) == {"vllm", "sglang", "lmdeploy-key"}
+    goals = results["goals"]["multi_turn_bytes_per_unique_row"]  # type: ignore[index]
+    for wire, kinds in wires.items():
+        session, partial = kinds["session"], kinds["partial"]
+        assert session["turns"] == shape["trunk_turns"] + 2 * shape["branch_turns"]
+        assert partial["turns"] == shape["pieces"]
+        for kind, w in kinds.items():
+            assert w["rows_exact"] is True, (wire, kind)  # every row, at its version
+            for phase in ("before", "after"):  # the shared trunk counted once
+                assert w[phase]["stored_per_unique_row"] == 1.0, (wire, kind, phase)
+                ray_bytes = w[phase]["object_store_per_unique_row"]
+                assert 1.0 <= ray_bytes <= METADATA, (wire, kind, phase, ray_bytes)
+            assert w["compaction"]["rows_copied_per_unique_row"] == 1.0  # each row once
+            assert w["left_after_release"] == {"stored": 0, "object_store": 0}
+            assert goals[f"{wire}/{kind}"]["after"] == w["after"]["object_store_per_unique_row"]
+        # a turn per segment (the second branch's first borrows one row of the first's)
+        # before; after, a section per weight-version run: trunk, its last row, branch
+        assert session["before"]["segments"] == shape["trunk_turns"] + shape["branch_turns"] + 1
+        assert session["after"] == {**session["after"], "segments": 3, "payloads": 3}
+        # the resumed rollout: one payload, a segment per piece (a version each)
+        assert (partial["before"]["payloads"], partial["after"]["payloads"]) == (3, 1)
+        assert partial["after"]["segments"] == shape["pieces"]
+    # vLLM and SGLang send only rows from the request's start: nothing but the store's
+    # payloads is written; LMDeploy's key holds every row of every turn's context
+    for wire in ("vllm", "sglang"):
+        assert wires[wire]["session"]["engine_side_per_unique_row"] < METADATA - 1
+    assert wires["lmdeploy-key"]["session"]["engine_side_per_unique_row"] > 2
+
+
+# -- one engine key, the lazy and the eager path ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes: str) -> Iterator[dict[str, Any]]:
     store = StoreConfig(run="run-3node", resources=(("head", 0.01),), timeout_s=60).build()
     start_engine_store(resources={"engine": 0.01})
     actors = actors_on(store, SPEC, pinned=True)
@@ -46,8 +186,9 @@ def cluster() -> Iterator[dict[str, Any]]:
     try:
         yield {"actors": actors, "roles": roles, "store": store}
     finally:
-        ray.shutdown()
-        nodes.shutdown()
+        for actor in (actors.engine, actors.rollout, actors.trainer):
+            ray.kill(actor)
+        store.shutdown()
 
 
 def _written_per_role(roles: dict[str, str]) -> dict[str, int]:

@@ -30,6 +30,7 @@ from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_r
 from routeplay.bench.sessions import session_bytes
 from routeplay.bench.workloads import BenchConfig, Workload
 from routeplay.core import Handle, canonicalize, preset
+from routeplay.errors import MisuseError
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
 
@@ -40,6 +41,41 @@ __all__ = ["PATHS", "run_bench"]
 
 ROLES = ("head", "engine", "rollout", "trainer")
 PATHS = ("eager", "producer", "adopt")
+
+
+def node_roles() -> dict[str, str]:
+    """Node id -> role of the connected cluster (each node carries its role's resource).
+
+    Raises ``MisuseError`` when a role has no node."""
+    list_nodes: Any = ray.nodes  # untyped in Ray
+    roles = {
+        n["NodeID"]: next((r for r in ROLES if r in n["Resources"]), "")
+        for n in list_nodes()
+        if n["Alive"]
+    }
+    missing = [role for role in ROLES if role not in roles.values()]
+    if missing:
+        raise MisuseError(
+            "the bench needs one node per role, each with its role as a resource",
+            expected=f"nodes with the resources {ROLES}",
+            found=f"no node for {missing}",
+            hint="start the nodes with e.g. `ray start --resources '{\"engine\": 1}'`",
+        )
+    return {node: role for node, role in roles.items() if role}
+
+
+@contextmanager
+def joined(address: str) -> Iterator[dict[str, str]]:
+    """An existing cluster whose nodes carry the roles (the driver's connection is kept
+    when it is already connected); yields node id -> role."""
+    if ray.is_initialized():
+        yield node_roles()
+        return
+    ray.init(address=address, log_to_driver=False)
+    try:
+        yield node_roles()
+    finally:
+        ray.shutdown()
 
 
 @contextmanager
@@ -60,8 +96,7 @@ def cluster(store_bytes: int) -> Iterator[dict[str, str]]:
         for role in ROLES[1:]:
             nodes.add_node(num_cpus=1, resources={role: 1}, object_store_memory=store_bytes)
         ray.init(address=nodes.address, log_to_driver=False)
-        list_nodes: Any = ray.nodes  # untyped in Ray
-        yield {n["NodeID"]: next(r for r in ROLES if r in n["Resources"]) for n in list_nodes()}
+        yield node_roles()
     finally:
         ray.shutdown()
         nodes.shutdown()
@@ -404,9 +439,15 @@ def small_puts(store: RouteStore, count: int) -> dict[str, Any]:
     }
 
 
-def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """The whole benchmark; returns the results object (see ``routeplay.bench.report``)."""
-    with cluster(config.store_bytes) as roles:
+def run_bench(
+    config: BenchConfig, *, address: str | None = None, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """The whole benchmark; returns the results object (see ``routeplay.bench.report``).
+
+    On a local cluster of its own, or on the cluster at ``address`` (its nodes carry the
+    resources ``head``, ``engine``, ``rollout``, ``trainer``: one node each)."""
+    nodes = cluster(config.store_bytes) if address is None else joined(address)
+    with nodes as roles:
         store = StoreConfig(run="bench", resources=(("head", 0.01),), timeout_s=120).build()
         start_engine_store(resources={"engine": 0.01})
         probes = Probes()

@@ -34,6 +34,13 @@ def bench_command(
         "benchmarks/results"
     ),
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the scaling PNG.")] = True,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="Run on this Ray cluster (one node per role: resources head, engine, "
+            "rollout, trainer) instead of a local one of its own."
+        ),
+    ] = None,
 ) -> int:
     """Benchmark the routing data path: eager vs routeplay vs the physical limit.
 
@@ -51,6 +58,7 @@ def bench_command(
         write_results,
     )
     from routeplay.bench.workloads import BenchConfig
+    from routeplay.errors import MisuseError
 
     console = Console()
     if quick and smoke:
@@ -60,7 +68,12 @@ def bench_command(
     if runs is not None:
         config = dataclasses.replace(config, runs=runs)
     try:
-        results = run_bench(config, progress=lambda line: console.print(line, markup=False))
+        results = run_bench(
+            config, address=address, progress=lambda line: console.print(line, markup=False)
+        )
+    except MisuseError as exc:  # --address: a cluster without a node per role
+        Console(stderr=True).print(f"usage error: {exc}", markup=False)
+        return EXIT_USAGE
     except RuntimeError as exc:  # the paths disagreed on the rows they delivered
         Console(stderr=True).print(f"broken: {exc}", markup=False)
         return EXIT_BROKEN

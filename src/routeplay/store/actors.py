@@ -121,6 +121,9 @@ class StoreShardShell(_Reaped):
         self._timeout_s = timeout_s
         self._engines: dict[tuple[str, str], Any] = {}  # engine-store handles, looked up once
         self._validators: dict[str, Any] = {}  # one validator actor per engine node
+        # The shell serves calls on several threads: without this lock, concurrent first
+        # adoptions on a node each started a validator actor (a worker process each).
+        self._handles_lock = threading.Lock()
         ttls = [t for t in (ttl_s, lease_ttl_s) if t is not None]
         self._start_reaper(self._shard.expire, min(ttls) if ttls else None)
 
@@ -234,15 +237,18 @@ class StoreShardShell(_Reaped):
         return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
 
     def _engine(self, name: str, namespace: str) -> Any:
-        if (name, namespace) not in self._engines:
-            self._engines[(name, namespace)] = ray_calls.get_actor(name, namespace)
-        return self._engines[(name, namespace)]
+        with self._handles_lock:
+            if (name, namespace) not in self._engines:
+                self._engines[(name, namespace)] = ray_calls.get_actor(name, namespace)
+            return self._engines[(name, namespace)]
 
     def _validator(self, node_id: str) -> Any:
-        if node_id not in self._validators:
-            place = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-            self._validators[node_id] = KeyValidator.options(scheduling_strategy=place).remote()
-        return self._validators[node_id]
+        with self._handles_lock:
+            if node_id not in self._validators:
+                place = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+                validator = KeyValidator.options(scheduling_strategy=place).remote()
+                self._validators[node_id] = validator
+            return self._validators[node_id]
 
     def lease_many(self, requests: list[tuple[list[str], str]], run: str) -> Grant:
         return self._locked(lambda: self._shard.lease_many(requests, run))
