@@ -9,9 +9,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.routeplay-installed
 TORCH_PIN := torch==2.13.0
 # pytest workers (pytest-xdist). Whole files go to one worker (--dist loadfile), so a
-# module's Ray instance and fixtures are shared as before; most of a Ray test's wall time
-# is waiting on other processes, so two workers use two cores well.
+# module's Ray job and fixtures are shared as before; most of a Ray test's wall time
+# is waiting on other processes, so two workers use two cores well. Files go out in
+# collection order (--no-loadscope-reorder; xdist would sort them by test count), which
+# tests/conftest.py starts with the longest modules so none runs alone at the end.
 PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup test lint typecheck pytest coverage demo bench clean
 
@@ -31,11 +34,11 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(BIN)/pytest $(XDIST) tests
 
 # Line and branch coverage of src/ (what a change to the suite must not lower).
 coverage: $(STAMP)
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --cov=src/routeplay --cov-branch \
+	$(BIN)/pytest $(XDIST) --cov=src/routeplay --cov-branch \
 	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
 test: lint typecheck pytest
