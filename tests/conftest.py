@@ -3,7 +3,7 @@
 Ray: one local instance per test process (``ray_cluster``; each pytest-xdist worker has
 its own), started once. Starting Ray costs about 8 s of CPU on this machine, connecting
 a driver to a running instance a tenth of a second, and the suite has some twenty
-modules that need Ray. Each module connects as a Ray job of its own (``ray_job``), so
+modules that need Ray. Each module connects as a Ray job of its own (``ray_local``), so
 what its driver owns (objects, actors) ends with the module as it would with an instance
 of its own; what would outlive the job (detached actors, such as an engine store) is
 ended at the module's end, and a module starts only once the cluster is its alone.
@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
+import ray
 from hypothesis import HealthCheck, settings
+from ray._private import state
+from ray.cluster_utils import Cluster
 
 settings.register_profile(
     "routeplay",
@@ -32,14 +34,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "routeplay"))
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 SETTLE_S = 60.0  # an earlier module's job and actors end asynchronously (2 busy CPUs)
 
-RayJob = Callable[..., contextlib.AbstractContextManager[None]]
-
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
     """The address of this process's local Ray instance (2 CPUs, small object store)."""
-    from ray.cluster_utils import Cluster
-
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -54,33 +52,27 @@ def ray_cluster() -> Iterator[str]:
         cluster.shutdown()
 
 
-@pytest.fixture(scope="session")
-def ray_job(ray_cluster: str) -> RayJob:
-    """``with ray_job(namespace=...):`` connects this process to the instance as a job of
-    its own, alone on it, and leaves nothing of it behind."""
-    import ray
-
-    @contextlib.contextmanager
-    def connected(*, namespace: str) -> Iterator[None]:
-        ray.init(address=ray_cluster, namespace=namespace, log_to_driver=False)
-        try:
-            _wait_until_alone(ray)
-            yield
-        finally:
-            _end_named_actors(ray)
-            ray.shutdown()
-
-    return connected
+@pytest.fixture(scope="module")
+def ray_local(request: pytest.FixtureRequest, ray_cluster: str) -> Iterator[None]:
+    """This module connected to the instance as a Ray job of its own, alone on it; nothing
+    of it is left behind."""
+    # Test modules are not importable by Ray workers: ship their actor classes by value.
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    ray.init(address=ray_cluster, namespace="routeplay-tests", log_to_driver=False)
+    try:
+        _wait_until_alone()
+        yield
+    finally:
+        _end_named_actors()
+        ray.shutdown()
 
 
-def _wait_until_alone(ray: Any) -> None:
+def _wait_until_alone() -> None:
     """Until no other job is alive and no named actor is left (both end asynchronously
     after the earlier module's driver left)."""
-    from ray._private import state
-
     own = ray.get_runtime_context().get_job_id()
 
-    def others() -> tuple[list[str], list[Any]]:
+    def others() -> tuple[list[str], list[dict[str, str]]]:
         jobs = [j["JobID"] for j in state.jobs() if not j["IsDead"] and j["JobID"] != own]
         return jobs, ray.util.list_named_actors(all_namespaces=True)
 
@@ -90,7 +82,7 @@ def _wait_until_alone(ray: Any) -> None:
         time.sleep(0.05)
 
 
-def _end_named_actors(ray: Any) -> None:
+def _end_named_actors() -> None:
     """End the named actors still alive (a detached one outlives its job), and wait until
     they are gone from the cluster's names."""
     for actor in ray.util.list_named_actors(all_namespaces=True):

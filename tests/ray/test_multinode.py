@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import ray
 
+from routeplay.bench.measure import ROLES, node_roles
 from routeplay.bench.measure import cluster as bench_cluster
 from routeplay.bench.transfer_paths import actors_on
 from routeplay.bench.workloads import BenchConfig
@@ -32,7 +33,6 @@ from routeplay.core import preset
 from routeplay.store import StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
 
-ROLES = ("head", "engine", "rollout", "trainer")
 SPEC = preset("qwen3-235b-a22b")
 ROWS = 4000
 RAW_BYTES = ROWS * SPEC.decoder_layers * SPEC.top_k * 2
@@ -182,9 +182,8 @@ def cluster(nodes: str) -> Iterator[dict[str, Any]]:
     store = StoreConfig(run="run-3node", resources=(("head", 0.01),), timeout_s=60).build()
     start_engine_store(resources={"engine": 0.01})
     actors = actors_on(store, SPEC, pinned=True)
-    roles = {n["NodeID"]: next(r for r in ROLES if r in n["Resources"]) for n in ray.nodes()}
     try:
-        yield {"actors": actors, "roles": roles, "store": store}
+        yield {"actors": actors, "roles": node_roles(), "store": store}
     finally:
         for actor in (actors.engine, actors.rollout, actors.trainer):
             ray.kill(actor)

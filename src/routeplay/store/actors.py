@@ -246,8 +246,7 @@ class StoreShardShell(_Reaped):
         with self._handles_lock:
             if node_id not in self._validators:
                 place = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-                validator = KeyValidator.options(scheduling_strategy=place).remote()
-                self._validators[node_id] = validator
+                self._validators[node_id] = KeyValidator.options(scheduling_strategy=place).remote()
             return self._validators[node_id]
 
     def lease_many(self, requests: list[tuple[list[str], str]], run: str) -> Grant:
