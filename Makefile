@@ -14,6 +14,12 @@ TORCH_PIN := torch==2.13.0
 # collection order (--no-loadscope-reorder; xdist would sort them by test count), which
 # tests/conftest.py starts with the longest modules so none runs alone at the end.
 PYTEST_WORKERS ?= 2
+# Python writes its bytecode cache (__pycache__, in .venv and here) in everything make
+# runs: a machine that sets PYTHONDONTWRITEBYTECODE (this one does) would otherwise make
+# every process compile torch and transformers from source again, and every Ray actor is
+# a process (7 s of CPU each, half a test suite's time). `setup` imports the heavy parts
+# once, so the parallel test workers find them compiled.
+unexport PYTHONDONTWRITEBYTECODE
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup test lint typecheck pytest coverage demo bench clean
@@ -23,7 +29,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	scripts/install-venv $(VENV) '$(TORCH_PIN)' '.[all,dev]'
-	$(BIN)/python -c "import routeplay, torch, ray; assert torch.__version__.startswith('2.13.0')"
+	$(BIN)/python -c "import routeplay.pipeline.demo, torch; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
 
 lint: $(STAMP)

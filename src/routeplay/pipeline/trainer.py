@@ -149,6 +149,7 @@ class Trainer:
             self.config.pack_max_length,
             self.config.packs_per_micro_batch,
             spec=self.spec,
+            pack_multiple=self.config.pack_multiple,
         )
         holder = f"{batch.holder}/{self.coords.describe()}"
         leases = {sid: s.lease.clone(holder) for sid, s in states.items() if s.lease}
