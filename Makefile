@@ -47,7 +47,9 @@ coverage: $(STAMP)
 	$(BIN)/pytest $(XDIST) --cov=src/routeplay --cov-branch \
 	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
-test: lint typecheck pytest
+# mypy (one core, about 45 s cold) runs beside the tests; each line of output stays whole.
+test: lint
+	$(MAKE) --no-print-directory -j 2 --output-sync=line typecheck pytest
 
 # The end-to-end RL demo on a local Ray instance (the R3 recipe, under two minutes on 2 CPUs);
 # the report, its JSON and the PNG land in build/demo/. ARGS passes flags, e.g.

@@ -73,13 +73,21 @@ class RolloutConfig:
         return JobPlanner(self, vocab_size, np.random.default_rng(seed))
 
     def build(
-        self, *, store: RouteStore, trace: Any, url: str, wire: str, spec: RouteSpec
+        self,
+        *,
+        store: RouteStore,
+        trace: Any,
+        url: str,
+        wire: str,
+        spec: RouteSpec,
+        worker_actor: Any = RolloutWorker,
     ) -> RolloutPool:
-        """Start the worker actors, talking to the engine at ``url`` in ``wire`` format."""
+        """Start the worker actors (``worker_actor``: ``RolloutWorker`` or an actor class
+        of a subclass of its shell), talking to the engine at ``url`` in ``wire`` format."""
         # The engine server listens on loopback: the workers live on the driver's node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         workers = [
-            RolloutWorker.options(scheduling_strategy=here).remote(
+            worker_actor.options(scheduling_strategy=here).remote(
                 store, trace, url, wire, spec, self.timeout_s
             )
             for _ in range(self.workers)
@@ -218,7 +226,13 @@ RECIPES: Final[dict[str, DemoConfig]] = {
     # The tiny model (2 MoE layers, 8 experts, top-2, 100-byte payloads), two steps: no
     # group can be more than one version old, so staleness 0 is what makes one go stale:
     # the group interrupted in step 0 and resumed in step 1 is retried.
-    "smoke": DemoConfig(steps=2, buffer=BufferConfig(max_staleness=0)),
+    # Twelve new tokens per turn (an interruption after four): every path of a step is
+    # there, and the engine's decode, a soak's main cost, stays short.
+    "smoke": DemoConfig(
+        steps=2,
+        rollout=RolloutConfig(max_new_tokens=12, stop_after=4),
+        buffer=BufferConfig(max_staleness=0),
+    ),
 }
 
 

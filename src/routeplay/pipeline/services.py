@@ -104,7 +104,8 @@ class DemoServices:
     """The run's processes and holders: ``teardown()`` releases every holder and accounts
     what is left, ``stop()`` ends the processes (also when start-up fails midway)."""
 
-    def __init__(self, config: DemoConfig) -> None:
+    def __init__(self, config: DemoConfig, *, worker_actor: Any = None) -> None:
+        """``worker_actor``: the rollout workers' actor class (None: ``RolloutWorker``)."""
         self.config = config
         self.run = f"demo-{uuid.uuid4().hex[:8]}"
         self._stack = contextlib.ExitStack()
@@ -130,6 +131,7 @@ class DemoServices:
                 url=self.server.url,
                 wire=config.wire,
                 spec=self.engine.spec,
+                **({} if worker_actor is None else {"worker_actor": worker_actor}),
             )
             self._stack.callback(self.pool.close)
             # A session goes when its last waiting sample is trained, discarded or lost.

@@ -145,7 +145,7 @@ def run_soak(config: SoakConfig, progress: DemoProgress | None = None) -> SoakRe
     with ray_session(config.demo.address, config.demo.num_cpus):
         key_store = _start_key_store(config)
         try:
-            svc = DemoServices(config.demo)
+            svc = DemoServices(config.demo, worker_actor=TamperingWorker)
             try:
                 soak = _Soak(config, svc)
                 try:
@@ -199,10 +199,6 @@ class _Soak:
         self._servers: list[EngineServer] = []
         self.trainer = self._new_trainer(svc.trainer.weights())
         self._checkpoint = svc.trainer.weights()
-        for index in range(len(svc.pool.workers)):  # the demo's workers -> tampering ones
-            old = svc.pool.replace_worker(index, self._start_worker())
-            ray.get(old.close.remote(), timeout=_CALL_S)
-            ray.kill(old)
 
     # -- one step ------------------------------------------------------------------
     def step(self, step: int, progress: DemoProgress) -> None:
