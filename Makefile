@@ -47,9 +47,13 @@ coverage: $(STAMP)
 	$(BIN)/pytest $(XDIST) --cov=src/routeplay --cov-branch \
 	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
-# mypy (one core, about 45 s cold) runs beside the tests; each line of output stays whole.
+# mypy (one core, about 45 s cold) runs beside the tests, filling the moments they wait;
+# its report follows theirs, and either one failing fails the target.
 test: lint
-	$(MAKE) --no-print-directory -j 2 --output-sync=line typecheck pytest
+	@mkdir -p build; status=0; $(BIN)/mypy > build/mypy.log 2>&1 & typecheck=$$!; \
+	$(BIN)/pytest $(XDIST) tests || status=$$?; \
+	wait $$typecheck || status=1; \
+	echo "$(BIN)/mypy"; cat build/mypy.log; exit $$status
 
 # The end-to-end RL demo on a local Ray instance (the R3 recipe, under two minutes on 2 CPUs);
 # the report, its JSON and the PNG land in build/demo/. ARGS passes flags, e.g.
