@@ -119,9 +119,7 @@ def build_model(config: EngineConfig, *, dtype: str | None = None) -> PreTrained
     hf_config = AutoConfig.for_model(config.model_type, **_hf_fields(config))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        built = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            hf_config, dtype=torch.float32
-        )
+        built = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model = cast(PreTrainedModel, built)
     _scale_init(model, config)
     torch.nn.Module.to(model, target)
