@@ -87,6 +87,9 @@ def cluster(store_bytes: int) -> Iterator[dict[str, str]]:
             "num_cpus": 1,
             "resources": {"head": 1},
             "object_store_memory": store_bytes,
+            # No dashboard: the bench reads the raylets' own counters, and the dashboard's
+            # periodic work would only add noise to the timed runs (and CPU to the start).
+            "include_dashboard": False,
             # Raylets free out-of-scope objects in batches, every second by default: the
             # multi-turn figures read Ray's settled bytes in use several times a workload.
             "_system_config": {"free_objects_period_milliseconds": 100},
