@@ -17,7 +17,7 @@ PYTEST_WORKERS ?= 2
 # Python writes its bytecode cache (__pycache__, in .venv and here) in everything make
 # runs: a machine that sets PYTHONDONTWRITEBYTECODE (this one does) would otherwise make
 # every process compile torch and transformers from source again, and every Ray actor is
-# a process (7 s of CPU each, half a test suite's time). `setup` imports the heavy parts
+# a process (6-7 s of CPU each: 40% of the test suite's time). `setup` imports the heavy parts
 # once, so the parallel test workers find them compiled.
 unexport PYTHONDONTWRITEBYTECODE
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
@@ -47,8 +47,8 @@ coverage: $(STAMP)
 	$(BIN)/pytest $(XDIST) --cov=src/routeplay --cov-branch \
 	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
-# mypy (one core, about 45 s cold) runs beside the tests, filling the moments they wait;
-# its report follows theirs, and either one failing fails the target.
+# mypy (one core, about 26 s cold) runs beside the tests; its report follows theirs, and
+# either one failing fails the target.
 test: lint
 	@mkdir -p build; status=0; $(BIN)/mypy > build/mypy.log 2>&1 & typecheck=$$!; \
 	$(BIN)/pytest $(XDIST) tests || status=$$?; \

@@ -33,6 +33,7 @@ from routeplay.engine.generator import ReferenceEngine
 from routeplay.engine.server import EngineServer
 from routeplay.pipeline.config import DemoConfig
 from routeplay.pipeline.meter import Meter, Sharing, StoreTotals, cluster_users
+from routeplay.pipeline.rollout_worker import RolloutWorker
 from routeplay.pipeline.rollouts import GroupAssembler, RolloutPool
 from routeplay.pipeline.trainer import Trainer
 from routeplay.rollout import ReplayBuffer, RolloutState, SessionLedger
@@ -104,8 +105,9 @@ class DemoServices:
     """The run's processes and holders: ``teardown()`` releases every holder and accounts
     what is left, ``stop()`` ends the processes (also when start-up fails midway)."""
 
-    def __init__(self, config: DemoConfig, *, worker_actor: Any = None) -> None:
-        """``worker_actor``: the rollout workers' actor class (None: ``RolloutWorker``)."""
+    def __init__(self, config: DemoConfig, *, worker_actor: Any = RolloutWorker) -> None:
+        """``worker_actor``: the rollout workers' actor class (a subclass's, e.g. the
+        soak's tampering workers)."""
         self.config = config
         self.run = f"demo-{uuid.uuid4().hex[:8]}"
         self._stack = contextlib.ExitStack()
@@ -131,7 +133,7 @@ class DemoServices:
                 url=self.server.url,
                 wire=config.wire,
                 spec=self.engine.spec,
-                **({} if worker_actor is None else {"worker_actor": worker_actor}),
+                worker_actor=worker_actor,
             )
             self._stack.callback(self.pool.close)
             # A session goes when its last waiting sample is trained, discarded or lost.
