@@ -17,8 +17,8 @@ PYTEST_WORKERS ?= 2
 # Python writes its bytecode cache (__pycache__, in .venv and here) in everything make
 # runs: a machine that sets PYTHONDONTWRITEBYTECODE (this one does) would otherwise make
 # every process compile torch and transformers from source again, and every Ray actor is
-# a process (6-7 s of CPU each: 40% of the test suite's time). `setup` imports the heavy parts
-# once, so the parallel test workers find them compiled.
+# a process (6-7 s of CPU each: 40% of the test suite's time). `test` imports the heavy
+# parts once, beside mypy, so the parallel test workers find them compiled.
 unexport PYTHONDONTWRITEBYTECODE
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
@@ -29,7 +29,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	scripts/install-venv $(VENV) '$(TORCH_PIN)' '.[all,dev]'
-	$(BIN)/python -c "import routeplay.pipeline.demo, torch; assert torch.__version__.startswith('2.13.0')"
+	$(BIN)/python -c "import routeplay, torch, ray; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
 
 lint: $(STAMP)
@@ -47,10 +47,11 @@ coverage: $(STAMP)
 	$(BIN)/pytest $(XDIST) --cov=src/routeplay --cov-branch \
 	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
-# mypy (one core, about 26 s cold) runs beside the tests; its report follows theirs, and
-# either one failing fails the target.
+# mypy (one core, about 26 s cold) runs beside the bytecode warm-up and the tests; its
+# report follows theirs, and either one failing fails the target.
 test: lint
 	@mkdir -p build; status=0; $(BIN)/mypy > build/mypy.log 2>&1 & typecheck=$$!; \
+	$(BIN)/python -c "import routeplay.pipeline.demo" || status=$$?; \
 	$(BIN)/pytest $(XDIST) tests || status=$$?; \
 	wait $$typecheck || status=1; \
 	echo "$(BIN)/mypy"; cat build/mypy.log; exit $$status
