@@ -17,7 +17,7 @@ PYTEST_WORKERS ?= 2
 # Python writes its bytecode cache (__pycache__, in .venv and here) in everything make
 # runs: a machine that sets PYTHONDONTWRITEBYTECODE (this one does) would otherwise make
 # every process compile torch and transformers from source again, and every Ray actor is
-# a process (6-7 s of CPU each: 40% of the test suite's time). `test` imports the heavy
+# a process (6-8 s of CPU each: 40% of the test suite's time). `test` imports the heavy
 # parts once, beside mypy, so the parallel test workers find them compiled.
 unexport PYTHONDONTWRITEBYTECODE
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
@@ -50,11 +50,12 @@ coverage: $(STAMP)
 # mypy (one core, about 26 s cold) runs beside the bytecode warm-up and the tests; its
 # report follows theirs, and either one failing fails the target.
 test: lint
-	@mkdir -p build; status=0; $(BIN)/mypy > build/mypy.log 2>&1 & typecheck=$$!; \
+	@mkdir -p build; status=0; \
+	$(MAKE) --no-print-directory typecheck > build/mypy.log 2>&1 & typecheck=$$!; \
 	$(BIN)/python -c "import routeplay.pipeline.demo" || status=$$?; \
-	$(BIN)/pytest $(XDIST) tests || status=$$?; \
+	$(MAKE) --no-print-directory pytest || status=$$?; \
 	wait $$typecheck || status=1; \
-	echo "$(BIN)/mypy"; cat build/mypy.log; exit $$status
+	cat build/mypy.log; exit $$status
 
 # The end-to-end RL demo on a local Ray instance (the R3 recipe, under two minutes on 2 CPUs);
 # the report, its JSON and the PNG land in build/demo/. ARGS passes flags, e.g.

@@ -1,12 +1,13 @@
 """Shared fixtures and the hypothesis profile (seeds print on failure for replay).
 
 Ray: one local instance per test process (``ray_cluster``; each pytest-xdist worker has
-its own), started once. Starting Ray costs about 8 s of CPU on this machine, connecting
-a driver to a running instance a tenth of a second, and the suite has some twenty
-modules that need Ray. Each module connects as a Ray job of its own (``ray_local``), so
-what its driver owns (objects, actors) ends with the module as it would with an instance
-of its own; what would outlive the job (detached actors, such as an engine store) is
-ended at the module's end, and a module starts only once the cluster is its alone.
+its own), started once. Starting Ray costs about 4 s of CPU on this machine (with a
+bytecode cache), connecting a driver to a running instance under a second, and the suite
+has some twenty modules that need Ray. Each module connects as a Ray job of its own
+(``ray_local``), so what its driver owns (objects, actors) ends with the module as it
+would with an instance of its own; what would outlive the job (detached actors, such as
+an engine store) is ended at the module's end, and a module starts only once the cluster
+is its alone.
 """
 
 from __future__ import annotations
@@ -98,14 +99,17 @@ def _end_named_actors() -> None:
 # the end while the other worker idles. Measured with `pytest --durations=0` (2 workers).
 LONGEST_FIRST = (
     "e2e/test_demo.py",
+    "ray/test_multinode.py",
     "e2e/test_soak.py",
     "ray/test_async_store.py",
-    "ray/test_multinode.py",
     "e2e/test_two_runs.py",
     "ray/test_route_store.py",
-    "e2e/test_group_calls.py",
     "ray/test_key_new_rows.py",
     "unit/test_import_hygiene.py",
+    "ray/test_compaction.py",
+    "ray/test_reliability_ray.py",
+    "e2e/test_group_calls.py",
+    "ray/test_fast_paths_ray.py",
     "megatron/test_megatron_pipeline.py",
 )
 

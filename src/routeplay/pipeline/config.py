@@ -219,7 +219,7 @@ RECIPES: Final[dict[str, DemoConfig]] = {
         # A gentler step than the smoke run's: at 1e-2 (or 1e-3) Adam sharpens the toy
         # policy within a step or two, its log-probs go to ~0 and so does every mismatch.
         # Packs sized to fit (one sample each at these lengths): the trainer's forwards
-        # then skip the padding and the masked attention kernel (a third of its time).
+        # then skip the padding and the masked attention kernel (a quarter of its time).
         trainer=TrainerConfig(groups_per_step=3, pack_max_length=896, pack_multiple=1, lr=3e-4),
         buffer=BufferConfig(max_staleness=0),
     ),
