@@ -1,10 +1,12 @@
 """The store's fast paths on a local Ray instance: a leased read makes no shard call, a
 release is not waited for and its failure is raised by the next call, a GRPO group put
 from a producer writes its prompt once (Ray's own byte counters), an LMDeploy key with
-one trailing row is adopted, and every byte still goes when the last lease does."""
+one trailing row is adopted, every byte still goes when the last lease does, and a read
+fetches each block as soon as it is written, not after the last one."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize, preset
-from routeplay.errors import ReleaseFailed
+from routeplay.errors import ReleaseFailed, StoreTimeout
 from routeplay.store import (
     RoutesProducer,
     RouteStore,
@@ -22,6 +24,7 @@ from routeplay.store import (
     producer_actor,
     start_engine_store,
 )
+from routeplay.store.ray_calls import get_as_created
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -178,3 +181,43 @@ def test_a_grpo_group_of_lmdeploy_keys_is_validated_together_and_shares_its_prom
     with store.acquire(handles[2], "buffer/g") as lease:
         np.testing.assert_array_equal(lease.read(), payloads[2].astype(spec.dtype))
     ray.kill(engine_store)
+
+
+@ray.remote(num_cpus=0)
+class _Gate:
+    """Writes its block only once opened (an adopted payload still being validated)."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+
+    async def block_when_open(self, nbytes: int) -> Any:
+        await self._open.wait()
+        return np.ones(nbytes, np.uint8)
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def test_a_block_is_fetched_as_soon_as_it_exists_not_after_the_last_one() -> None:
+    # One ray.get of both would pull neither until the late one exists (Ray's pull
+    # manager activates a get's objects together, once it knows all their sizes).
+    gate = _Gate.remote()
+    late = gate.block_when_open.remote(300_000)
+    early = ray.put(np.arange(200_000, dtype=np.uint32) % 251)
+    batches = get_as_created([late, early], timeout_s=30, what="blocks")
+    positions, values = next(batches)
+    assert positions == [1]  # while the late block does not exist yet
+    np.testing.assert_array_equal(values[0], np.arange(200_000, dtype=np.uint32) % 251)
+    ray.get(gate.open.remote())
+    positions, values = next(batches)
+    assert positions == [0]
+    assert values[0].nbytes == 300_000
+    assert next(batches, None) is None
+
+
+def test_a_block_never_written_fails_the_read_at_its_deadline() -> None:
+    gate = _Gate.remote()
+    never = gate.block_when_open.remote(1000)
+    with pytest.raises(StoreTimeout, match="not written in time"):
+        list(get_as_created([never], timeout_s=0.5, what="blocks"))
+    ray.kill(gate)

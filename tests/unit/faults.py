@@ -9,7 +9,7 @@ exactly what the store holds. ``heal()`` brings the "shard" back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from routeplay.core import EngineKey, RouteSpec
@@ -128,6 +128,11 @@ class FaultyBackend:
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return self.inner.fetch(refs, what)
+
+    def fetch_as_created(
+        self, refs: Sequence[Any], what: str
+    ) -> Iterator[tuple[list[int], list[Any]]]:
+        return self.inner.fetch_as_created(refs, what)
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return self.inner.lost_index(refs, error)

@@ -17,7 +17,7 @@ import concurrent.futures
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import ray
@@ -84,6 +84,13 @@ class Backend(Protocol):
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]: ...
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]: ...
+
+    def fetch_as_created(
+        self, refs: Sequence[Any], what: str
+    ) -> Iterator[tuple[list[int], list[Any]]]:
+        """``fetch`` in batches as the blocks come to exist: positions into ``refs`` and
+        their values (``ray_calls.get_as_created``: each block crosses as it is written)."""
+        ...
 
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         """What a reader keeps of block references granted with a lease."""
@@ -204,6 +211,11 @@ class RayBackend:
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return list(ray_calls.get(list(refs), timeout_s=self._timeout_s, what=what))
 
+    def fetch_as_created(
+        self, refs: Sequence[Any], what: str
+    ) -> Iterator[tuple[list[int], list[Any]]]:
+        return ray_calls.get_as_created(refs, timeout_s=self._timeout_s, what=what)
+
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         """The references themselves: Ray counts this process as a borrower until the
         client drops them (when the lease that pinned them is released)."""
@@ -302,6 +314,11 @@ class LocalBackend:
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return [_local_value(ref, what) for ref in refs]
+
+    def fetch_as_created(
+        self, refs: Sequence[Any], what: str
+    ) -> Iterator[tuple[list[int], list[Any]]]:
+        yield list(range(len(refs))), self.fetch(refs, what)  # in process: all exist
 
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         """Weak references: here the shard is the only holder of a block, so anything

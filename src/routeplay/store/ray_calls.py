@@ -32,6 +32,7 @@ __all__ = [
     "aget",
     "get",
     "get_actor",
+    "get_as_created",
     "in_object_store",
     "lost_index",
     "translated",
@@ -49,6 +50,43 @@ def get(refs: Any, *, timeout_s: float, what: str) -> Any:
     """``ray.get`` with a deadline; ``what`` names the payload or call for the error."""
     with translated(what, timeout_s):
         return ray.get(refs, timeout=timeout_s)
+
+
+def get_as_created(
+    refs: Sequence[Any], *, timeout_s: float, what: str
+) -> Iterator[tuple[list[int], list[Any]]]:
+    """The values of ``refs`` in batches, as their objects come to exist: each batch is
+    every reference whose object exists when the batch is asked for (positions into
+    ``refs``, values), fetched in one ``ray.get``; one deadline for all of them.
+
+    Why not one ``ray.get``: Ray's pull manager pulls a get's objects as one bundle and
+    activates a bundle only once it knows every object's size, that is once every object
+    exists (``PullManager::ActivateNextPullBundleRequest``). Blocks still being written
+    one after another (an adopted step's payloads, validated in turn on the engine's
+    node) would then cross only after the last one is written; fetched as each is
+    created, a block crosses while the next is still being validated. Blocks that all
+    exist already (a producer's) cost one extra ``ray.wait`` that returns at once."""
+    end = time.monotonic() + timeout_s
+    remaining = list(range(len(refs)))
+    while remaining:
+        pending = [refs[i] for i in remaining]
+        with translated(what, timeout_s):
+            created, _ = ray.wait(pending, num_returns=len(pending), timeout=0, fetch_local=False)
+            if not created:  # none yet: block until the first one exists
+                left = max(0.0, end - time.monotonic())
+                created, _ = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
+        if not created:
+            raise StoreTimeout(
+                "routing blocks were not written in time",
+                where=what,
+                expected=f"{len(pending)} more blocks within {timeout_s}s",
+                hint="Is the actor writing them (a key validator, a producer) alive?",
+            )
+        done = set(created)
+        now = [i for i in remaining if refs[i] in done]
+        remaining = [i for i in remaining if refs[i] not in done]
+        left = max(0.0, end - time.monotonic())
+        yield now, list(get([refs[i] for i in now], timeout_s=left, what=what))
 
 
 async def aget(refs: Sequence[Any], *, timeout_s: float, what: str) -> list[Any]:

@@ -7,9 +7,11 @@ Where the bytes come from, cheapest first:
 - otherwise one batched ``locate`` call per shard (a reader without a lease of its own,
   e.g. a copy of a lease pickled into another process, or a checkpoint export).
 
-The blocks of one read are fetched in one ``ray.get``, their rows copied into the
-outputs, and the zero-copy views dropped at once (also on errors): a view would pin
-the object after its last lease is gone. Pinned references go when the lease that
+The blocks of one read are fetched in as few ``ray.get``s as their writing allows (one
+when they all exist; else a batch each time more of them exist, so a block crosses
+while later ones are still written), each batch's rows copied into the outputs and its
+zero-copy views dropped at once (also on errors): a view would pin the object after
+its last lease is gone. Pinned references go when the lease that
 pinned them is released, never later, so a reader never outlives a lease's semantics.
 """
 
@@ -29,7 +31,7 @@ from routeplay.errors import HandleError, MisuseError, RoutesLost
 from routeplay.store.backend import Backend
 from routeplay.store.flow import Wait
 from routeplay.store.key_check import check_key_payload
-from routeplay.store.read_plan import ReadPlan, plan_reads
+from routeplay.store.read_plan import BlockCopy, ReadPlan, plan_reads
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 
 __all__ = ["BlockPins", "MetadataCall", "Reader"]
@@ -124,15 +126,39 @@ class Reader:
                 assert isinstance(seg.source, EngineKey)
                 rows = consumed[seg.source.key][seg.start : seg.stop]
             outs[direct.request][direct.offset : direct.offset + seg.rows] = rows
-        if not plan.copies:
-            return outs
+        if plan.copies:
+            self._copy_as_fetched(plan, holder, outs)
+        return outs
+
+    def _copy_as_fetched(
+        self, plan: ReadPlan, holder: str, outs: Sequence[npt.NDArray[Any]]
+    ) -> None:
+        """Copy every planned block range into its output, a batch of blocks at a time
+        as the blocks come to exist (``Backend.fetch_as_created``): a block's rows are
+        copied while later blocks still cross. Each batch's zero-copy views are dropped
+        before the next batch is fetched, also on errors: nothing stays pinned."""
+        keys, refs = self._block_refs(plan)
+        copies = _CopiesByBlock(plan.copies)
         blocks: dict[tuple[str, int], Any] = {}
         try:
-            blocks = self._fetch_blocks(plan, holder)
-            _copy_blocks(plan, blocks, outs)
+            for now, values in self._backend.fetch_as_created(refs, "blocks"):
+                blocks = {keys[i]: value for i, value in zip(now, values, strict=True)}
+                values.clear()
+                _copy_blocks(copies.of(blocks, whole=len(blocks) == len(keys)), blocks, outs)
+                blocks.clear()
+        except RoutesLost as exc:
+            lost = self._backend.lost_index(refs, exc)
+            payload = keys[lost][0] if lost is not None else _candidates(keys)
+            reader = holder or "an unnamed reader"
+            raise RoutesLost(
+                exc.summary,
+                where=f"payload {payload} (run {self._run}), read by {reader}",
+                found=exc.found,
+                hint=exc.hint,
+            ) from exc
         finally:
-            blocks.clear()  # drop the zero-copy views, also on errors: nothing stays pinned
-        return outs
+            blocks.clear()
+            refs.clear()
 
     def _block_refs(self, plan: ReadPlan) -> tuple[list[tuple[str, int]], list[Any]]:
         """Every block reference the plan needs: pinned ones here, the rest located."""
@@ -161,24 +187,6 @@ class Reader:
                     keys.extend((pid, b) for b in wanted)
                     refs.extend(block_refs)
         return keys, refs
-
-    def _fetch_blocks(self, plan: ReadPlan, holder: str) -> dict[tuple[str, int], Any]:
-        keys, refs = self._block_refs(plan)
-        try:
-            values = self._backend.fetch(refs, "blocks")
-        except RoutesLost as exc:
-            lost = self._backend.lost_index(refs, exc)
-            payload = keys[lost][0] if lost is not None else _candidates(keys)
-            reader = holder or "an unnamed reader"
-            raise RoutesLost(
-                exc.summary,
-                where=f"payload {payload} (run {self._run}), read by {reader}",
-                found=exc.found,
-                hint=exc.hint,
-            ) from exc
-        finally:
-            refs.clear()
-        return dict(zip(keys, values, strict=True))
 
     def _consume_engine_keys(self, plan: ReadPlan) -> dict[str, npt.NDArray[Any]]:
         """Every engine key the plan reads, consumed once (keys are single-use)."""
@@ -230,16 +238,37 @@ def _outputs(
     return given
 
 
+class _CopiesByBlock:
+    """The planned copies of the blocks in a batch, in plan order (indexed by block on
+    the first partial batch: linear however the blocks arrive)."""
+
+    def __init__(self, copies: Sequence[BlockCopy]) -> None:
+        self._copies = copies
+        self._by_block: dict[tuple[str, int], list[int]] | None = None
+
+    def of(self, blocks: Mapping[tuple[str, int], Any], *, whole: bool) -> Sequence[BlockCopy]:
+        if whole:
+            return self._copies
+        if self._by_block is None:
+            self._by_block = {}
+            for position, copy in enumerate(self._copies):
+                self._by_block.setdefault((copy.payload_id, copy.block), []).append(position)
+        positions = sorted(p for block in blocks for p in self._by_block.get(block, ()))
+        return [self._copies[p] for p in positions]
+
+
 def _copy_blocks(
-    plan: ReadPlan, blocks: Mapping[tuple[str, int], Any], outs: Sequence[npt.NDArray[Any]]
+    copies: Sequence[BlockCopy],
+    blocks: Mapping[tuple[str, int], Any],
+    outs: Sequence[npt.NDArray[Any]],
 ) -> None:
-    """Copy every planned block range into its output. Ranges that follow each other in
-    one output (the segments of a handle, in order) go in one ``np.concatenate``: one C
+    """Copy each block range into its output. Ranges that follow each other in one
+    output (the segments of a handle, in order) go in one ``np.concatenate``: one C
     loop for a run of 1,000 segments instead of 1,000 slice assignments."""
     run: list[Any] = []  # the views of the current run: dropped before returning
     start = end = request = -1
     try:
-        for copy in plan.copies:
+        for copy in copies:
             view = blocks[(copy.payload_id, copy.block)][copy.lo : copy.hi]
             if copy.request != request or copy.offset != end:
                 _flush_run(outs, request, start, end, run)
