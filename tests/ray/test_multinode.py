@@ -103,6 +103,13 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
             assert 0 < ms <= w[path]["median_ms"]
         assert w["below_limit"] == []
         assert w["bare_ray_ms"] >= limit["by_path"]["producer"] > 0  # Ray's floor, not below
+        assert limit["validate_ms"] > 0
+        assert set(limit["pull_core_ms"]) == {"producer", "adopt"}
+        for path in ("eager", "producer", "adopt"):
+            # Busy core-ms in a path's window: at most every core for all of it (two
+            # readings of 10 ms resolution each).
+            cores = results["host_cores"]
+            assert 0 <= w[path]["core_ms"] <= cores * (w[path]["max_ms"] + 20)
         assert w["producer_beyond_bare_ray_ms"] == pytest.approx(
             w["producer"]["median_ms"] - w["bare_ray_ms"], abs=0.11
         )

@@ -20,6 +20,11 @@ names such paths, and the bench says so and fails instead of printing a ratio be
 that overlapped them perfectly could gain at most the copy, a few per cent of the pull
 at 1 GB/s pulls and 10 GB/s copies: far below what any path's own calls cost.)
 
+Next to the limit, for the reader: the machine's busy core-ms during the best pull
+(``pull_core_ms``: what Ray's transfer costs in CPU, ``routeplay.bench.host_cpu``) and
+the best time of one core validating the step's engine payloads on the engine node
+(``validate_ms``: the CPU the adopted-key path spends that the producer path does not).
+
 Next to the limit, ``bare_ray_ms`` is Ray's own floor for the producer path's objects:
 the same objects put by an actor on the rollout node and fetched and copied by the SP
 ranks with plain ``ray.put`` / ``ray.get`` (no store, no leases, no shard calls), timed
@@ -41,8 +46,10 @@ from typing import Any
 import numpy as np
 import ray
 
-from routeplay.bench.roles import rank_rows
+from routeplay.bench.host_cpu import busy_core_ms
+from routeplay.bench.roles import rank_rows, sample_routing
 from routeplay.bench.workloads import Workload
+from routeplay.core import canonicalize, preset
 
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
@@ -77,6 +84,20 @@ class _Source:
 
     def drop(self) -> None:
         self._held = []
+
+    def validate_s(self, model: str, rows: int, samples: int, runs: int) -> float:
+        """Best time of one core validating ``samples`` engine payloads of ``rows`` rows
+        (``canonicalize``: range, narrowing, distinct ids), as the adopted-key path does
+        on this node; one payload validated ``samples`` times (same work, less memory)."""
+        spec = preset(model)
+        raw = sample_routing(spec, rows, seed=5)
+        best = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            for _ in range(samples):
+                canonicalize(raw, spec, threads=1)
+            best = min(best, time.perf_counter() - start)
+        return best
 
     def hold_arrays(self, sizes: Sequence[int]) -> None:
         self._arrays = [np.ones(n, np.uint8) for n in sizes]  # decoded, untimed
@@ -178,15 +199,16 @@ class Probes:
             probes.workload_limit(BenchConfig.smoke().workloads[0], runs=5)["by_path"]
         """
         copy_ms = 1e3 * self._best_copy_s(w, runs)
-        pull_ms = {
-            path: 1e3 * self._best_pull_s(w, role, runs) for path, role in SOURCE_NODE.items()
-        }
-        by_path = {path: round(copy_ms + pull, 2) for path, pull in pull_ms.items()}
+        pulls = {path: self._best_pull(w, role, runs) for path, role in SOURCE_NODE.items()}
+        by_path = {path: round(copy_ms + pull_ms, 2) for path, (pull_ms, _) in pulls.items()}
+        validate = self._sources["engine"].validate_s.remote(w.model, w.rows, w.samples, runs)
         return {
             "limit_ms": min(by_path.values()),
             "by_path": by_path,
             "copy_ms": round(copy_ms, 2),
-            "pull_ms": {path: round(ms, 2) for path, ms in pull_ms.items()},
+            "pull_ms": {path: round(ms, 2) for path, (ms, _) in pulls.items()},
+            "pull_core_ms": {path: round(cpu) for path, (_, cpu) in pulls.items()},
+            "validate_ms": round(1e3 * ray.get(validate, timeout=_DEADLINE_S), 1),
             "runs": runs,
             "cross_node_bytes": sum(object_sizes(w)),
         }
@@ -218,15 +240,18 @@ class Probes:
         ray.get(source.hold_arrays.remote([]), timeout=_DEADLINE_S)
         return 1e3 * statistics.median(times)
 
-    def _best_pull_s(self, w: Workload, source_role: str, runs: int) -> float:
+    def _best_pull(self, w: Workload, source_role: str, runs: int) -> tuple[float, float]:
+        """The fastest pull (ms) and the machine's busy core-ms during that call."""
         source, [sink] = self._sources[source_role], self.sinks(1)
-        times: list[float] = []
+        pulls: list[tuple[float, float]] = []
         for _ in range(runs):
             wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
-            times.append(ray.get(sink.pull_s.remote(wrapped), timeout=_DEADLINE_S))
+            cpu_start = busy_core_ms()
+            seconds = ray.get(sink.pull_s.remote(wrapped), timeout=_DEADLINE_S)
+            pulls.append((1e3 * seconds, busy_core_ms() - cpu_start))
             del wrapped
             ray.get(source.drop.remote(), timeout=_DEADLINE_S)
-        return min(times)
+        return min(pulls)
 
     def _best_copy_s(self, w: Workload, runs: int) -> float:
         ranks = self.sinks(w.sp)

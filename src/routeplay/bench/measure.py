@@ -25,6 +25,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
+from routeplay.bench.host_cpu import busy_core_ms, cores
 from routeplay.bench.limit import Probes, beaten
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.sessions import session_bytes
@@ -132,6 +133,7 @@ class Bench:
         else:
             keys = ray.get(self.engine.keys.remote(plan), timeout=_DEADLINE_S)
         before = self._created()
+        cpu_start = busy_core_ms()
         start = time.perf_counter()
         if path == "eager":
             wrapped = ray.get(self.rollout.eager.remote(keys), timeout=_DEADLINE_S)
@@ -153,11 +155,13 @@ class Bench:
                 timeout=_DEADLINE_S,
             )
         elapsed = time.perf_counter() - start
+        core_ms = busy_core_ms() - cpu_start
         created = {role: n - before[role] for role, n in self._created().items()}
         ray.get(self.rollout.drop.remote(), timeout=_DEADLINE_S)
         ray.get([rank.flush.remote() for rank in self.ranks], timeout=_DEADLINE_S)
         return {
             "ms": elapsed * 1e3,
+            "core_ms": core_ms,
             "bytes_written": sum(n for role, n in created.items() if role != "trainer"),
             "bytes_pulled": created["trainer"],
             "created_by_node": created,
@@ -177,6 +181,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "min_ms": round(min(times), 1),
         "max_ms": round(max(times), 1),
         "runs": len(times),
+        "core_ms": round(statistics.median(r["core_ms"] for r in runs)),
         "bytes_written": int(statistics.median(r["bytes_written"] for r in runs)),
         "bytes_pulled": int(statistics.median(r["bytes_pulled"] for r in runs)),
         "created_by_node": last["created_by_node"],
@@ -470,5 +475,6 @@ def run_bench(
         "scaling": scale,
         "sessions": sessions,
         "small_puts": small,
+        "host_cores": cores(),
         "store_end": {"live_payloads": stats.live_payloads, "leases": stats.leases},
     }

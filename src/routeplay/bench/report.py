@@ -66,6 +66,14 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             "bytes_written": "object-store bytes created on the head, engine and rollout nodes",
             "bytes_pulled": "object-store bytes created on the trainer node (pulled there)",
             "peak_rank_bytes": "largest routing bytes one rank held at once",
+            "core_ms": (
+                "busy CPU core-ms of the driver's machine during a path's timed window "
+                "(median; every node's when the cluster is local: routeplay.bench.host_cpu)"
+            ),
+            "validate_ms": (
+                "one core validating the step's engine payloads on the engine node (best "
+                "of runs): the adopted-key path's CPU beyond the producer path's"
+            ),
             "bare_ray": (
                 "the producer path's objects on plain Ray (ray.put on the rollout node, each "
                 "rank ray.get + copy of its rows), median: Ray's own floor for that path"
@@ -128,6 +136,7 @@ def workload_table(results: dict[str, Any]) -> Table:
         "eager/adopt",
         "prod/limit",
         "adopt/limit",
+        "core-ms p|a|pull",
         "writes/payload e|p|a",
         "rank peak MB e|p",
     )
@@ -148,10 +157,16 @@ def workload_table(results: dict[str, Any]) -> Table:
             f"{w['eager_ms'] / w['adopt_ms']:.2f}x",
             f"{w['routeplay_ms'] / limit['producer']:.2f}x",
             f"{w['adopt_ms'] / limit['adopt']:.2f}x",
+            _core_ms(w),
             writes,
             f"{peak['eager'] / 1e6:.1f}|{peak['producer'] / 1e6:.1f}",
         )
     return table
+
+
+def _core_ms(w: dict[str, Any]) -> str:
+    pull = w["limit"].get("pull_core_ms", {}).get("adopt")
+    return f"{w['producer']['core_ms']}|{w['adopt']['core_ms']}|{pull}"
 
 
 def scaling_table(results: dict[str, Any]) -> Table:
@@ -247,6 +262,13 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         out["adopt_over_limit"] = round(w["adopt_ms"] / limit["adopt"], 2)
         out["bare_ray_over_limit"] = round(w["bare_ray_ms"] / limit["producer"], 2)
         out["producer_beyond_bare_ray_ms"] = w["producer_beyond_bare_ray_ms"]
+        out["headline_cpu"] = {
+            "cores": results.get("host_cores"),
+            "producer_core_ms": w["producer"]["core_ms"],
+            "adopt_core_ms": w["adopt"]["core_ms"],
+            "limit_pull_core_ms": w["limit"]["pull_core_ms"]["adopt"],
+            "validate_ms": w["limit"]["validate_ms"],
+        }
         out["headline_workload"] = w["name"]
         out["rank_peak_over_eager"] = round(
             w["peak_rank_bytes"]["producer"] / w["peak_rank_bytes"]["eager"], 3
