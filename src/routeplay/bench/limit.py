@@ -25,11 +25,13 @@ Next to the limit, for the reader: the machine's busy core-ms during the best pu
 the best time of one core validating the step's engine payloads on the engine node
 (``validate_ms``: the CPU the adopted-key path spends that the producer path does not).
 
-Next to the limit, ``bare_ray_ms`` is Ray's own floor for the producer path's objects:
-the same objects put by an actor on the rollout node and fetched and copied by the SP
-ranks with plain ``ray.put`` / ``ray.get`` (no store, no leases, no shard calls), timed
-like a path (median). ``producer_ms - bare_ray_ms`` is what routeplay itself costs on
-that path; the rest of the distance to the limit is Ray's.
+Next to the limit, ``bare_ray`` is Ray's own floor for the producer path's objects: the
+same objects put by an actor on the rollout node and fetched and copied by the SP ranks
+with plain ``ray.put`` / ``ray.get`` (no store, no leases, no shard calls), timed like a
+path. Its runs alternate with the producer path's, so each producer run has a bare run
+next to it (the machine's drift between phases of a workload cancels); the median of
+the pairs' differences is what routeplay itself costs on that path, and the rest of
+the distance to the limit is Ray's.
 
 Example:
     limit = Probes().workload_limit(w, runs=5)
@@ -38,9 +40,9 @@ Example:
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -213,32 +215,38 @@ class Probes:
             "cross_node_bytes": sum(object_sizes(w)),
         }
 
-    def bare_ray_ms(self, w: Workload, *, runs: int) -> float:
-        """Median ms of the producer path's work on bare Ray (see the module docstring).
+    @contextmanager
+    def bare_ray(self, w: Workload) -> Iterator[Callable[[], float]]:
+        """Ray's own floor for the producer path's work (see the module docstring): yields
+        a function that times one run (ms), so runs can alternate with the producer
+        path's and each pair sees the same moment of the machine.
 
         Example:
-            probes.bare_ray_ms(BenchConfig.smoke().workloads[0], runs=5)
+            with probes.bare_ray(w) as bare_run:
+                floor_ms = bare_run()
         """
         source, ranks = self._sources["rollout"], self.sinks(w.sp)
         ray.get(source.hold_arrays.remote(object_sizes(w)), timeout=_DEADLINE_S)
         shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
-        times = []
-        for run in range(runs + 1):  # the first run warms the ranks' buffers
+
+        def run() -> float:
             start = time.perf_counter()
             wrapped = ray.get(source.put_held.remote(), timeout=_DEADLINE_S)
+            pairs = zip(ranks, shares, strict=True)
             ray.get(
-                [
-                    rank.fetch_share.remote(wrapped, mine)
-                    for rank, mine in zip(ranks, shares, strict=True)
-                ],
+                [rank.fetch_share.remote(wrapped, mine) for rank, mine in pairs],
                 timeout=_DEADLINE_S,
             )
-            if run:
-                times.append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
             del wrapped
             ray.get(source.drop.remote(), timeout=_DEADLINE_S)
-        ray.get(source.hold_arrays.remote([]), timeout=_DEADLINE_S)
-        return 1e3 * statistics.median(times)
+            return 1e3 * elapsed
+
+        try:
+            run()  # warms the ranks' buffers
+            yield run
+        finally:
+            ray.get(source.hold_arrays.remote([]), timeout=_DEADLINE_S)
 
     def _best_pull(self, w: Workload, source_role: str, runs: int) -> tuple[float, float]:
         """The fastest pull (ms) and the machine's busy core-ms during that call."""

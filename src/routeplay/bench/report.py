@@ -76,7 +76,9 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             ),
             "bare_ray": (
                 "the producer path's objects on plain Ray (ray.put on the rollout node, each "
-                "rank ray.get + copy of its rows), median: Ray's own floor for that path"
+                "rank ray.get + copy of its rows), median: Ray's own floor for that path; "
+                "its runs alternate with the producer path's, and producer_beyond_bare_ray_ms "
+                "is the median of the pairs' differences"
             ),
             "limit": (
                 "per path, best of >= 5 runs: the trainer node pulls the workload's "
