@@ -408,6 +408,9 @@ class KeyValidatorShell:
     sweep's numpy loops release the GIL). So the first payload of a step is ready after
     its own validation, and its transfer to the trainer overlaps the validation of the
     next, where validating all at once would make every payload wait for the slowest.
+    The readers' side of the overlap: a read fetches each block as soon as it exists
+    (``routeplay.store.ray_calls.get_as_created``), not in one ``ray.get`` of all of
+    them, which Ray would pull only once the last one exists.
     """
 
     def __init__(self) -> None:
