@@ -11,8 +11,8 @@ The blocks of one read are fetched in as few ``ray.get``s as their writing allow
 when they all exist; else a batch each time more of them exist, so a block crosses
 while later ones are still written), each batch's rows copied into the outputs and its
 zero-copy views dropped at once (also on errors): a view would pin the object after
-its last lease is gone. Pinned references go when the lease that
-pinned them is released, never later, so a reader never outlives a lease's semantics.
+its last lease is gone. Pinned references go when the lease that pinned them is
+released, never later, so a reader never outlives a lease's semantics.
 """
 
 from __future__ import annotations
