@@ -204,22 +204,28 @@ def test_a_block_is_fetched_as_soon_as_it_exists_not_after_the_last_one() -> Non
     # One ray.get of both would pull neither until the late one exists (Ray's pull
     # manager activates a get's objects together, once it knows all their sizes).
     gate = _Gate.remote()
-    late = gate.block_when_open.remote(300_000)
-    early = ray.put(np.arange(200_000, dtype=np.uint32) % 251)
-    batches = get_as_created([late, early], timeout_s=30, what="blocks")
-    positions, values = next(batches)
-    assert positions == [1]  # while the late block does not exist yet
-    np.testing.assert_array_equal(values[0], np.arange(200_000, dtype=np.uint32) % 251)
-    ray.get(gate.open.remote())
-    positions, values = next(batches)
-    assert positions == [0]
-    assert values[0].nbytes == 300_000
-    assert next(batches, None) is None
+    try:
+        late = gate.block_when_open.remote(300_000)
+        early = ray.put(np.arange(200_000, dtype=np.uint32) % 251)
+        batches = get_as_created([late, early, early], timeout_s=30, what="blocks")
+        positions, values = next(batches)
+        assert positions == [1, 2]  # while the late block does not exist yet (a repeat too)
+        np.testing.assert_array_equal(values[0], np.arange(200_000, dtype=np.uint32) % 251)
+        ray.get(gate.open.remote())
+        positions, values = next(batches)
+        assert positions == [0]
+        assert values[0].nbytes == 300_000
+        assert next(batches, None) is None
+    finally:
+        ray.kill(gate)
 
 
 def test_a_block_never_written_fails_the_read_at_its_deadline() -> None:
     gate = _Gate.remote()
-    never = gate.block_when_open.remote(1000)
-    with pytest.raises(StoreTimeout, match="not written in time"):
-        list(get_as_created([never], timeout_s=0.5, what="blocks"))
-    ray.kill(gate)
+    try:
+        never = gate.block_when_open.remote(1000)
+        with pytest.raises(StoreTimeout, match="not written in time") as timed_out:
+            list(get_as_created([never], timeout_s=0.5, what="blocks of payload p"))
+        assert "blocks of payload p" in str(timed_out.value)
+    finally:
+        ray.kill(gate)

@@ -112,6 +112,9 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
             assert 0 <= w[path]["core_ms"] <= cores * (w[path]["max_ms"] + 20)
         # One bare Ray run next to each producer run (one each here: the pair's difference)
         assert w["bare_ray_runs"] == w["producer"]["runs"]
+        assert w["producer_minus_bare_ray_medians_ms"] == pytest.approx(
+            w["producer"]["median_ms"] - w["bare_ray_ms"], abs=0.11
+        )
         assert w["producer_beyond_bare_ray_ms"] == pytest.approx(
             w["producer"]["median_ms"] - w["bare_ray_ms"], abs=0.11
         )

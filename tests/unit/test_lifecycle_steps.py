@@ -9,7 +9,7 @@ going up) is seen even if it was never read afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,11 @@ class WatchedBackend:
 
     def fetch(self, refs: Sequence[Any], what: str) -> list[Any]:
         return self.inner.fetch(refs, what)
+
+    def fetch_as_created(
+        self, refs: Sequence[Any], what: str
+    ) -> Iterator[tuple[list[int], list[Any]]]:
+        return self.inner.fetch_as_created(refs, what)
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return None

@@ -1,10 +1,11 @@
 """Busy CPU time of the machine the benchmark's driver runs on, for a timed window.
 
 On the local cluster every node is a set of processes of this machine, so its busy
-time over a path's window is all that path cost in CPU: its own work and Ray's
-(serialization, the transfer between raylets). Next to a path's wall time it tells
-whether the path waited or computed: a path whose busy core-ms fill every core for
-its whole window cannot get faster here without doing less work. On a cluster of
+time over a path's window covers all that path cost in CPU: its own work and Ray's
+(serialization, the transfer between raylets), plus whatever else ran meanwhile (Ray's
+daemons, frees of earlier objects): an upper bound of the path's own. Next to a path's
+wall time it tells whether the path waited or computed: a path whose busy core-ms
+fill every core for its whole window cannot get faster here without less work. On a cluster of
 other machines (``--address``) it covers the driver's machine only.
 
 Example:

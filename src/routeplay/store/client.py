@@ -968,7 +968,8 @@ class RouteStore:
         """Rows of many handles, each block fetched once; leased payloads need no shard
         call, others one ``locate`` per shard. ``out`` gives buffers to copy into (one
         per request, of its exact shape and dtype: reused memory is faster than fresh
-        pages). ``holder`` only names the reader in errors."""
+        pages); after an error they hold only part of the rows. ``holder`` only names
+        the reader in errors."""
         for handle, _, _ in requests:
             for segment in handle.segments:
                 source = segment.source

@@ -1,7 +1,8 @@
 """Every Ray wait of the store goes through here: a deadline, and Ray's exceptions
 translated into routeplay's (``raise ... from``) so callers see one tree. ``get``
-blocks (``ray.get``); ``aget`` awaits Ray's references on the running event loop (no
-thread, no ``ray.get``); both translate with ``translated``. ``RAY`` resolves a flow's
+blocks (``ray.get``); ``get_as_created`` blocks too, fetching objects in batches as
+they come to exist; ``aget`` awaits Ray's references on the running event loop (no
+thread, no ``ray.get``); all translate with ``translated``. ``RAY`` resolves a flow's
 waits (``routeplay.store.flow``) either way, for clients of plain actors."""
 
 from __future__ import annotations
@@ -64,29 +65,38 @@ def get_as_created(
     exists (``PullManager::ActivateNextPullBundleRequest``). Blocks still being written
     one after another (an adopted step's payloads, validated in turn on the engine's
     node) would then cross only after the last one is written; fetched as each is
-    created, a block crosses while the next is still being validated. Blocks that all
-    exist already (a producer's) cost one extra ``ray.wait`` that returns at once."""
+    created, a block crosses and is copied while the next is still being validated.
+    Blocks that all exist already (a producer's) cost one extra ``ray.wait``."""
     end = time.monotonic() + timeout_s
     remaining = list(range(len(refs)))
     while remaining:
-        pending = [refs[i] for i in remaining]
+        pending = list(dict.fromkeys(refs[i] for i in remaining))  # ray.wait refuses repeats
         with translated(what, timeout_s):
-            created, _ = ray.wait(pending, num_returns=len(pending), timeout=0, fetch_local=False)
-            if not created:  # none yet: block until the first one exists
+            created = _existing(pending)
+            if not created:  # none yet: block until one exists, then take all that do
                 left = max(0.0, end - time.monotonic())
-                created, _ = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
+                if ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)[0]:
+                    created = _existing(pending)
         if not created:
             raise StoreTimeout(
                 "routing blocks were not written in time",
                 where=what,
                 expected=f"{len(pending)} more blocks within {timeout_s}s",
-                hint="Is the actor writing them (a key validator, a producer) alive?",
+                hint="Their writer (a key validator, a producer) is slow or hung; a dead "
+                "writer fails the read at once (RoutesLost).",
             )
         done = set(created)
         now = [i for i in remaining if refs[i] in done]
         remaining = [i for i in remaining if refs[i] not in done]
-        left = max(0.0, end - time.monotonic())
-        yield now, list(get([refs[i] for i in now], timeout_s=left, what=what))
+        with translated(what, timeout_s):
+            values = ray.get([refs[i] for i in now], timeout=max(0.0, end - time.monotonic()))
+        yield now, list(values)
+
+
+def _existing(refs: list[Any]) -> list[Any]:
+    """The references whose objects exist somewhere now (no waiting, nothing fetched)."""
+    created, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return list(created)
 
 
 async def aget(refs: Sequence[Any], *, timeout_s: float, what: str) -> list[Any]:

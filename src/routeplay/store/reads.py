@@ -134,14 +134,17 @@ class Reader:
         self, plan: ReadPlan, holder: str, outs: Sequence[npt.NDArray[Any]]
     ) -> None:
         """Copy every planned block range into its output, a batch of blocks at a time
-        as the blocks come to exist (``Backend.fetch_as_created``): a block's rows are
-        copied while later blocks still cross. Each batch's zero-copy views are dropped
-        before the next batch is fetched, also on errors: nothing stays pinned."""
+        as the blocks come to exist (``Backend.fetch_as_created``): a block crosses and
+        is copied while later blocks are still being written. Each batch's zero-copy
+        views are dropped before the next batch is fetched, also on errors: nothing
+        stays pinned. After an error the outputs hold the batches copied before it."""
         keys, refs = self._block_refs(plan)
         copies = _CopiesByBlock(plan.copies)
         blocks: dict[tuple[str, int], Any] = {}
+        reader = holder or "an unnamed reader"
+        what = f"blocks of payload(s) {_payloads(keys)} (run {self._run}), read by {reader}"
         try:
-            for now, values in self._backend.fetch_as_created(refs, "blocks"):
+            for now, values in self._backend.fetch_as_created(refs, what):
                 blocks = {keys[i]: value for i, value in zip(now, values, strict=True)}
                 values.clear()
                 _copy_blocks(copies.of(blocks, whole=len(blocks) == len(keys)), blocks, outs)
@@ -149,7 +152,6 @@ class Reader:
         except RoutesLost as exc:
             lost = self._backend.lost_index(refs, exc)
             payload = keys[lost][0] if lost is not None else _candidates(keys)
-            reader = holder or "an unnamed reader"
             raise RoutesLost(
                 exc.summary,
                 where=f"payload {payload} (run {self._run}), read by {reader}",
@@ -240,7 +242,7 @@ def _outputs(
 
 class _CopiesByBlock:
     """The planned copies of the blocks in a batch, in plan order (indexed by block on
-    the first partial batch: linear however the blocks arrive)."""
+    the first partial batch, so a read never scans every copy once per batch)."""
 
     def __init__(self, copies: Sequence[BlockCopy]) -> None:
         self._copies = copies
@@ -292,9 +294,14 @@ def _flush_run(
 
 def _candidates(keys: Sequence[tuple[str, int]]) -> str:
     """The payloads a failed batch fetch was about, when Ray does not say which one."""
+    count = len({pid for pid, _ in keys})
+    return f"one of {_payloads(keys)}" if count > 1 else _payloads(keys)
+
+
+def _payloads(keys: Sequence[tuple[str, int]]) -> str:
+    """The payloads of a read's blocks, the first four named."""
     pids = sorted({pid for pid, _ in keys})
-    shown = ", ".join(pids[:4]) + (f" (+{len(pids) - 4} more)" if len(pids) > 4 else "")
-    return f"one of {shown}" if len(pids) > 1 else shown
+    return ", ".join(pids[:4]) + (f" (+{len(pids) - 4} more)" if len(pids) > 4 else "")
 
 
 def _check_blocks(pid: str, wanted: Sequence[int], count: int) -> None:
