@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from routeplay.bench import limit
 from routeplay.bench.limit import beaten, object_sizes, rank_byte_ranges, rank_shares
 from routeplay.bench.report import below_limit
 from routeplay.bench.workloads import BenchConfig, Workload
@@ -63,3 +66,20 @@ def test_bare_ray_ranks_copy_the_rows_the_path_ranks_copy() -> None:
                 assert 0 <= lo < hi <= sizes[index]
                 assert lo % row == 0
                 assert hi % row == 0
+
+
+def test_the_validation_probe_validates_each_sample_of_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What the adopted-key path validates per step: every sample's whole raw payload.
+    seen: list[tuple[tuple[int, ...], str]] = []
+    real = limit.canonicalize
+
+    def counted(array: Any, spec: Any, **kwargs: Any) -> Any:
+        seen.append((array.shape, str(array.dtype)))
+        return real(array, spec, **kwargs)
+
+    monkeypatch.setattr(limit, "canonicalize", counted)
+    w = BenchConfig.smoke().workloads[0]
+    assert limit.validate_s(w, runs=2) > 0
+    assert seen == [((w.rows, w.spec.decoder_layers, w.spec.top_k), "uint16")] * 2 * w.samples

@@ -51,7 +51,7 @@ import ray
 from routeplay.bench.host_cpu import busy_core_ms
 from routeplay.bench.roles import rank_rows, sample_routing
 from routeplay.bench.workloads import Workload
-from routeplay.core import canonicalize, preset
+from routeplay.core import canonicalize
 
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
@@ -59,7 +59,15 @@ _DEADLINE_S = 600.0
 SOURCE_NODE = {"producer": "rollout", "adopt": "engine"}
 """Where each routeplay path's payloads live when the trainer ranks read them."""
 
-__all__ = ["SOURCE_NODE", "Probes", "beaten", "object_sizes", "rank_byte_ranges", "rank_shares"]
+__all__ = [
+    "SOURCE_NODE",
+    "Probes",
+    "beaten",
+    "object_sizes",
+    "rank_byte_ranges",
+    "rank_shares",
+    "validate_s",
+]
 
 
 def object_sizes(w: Workload) -> list[int]:
@@ -87,19 +95,8 @@ class _Source:
     def drop(self) -> None:
         self._held = []
 
-    def validate_s(self, model: str, rows: int, samples: int, runs: int) -> float:
-        """Best time of one core validating ``samples`` engine payloads of ``rows`` rows
-        (``canonicalize``: range, narrowing, distinct ids), as the adopted-key path does
-        on this node; one payload validated ``samples`` times (same work, less memory)."""
-        spec = preset(model)
-        raw = sample_routing(spec, rows, seed=5)
-        best = float("inf")
-        for _ in range(runs):
-            start = time.perf_counter()
-            for _ in range(samples):
-                canonicalize(raw, spec, threads=1)
-            best = min(best, time.perf_counter() - start)
-        return best
+    def validate_s(self, w: Workload, runs: int) -> float:
+        return validate_s(w, runs)  # on this node, as the adopted-key path validates
 
     def hold_arrays(self, sizes: Sequence[int]) -> None:
         self._arrays = [np.ones(n, np.uint8) for n in sizes]  # decoded, untimed
@@ -142,6 +139,26 @@ class _Sink:
             np.copyto(out, values[index][lo:hi])
         del values
         return sum(hi - lo for _, lo, hi in shares)
+
+
+def validate_s(w: Workload, runs: int) -> float:
+    """Best time (s) of one core validating the step's engine payloads, ``w.samples`` of
+    ``w.rows`` rows (``canonicalize``: range, narrowing, distinct ids), as the adopted-key
+    path does once per payload; one payload validated ``samples`` times (same work, less
+    memory).
+
+    Example:
+        validate_s(BenchConfig.smoke().workloads[0], runs=3)  # e.g. 0.004
+    """
+    spec = w.spec
+    raw = sample_routing(spec, w.rows, seed=5)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(w.samples):
+            canonicalize(raw, spec, threads=1)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def rank_byte_ranges(w: Workload, rank: int) -> list[tuple[int, int, int]]:
@@ -203,7 +220,7 @@ class Probes:
         copy_ms = 1e3 * self._best_copy_s(w, runs)
         pulls = {path: self._best_pull(w, role, runs) for path, role in SOURCE_NODE.items()}
         by_path = {path: round(copy_ms + pull_ms, 2) for path, (pull_ms, _) in pulls.items()}
-        validate = self._sources["engine"].validate_s.remote(w.model, w.rows, w.samples, runs)
+        validate = self._sources["engine"].validate_s.remote(w, runs)
         return {
             "limit_ms": min(by_path.values()),
             "by_path": by_path,
