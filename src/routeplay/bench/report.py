@@ -79,7 +79,8 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             "bare_ray": (
                 "the producer path's objects on plain Ray (ray.put on the rollout node, each "
                 "rank ray.get + copy of its rows), median: Ray's own floor for that path; "
-                "its runs alternate with the producer path's (which goes first alternates); "
+                "its runs alternate with the producer path's (which goes first alternates; "
+                "config.pair_runs pairs, so the producer path has that many runs); "
                 "producer_beyond_bare_ray_ms is the median of the pairs' differences, "
                 "producer_minus_bare_ray_medians_ms the difference of the two medians"
             ),

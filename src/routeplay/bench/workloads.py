@@ -121,6 +121,9 @@ class BenchConfig:
     """The side-by-side workloads (eager, producer, adopt, limit for each)."""
     runs: int = 5
     """Timed runs per path and workload (after one warm-up); median, min and max kept."""
+    pair_runs: int = 9
+    """Producer runs, each paired with a bare-Ray run (at least ``runs``): the pairs'
+    differences vary by tens of ms on a shared machine, so their median needs more."""
     store_bytes: int = 1536 * MiB
     """Object store of each of the four nodes."""
     scale_tokens: tuple[int, ...] = (1024, 4096, 16384, 65536)
@@ -197,6 +200,7 @@ class BenchConfig:
                 ),
             ),
             runs=1,
+            pair_runs=1,
             store_bytes=96 * MiB,
             scale_tokens=(),
             scale_samples=(),
