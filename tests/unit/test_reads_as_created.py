@@ -13,9 +13,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 from strategies import random_routing
 
 from routeplay.core import Handle, RouteSpec, canonicalize
+from routeplay.errors import StoreTimeout
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.backend import LocalBackend
 
@@ -51,3 +53,22 @@ def test_rows_arriving_block_by_block_in_reverse_are_placed_exactly() -> None:
     for out, want in zip(outs, expected, strict=True):
         np.testing.assert_array_equal(out, want)
     assert len(backend.batches) == 4  # one batch per block: each placed on its own
+
+
+class NeverWritten(LocalBackend):
+    """A read whose blocks never come to exist (their writer hung)."""
+
+    def fetch_as_created(
+        self, refs: Sequence[Any], what: str
+    ) -> Iterator[tuple[list[int], list[Any]]]:
+        raise StoreTimeout("routing blocks were not written in time", where=what)
+        yield  # a generator, as the real one
+
+
+def test_a_read_whose_blocks_never_come_names_its_payload_run_and_reader() -> None:
+    store = RouteStore(StoreConfig(run="hung"), NeverWritten("hung", shards=1, ttl_s=600.0))
+    [handle] = store.put_many([canonicalize(random_routing(SPEC, 4, 0), SPEC)])
+    [segment] = handle.segments
+    with pytest.raises(StoreTimeout, match="not written in time") as timed_out:
+        store.read_many([(handle, 0, 4)], holder="rank-3")
+    assert f"payload {segment.source.payload_id} (run hung), read by rank-3" in str(timed_out.value)

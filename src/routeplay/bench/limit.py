@@ -21,11 +21,10 @@ that overlapped them perfectly could gain at most the copy, a few per cent of th
 at 1 GB/s pulls and 10 GB/s copies: far below what any path's own calls cost.)
 
 Next to the limit, for the reader: the machine's busy core-ms during the best pull
-(``pull_core_ms``: what Ray's transfer costs in CPU, ``routeplay.bench.host_cpu``) and
-the best time of one core validating the step's engine payloads on the engine node
-(``validate_ms``: the CPU the adopted-key path spends that the producer path does not).
-
-Next to the limit, ``bare_ray`` is Ray's own floor for the producer path's objects: the
+(``pull_core_ms``: what Ray's transfer costs in CPU, ``routeplay.bench.host_cpu``), the
+best time of one core validating the step's engine payloads on the engine node
+(``validate_ms``: the CPU the adopted-key path spends that the producer path does not),
+and ``bare_ray``, Ray's own floor for the producer path's objects: the
 same objects put by an actor on the rollout node and fetched and copied by the SP ranks
 with plain ``ray.put`` / ``ray.get`` (no store, no leases, no shard calls), timed like a
 path. Its runs alternate with the producer path's, so each producer run has a bare run

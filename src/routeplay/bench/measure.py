@@ -199,10 +199,10 @@ def measure_workload(
     roles: dict[str, str],
     runs: int,
     probes: Probes,
-    pairs: int | None = None,
+    pairs: int = 0,
 ) -> dict[str, Any]:
     """Every path of one workload, its limit, and a check that all paths agree; the
-    producer path runs ``pairs`` times (default ``runs``), each next to a bare-Ray run."""
+    producer path runs ``max(runs, pairs)`` times, each next to a bare-Ray run."""
     bench = Bench(store, w, roles)
     digests = {path: bench.run(path, seed=1, check=True)["digests"] for path in PATHS}
     if len({tuple(d) for d in digests.values()}) != 1:
@@ -210,7 +210,7 @@ def measure_workload(
     per_path = {}
     for path in ("eager", "adopt"):
         per_path[path] = summarize([bench.run(path, seed=2 + i) for i in range(runs)])
-    producer, bare = _paired_with_bare_ray(bench, probes, max(runs, pairs or runs))
+    producer, bare = _paired_with_bare_ray(bench, probes, max(runs, pairs))
     per_path["producer"] = summarize(producer)
     limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
     entry: dict[str, Any] = {
@@ -495,8 +495,9 @@ def run_bench(
         workloads = []
         for w in config.workloads:
             progress(f"workload {w.name}")
-            pairs = max(config.runs, config.pair_runs)
-            workloads.append(measure_workload(store, w, roles, config.runs, probes, pairs))
+            workloads.append(
+                measure_workload(store, w, roles, config.runs, probes, config.pair_runs)
+            )
         progress("scaling")
         scale = scaling(store, config, roles, probes)
         probes.close()

@@ -171,7 +171,7 @@ def workload_table(results: dict[str, Any]) -> Table:
 
 
 def _core_ms(w: dict[str, Any]) -> str:
-    pull = w["limit"].get("pull_core_ms", {}).get("adopt")
+    pull = w["limit"]["pull_core_ms"]["adopt"]
     return f"{w['producer']['core_ms']}|{w['adopt']['core_ms']}|{pull}"
 
 
@@ -268,12 +268,12 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         out["adopt_over_limit"] = round(w["adopt_ms"] / limit["adopt"], 2)
         out["bare_ray_over_limit"] = round(w["bare_ray_ms"] / limit["producer"], 2)
         out["producer_beyond_bare_ray_ms"] = w["producer_beyond_bare_ray_ms"]
-        out["producer_minus_bare_ray_medians_ms"] = w.get("producer_minus_bare_ray_medians_ms")
+        out["producer_minus_bare_ray_medians_ms"] = w["producer_minus_bare_ray_medians_ms"]
         out["headline_cpu"] = {
-            "cores": results.get("host_cores"),
+            "cores": results["host_cores"],
             "producer_core_ms": w["producer"]["core_ms"],
             "adopt_core_ms": w["adopt"]["core_ms"],
-            "limit_pull_core_ms": w["limit"].get("pull_core_ms", {}).get("adopt"),
+            "limit_pull_core_ms": w["limit"]["pull_core_ms"]["adopt"],
             "validate_ms": w["limit"]["validate_ms"],
         }
         out["headline_workload"] = w["name"]

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from routeplay.core.handle import EngineKey, Handle, InlineSource
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import HandleError, MisuseError, RoutesLost
+from routeplay.errors import HandleError, MisuseError, RoutesLost, StoreTimeout
 from routeplay.store.backend import Backend
 from routeplay.store.flow import Wait
 from routeplay.store.key_check import check_key_payload
@@ -141,20 +141,20 @@ class Reader:
         keys, refs = self._block_refs(plan)
         copies = _CopiesByBlock(plan.copies)
         blocks: dict[tuple[str, int], Any] = {}
-        reader = holder or "an unnamed reader"
-        what = f"blocks of payload(s) {_payloads(keys)} (run {self._run}), read by {reader}"
         try:
-            for now, values in self._backend.fetch_as_created(refs, what):
+            for now, values in self._backend.fetch_as_created(refs, "blocks"):
                 blocks = {keys[i]: value for i, value in zip(now, values, strict=True)}
                 values.clear()
                 _copy_blocks(copies.of(blocks, whole=len(blocks) == len(keys)), blocks, outs)
                 blocks.clear()
-        except RoutesLost as exc:
-            lost = self._backend.lost_index(refs, exc)
-            payload = keys[lost][0] if lost is not None else _candidates(keys)
-            raise RoutesLost(
+        except (RoutesLost, StoreTimeout) as exc:
+            # Named only on an error: a read's payload list is not built on every read.
+            lost = self._backend.lost_index(refs, exc) if isinstance(exc, RoutesLost) else None
+            payload = f"payload {keys[lost][0]}" if lost is not None else _candidates(keys)
+            raise type(exc)(
                 exc.summary,
-                where=f"payload {payload} (run {self._run}), read by {reader}",
+                where=f"{payload} (run {self._run}), read by {holder or 'an unnamed reader'}",
+                expected=exc.expected,
                 found=exc.found,
                 hint=exc.hint,
             ) from exc
@@ -294,14 +294,9 @@ def _flush_run(
 
 def _candidates(keys: Sequence[tuple[str, int]]) -> str:
     """The payloads a failed batch fetch was about, when Ray does not say which one."""
-    count = len({pid for pid, _ in keys})
-    return f"one of {_payloads(keys)}" if count > 1 else _payloads(keys)
-
-
-def _payloads(keys: Sequence[tuple[str, int]]) -> str:
-    """The payloads of a read's blocks, the first four named."""
     pids = sorted({pid for pid, _ in keys})
-    return ", ".join(pids[:4]) + (f" (+{len(pids) - 4} more)" if len(pids) > 4 else "")
+    shown = ", ".join(pids[:4]) + (f" (+{len(pids) - 4} more)" if len(pids) > 4 else "")
+    return f"one of payloads {shown}" if len(pids) > 1 else f"payload {shown}"
 
 
 def _check_blocks(pid: str, wanted: Sequence[int], count: int) -> None:
