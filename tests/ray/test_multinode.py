@@ -54,6 +54,7 @@ KEYS = (
     "eager_ms",
     "routeplay_ms",
     "adopt_ms",
+    "adopt_at_step_ms",
     "limit_ms",
     "bytes_written",
     "bytes_pulled",
@@ -82,7 +83,7 @@ def test_every_workload_has_the_documented_figures(results: dict[str, object]) -
     assert len(workloads) == 2
     for w in workloads:
         assert all(key in w for key in KEYS)
-        for path in ("eager", "producer", "adopt"):
+        for path in ("eager", "producer", "adopt", "adopt_at_step"):
             assert w[path]["runs"] == 1
             assert w[path]["min_ms"] <= w[path]["median_ms"] <= w[path]["max_ms"]
             assert set(w["bytes_written"]) == {"eager", "producer", "adopt"}
@@ -101,6 +102,7 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
         for path, ms in limit["by_path"].items():
             assert ms == pytest.approx(limit["copy_ms"] + limit["pull_ms"][path], abs=0.02)
             assert 0 < ms <= w[path]["median_ms"]
+        assert limit["by_path"]["adopt"] <= w["adopt_at_step"]["median_ms"]
         assert w["below_limit"] == []
         assert w["bare_ray_ms"] >= limit["by_path"]["producer"] > 0  # Ray's floor, not below
         assert limit["validate_ms"] > 0
@@ -124,9 +126,14 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
 def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:
     plain, grpo = results["workloads"]  # type: ignore[misc]
     payload = plain["payload_bytes"]
-    for path in ("producer", "adopt"):
-        assert payload <= plain["bytes_written"][path] <= payload * METADATA
-        assert payload <= plain["bytes_pulled"][path] <= payload * METADATA
+    for path in ("producer", "adopt", "adopt_at_step"):
+        assert payload <= plain[path]["bytes_written"] <= payload * METADATA
+        assert payload <= plain[path]["bytes_pulled"] <= payload * METADATA
+    # The adopted-key path: every payload validated as the engine put it (its write
+    # counted all the same, above), none when the engine store has no spec.
+    assert plain["adopt"]["validated_at_ingest"] == plain["samples"]
+    assert plain["adopt_at_step"]["validated_at_ingest"] == 0
+    assert grpo["adopt"]["validated_at_ingest"] == 0  # a group is laid out at adoption
     assert plain["bytes_written"]["eager"] >= 2 * payload  # relayed through the rollout node
     sp = plain["sp"]
     assert plain["peak_rank_bytes"]["producer"] <= plain["peak_rank_bytes"]["eager"] / sp

@@ -297,6 +297,40 @@ def test_keys_does_not_list_keys_past_their_ttl() -> None:
     assert store.keys() == []
 
 
+# -- validation at ingest (the result kept next to its key) -----------------------------
+@pytest.mark.parametrize("fate", ["get", "free", "expire", "clear"])
+def test_an_ingest_result_goes_with_its_key(fate: str) -> None:
+    store, objects, clock = _store()
+    key = store.put("raw")
+    canonical = objects.put("canonical")  # what the validator wrote, held by the entry
+    assert store.prepare(key, [canonical], nbytes=9) is True
+    assert store.prepared(key) == [canonical]
+    del canonical
+    assert set(objects.objects.values()) == {"raw", "canonical"}
+    if fate == "get":
+        assert store.get(key) == "raw"  # LMDeploy's get still answers the raw payload
+    elif fate == "free":
+        store.free(key)
+    elif fate == "expire":
+        clock.now = 2 * TTL
+        store.expire()
+    else:
+        store.clear()
+    assert objects.objects == {}  # both went: nothing prepared outlives its key
+    assert store.prepared(key) is None
+    stats = store.stats()
+    assert (stats.prepared, stats.prepared_bytes) == (1, 9)
+
+
+def test_a_key_gone_before_its_ingest_result_drops_the_result() -> None:
+    store, _, _ = _store()
+    key = store.put("raw")
+    store.free(key)
+    assert store.prepare(key, ["late"], nbytes=9) is False
+    assert store.stats().prepared == 0
+    assert store.prepared("f" * 56) is None
+
+
 # -- random sequences against a model ----------------------------------------------------
 class EngineStoreMachine(RuleBasedStateMachine):
     """Random put/get/get_ref/peek/free/clear/tick sequences against a plain model."""

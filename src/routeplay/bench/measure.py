@@ -34,6 +34,7 @@ from routeplay.core import Handle, canonicalize, preset
 from routeplay.errors import MisuseError
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.accounting import node_store_stats
+from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
@@ -123,16 +124,29 @@ class Bench:
             BenchRank.options(**on("trainer")).remote(store, spec, r, workload.sp)
             for r in range(workload.sp)
         ]
+        self.engine_store = ray.get_actor(LMDEPLOY_NAME, namespace=LMDEPLOY_NAMESPACE)
 
-    def run(self, path: str, seed: int, *, check: bool = False) -> dict[str, Any]:
-        """One step through ``path``: engine done -> every rank holds its rows."""
+    def run(
+        self, path: str, seed: int, *, check: bool = False, ingest: bool = True
+    ) -> dict[str, Any]:
+        """One step through ``path``: engine done -> every rank holds its rows. The
+        adopted-key path has the engine store validate each payload as the engine puts
+        it (``routeplay.store.ingest``), unless ``ingest`` is False: then each payload
+        is validated when adopted, on the step."""
         plan = self.w.sample_plan(seed)
         rows = [p[0] for p in plan]
+        # A GRPO group's layout is made at adoption from its members' raw rows.
+        at_ingest = path == "adopt" and ingest and not self.w.prompt_tokens
+        self._validate_at_ingest(at_ingest)
+        prepared = self._prepared()
+        before_engine = self._created()
         if path == "producer":
             ray.get(self.rollout.decode.remote(plan), timeout=_DEADLINE_S)
         else:
             keys = ray.get(self.engine.keys.remote(plan), timeout=_DEADLINE_S)
-        before = self._created()
+        # Validated at ingest, the path writes while the engine puts: its bytes count
+        # from there (less the engine's own payloads), its time from the engine's end.
+        before = before_engine if at_ingest else self._created()
         cpu_start = busy_core_ms()
         start = time.perf_counter()
         if path == "eager":
@@ -157,17 +171,30 @@ class Bench:
         elapsed = time.perf_counter() - start
         core_ms = busy_core_ms() - cpu_start
         created = {role: n - before[role] for role, n in self._created().items()}
+        if at_ingest:
+            created["engine"] -= self.w.samples * self.w.raw_bytes
+        self._validate_at_ingest(False)
+        prepared = self._prepared() - prepared
         ray.get(self.rollout.drop.remote(), timeout=_DEADLINE_S)
         ray.get([rank.flush.remote() for rank in self.ranks], timeout=_DEADLINE_S)
         return {
             "ms": elapsed * 1e3,
             "core_ms": core_ms,
             "bytes_written": sum(n for role, n in created.items() if role != "trainer"),
+            "validated_at_ingest": prepared,
             "bytes_pulled": created["trainer"],
             "created_by_node": created,
             "peak_rank_bytes": max(peak for peak, _ in out),
             "digests": [digest for _, digest in out],
         }
+
+    def _validate_at_ingest(self, on: bool) -> None:
+        spec = self.w.spec if on else None
+        ray.get(self.engine_store.validate_as.remote(spec), timeout=_DEADLINE_S)
+
+    def _prepared(self) -> int:
+        """Payloads the engine store has validated at ingest so far."""
+        return int(ray.get(self.engine_store.stats.remote(), timeout=_DEADLINE_S).prepared)
 
     def _created(self) -> dict[str, int]:
         return {self.roles[n]: s.created_bytes for n, s in node_store_stats().items()}
@@ -184,6 +211,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "core_ms": round(statistics.median(r["core_ms"] for r in runs)),
         "bytes_written": int(statistics.median(r["bytes_written"] for r in runs)),
         "bytes_pulled": int(statistics.median(r["bytes_pulled"] for r in runs)),
+        "validated_at_ingest": max(r["validated_at_ingest"] for r in runs),
         "created_by_node": last["created_by_node"],
         "peak_rank_bytes": max(r["peak_rank_bytes"] for r in runs),
     }
@@ -205,11 +233,14 @@ def measure_workload(
     producer path runs ``max(runs, pairs)`` times, each next to a bare-Ray run."""
     bench = Bench(store, w, roles)
     digests = {path: bench.run(path, seed=1, check=True)["digests"] for path in PATHS}
+    digests["adopt_at_step"] = bench.run("adopt", seed=1, check=True, ingest=False)["digests"]
     if len({tuple(d) for d in digests.values()}) != 1:
         raise RuntimeError(f"{w.name}: the paths delivered different rows: {digests}")
     per_path = {}
     for path in ("eager", "adopt"):
         per_path[path] = summarize([bench.run(path, seed=2 + i) for i in range(runs)])
+    at_step = [bench.run("adopt", seed=2 + i, ingest=False) for i in range(runs)]
+    per_path["adopt_at_step"] = summarize(at_step)
     producer, bare = _paired_with_bare_ray(bench, probes, max(runs, pairs))
     per_path["producer"] = summarize(producer)
     limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
@@ -225,6 +256,7 @@ def measure_workload(
         "eager_ms": per_path["eager"]["median_ms"],
         "routeplay_ms": per_path["producer"]["median_ms"],
         "adopt_ms": per_path["adopt"]["median_ms"],
+        "adopt_at_step_ms": per_path["adopt_at_step"]["median_ms"],
         "limit_ms": limit["limit_ms"],
         "limit": limit,
         "bare_ray_ms": round(statistics.median(bare), 1),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from routeplay.core import RouteSpec, preset
 
 __all__ = ["BenchConfig", "SessionShape", "Workload"]
@@ -62,6 +64,12 @@ class Workload:
     def payload_bytes(self) -> int:
         """Canonical bytes of the step, every sample counted whole."""
         return self.samples * self.spec.nbytes(self.rows)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of one sample as the engine stores it (uint16, every decoder layer)."""
+        spec = self.spec
+        return self.rows * spec.decoder_layers * spec.top_k * np.dtype(np.uint16).itemsize
 
     @property
     def unique_bytes(self) -> int:

@@ -2,7 +2,9 @@
 thread expires TTLs in the background) and forwards; the only steps of their own are
 the Ray-side hops of the two adopt paths, done outside the lock: calling a producer for
 its staged blocks, and handing an engine key's payload to the ``KeyValidator`` on the
-engine store's node (so the shard owns the validated, compact block it returns)."""
+engine store's node (so the shard owns the validated, compact block it returns), unless
+the engine store validated it as it was put (``routeplay.store.ingest``: the shard then
+borrows the engine store's block)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
+from routeplay.store.ingest import Prepared, Validated, fits, hand_over
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
@@ -169,31 +172,51 @@ class StoreShardShell(_Reaped):
         for (name, namespace), indices in by_engine.items():
             engine = self._engine(name, namespace)
             picked = [keys[i] for i in indices]
+            grouped = shared_prefix > 0 or pack
             taken, node = ray_calls.get(
-                engine.take_checked_many.remote(picked, spec, self._shard.run),
+                # Alone, a key validated at ingest comes ready-made (a group's layout
+                # needs every member's raw rows).
+                engine.take_checked_many.remote(
+                    picked, spec, self._shard.run, None if grouped else [begin[i] for i in indices]
+                ),
                 timeout_s=self._timeout_s,
                 what=f"{namespace}/{name}: take {len(picked)} keys",
             )
             validator = self._validator(node)
             good = [
-                (index, key, wrapped[0])
+                (index, key, wrapped)
                 for index, key, wrapped in zip(indices, picked, taken, strict=True)
                 if not isinstance(wrapped, BaseException)
             ]
             for index, wrapped in zip(indices, taken, strict=True):
                 if isinstance(wrapped, BaseException):
                     out[index] = wrapped  # refused by its metadata, freed by its store
-            if good and (shared_prefix > 0 or pack):
-                group = self._adopt_group(validator, good, begin, spec, shared_prefix, pack)
+            if good and grouped:
+                raw = [(index, key, wrapped[0]) for index, key, wrapped in good]
+                group = self._adopt_group(validator, raw, begin, spec, shared_prefix, pack)
                 for (index, _, _), stored in zip(good, group, strict=True):
                     out[index] = stored
                 continue
-            for index, key, ref in good:
-                start = begin[index]
-                block = validator.canonical.remote(ref, key, spec, start)
-                rows = key.rows - start
-                out[index] = self._adopt_block(block, rows, spec.nbytes(rows))
+            for index, key, wrapped in good:
+                out[index] = self._adopt_one(validator, key, wrapped, begin[index], spec)
         return out
+
+    def _adopt_one(
+        self, validator: Any, key: EngineKey, taken: Any, start: int, spec: RouteSpec
+    ) -> Any:
+        """One key's rows ``[start, rows)``: its block validated at ingest (rows after a
+        history copied out of it, nothing validated again), else its raw payload
+        validated and narrowed by the engine node's validator."""
+        rows = key.rows - start
+        if not isinstance(taken, Validated):
+            block = validator.canonical.remote(taken[0], key, spec, start)
+            return self._adopt_block(block, rows, spec.nbytes(rows))
+        [canonical] = taken.canonical
+        if start:  # a resume or a later turn: only the new rows are stored
+            block = validator.rows_of.remote(canonical, start, key.rows)
+            return self._adopt_block(block, rows, spec.nbytes(rows))
+        stored = self._adopt_block(canonical, taken.rows, spec.nbytes(taken.rows))
+        return stored if taken.rows == key.rows else ((stored, 0, key.rows),)
 
     def _adopt_group(
         self,
@@ -328,6 +351,8 @@ class EngineStoreShell(_Reaped):
         )
         self._timeout_s = timeout_s
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._ingest_spec: RouteSpec | None = None  # see validate_as
+        self._validator: Any = None  # this node's, started on the first ingest
         self._users: set[str] = set()  # runs using this shared actor (see leave_engine_store)
         self._start_reaper(self._store.expire, ttl_s)
 
@@ -347,17 +372,48 @@ class EngineStoreShell(_Reaped):
         self._users.discard(user)
         return len(self._users)
 
+    def validate_as(self, spec: RouteSpec | None) -> None:
+        """Validate and narrow each payload put from now on against ``spec`` as it
+        arrives (``routeplay.store.ingest``); None stops it. One spec per store: the
+        engine's model (a later call replaces it)."""
+        self._ingest_spec = spec
+
     def take_checked_many(
-        self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
+        self,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        run: str | None = None,
+        starts: list[int] | None = None,
     ) -> tuple[list[Any], str]:
         """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
-        returned in its place (a key of another run is refused and left alone). Also
-        returns this actor's node, where the bytes live."""
-        taken = self._locked(lambda: take_checked_many(self._store, keys, spec, run))
-        return taken, self._node_id
+        returned in its place (a key of another run is refused and left alone). With
+        ``starts`` (each key's first row to adopt), a key validated at ingest under
+        ``spec`` comes as ``Validated`` (its canonical block, ``ingest.hand_over``), the
+        others as their raw reference. Also returns this actor's node, where the bytes
+        live."""
+
+        def take() -> tuple[list[Any], list[object]]:
+            ready = [self._store.prepared(key.key) if starts else None for key in keys]
+            return take_checked_many(self._store, keys, spec, run), ready
+
+        taken, ready = self._locked(take)
+        if not starts:
+            return taken, self._node_id
+        out = hand_over(  # unlocked: it may wait for validations still running
+            taken,
+            ready,
+            keys,
+            starts,
+            spec,
+            existing=ray_calls.existing,
+            succeeded=lambda status: ray_calls.succeeded(status, self._timeout_s),
+        )
+        return out, self._node_id
 
     def put(self, data: Any, run: str = "") -> str:
-        return self._locked(lambda: self._store.put(data, run))
+        key = self._locked(lambda: self._store.put(data, run))
+        self._ingest(key)
+        return key
 
     def put_from(
         self, producer: Any, token: str, shape: tuple[int, ...] | None = None, dtype: str = ""
@@ -365,7 +421,31 @@ class EngineStoreShell(_Reaped):
         """One-write put: call the producer for its staged payload, so this actor owns it."""
         [ref] = take_and_wait(producer, token, 1, self._timeout_s)  # outside the lock
         meta = PayloadMeta(shape=tuple(shape), dtype=dtype) if shape is not None else None
-        return self._locked(lambda: self._store.adopt(ref, meta))
+        key = self._locked(lambda: self._store.adopt(ref, meta))
+        self._ingest(key)
+        return key
+
+    def _ingest(self, key: str) -> None:
+        """Start validating a new key's payload when a spec is set and its metadata fits
+        (before the key is returned: whoever adopts it finds the validation under way)."""
+        spec = self._ingest_spec
+        if spec is None:
+            return
+        ref, meta = self._locked(lambda: (self._store.peek_ref(key), self._store.meta(key)))
+        if meta is None or not fits(meta, spec):
+            return
+        rows = meta.shape[0]
+        whole = EngineKey(key=key, rows=rows)  # every row: the adopter picks its own
+        status, canonical = self._ingest_validator().ingest.remote(ref, whole, spec)
+        prepared = Prepared(spec=spec, rows=rows, status=status, canonical=[canonical])
+        self._locked(lambda: self._store.prepare(key, prepared, spec.nbytes(rows)))
+
+    def _ingest_validator(self) -> Any:
+        with self._lock:
+            if self._validator is None:
+                place = NodeAffinitySchedulingStrategy(node_id=self._node_id, soft=False)
+                self._validator = KeyValidator.options(scheduling_strategy=place).remote()
+            return self._validator
 
     def meta(self, key: str) -> PayloadMeta | None:
         return self._locked(lambda: self._store.meta(key))
@@ -411,6 +491,9 @@ class KeyValidatorShell:
     The readers' side of the overlap: a read fetches each block as soon as it exists
     (``routeplay.store.ray_calls.get_as_created``), not in one ``ray.get`` of all of
     them, which Ray would pull only once the last one exists.
+
+    An engine store that knows the spec calls ``ingest`` as each payload is put (same
+    lane), so adopting the key later takes the block as it is (``routeplay.store.ingest``).
     """
 
     def __init__(self) -> None:
@@ -446,6 +529,22 @@ class KeyValidatorShell:
     def take(self, token: str) -> Any:
         """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
         return self._outbox.take(token)
+
+    @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2)
+    def ingest(
+        self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
+    ) -> tuple[None, npt.NDArray[np.unsignedinteger]]:
+        """A payload validated as it is put (``routeplay.store.ingest``): None (the
+        status) and its canonical rows; a refusal is raised, so both results hold it
+        (a reader of the block gets it, as from ``canonical``)."""
+        return None, canonical_rows(payload, key, spec, threads=self._threads)
+
+    def rows_of(
+        self, canonical: npt.NDArray[np.unsignedinteger], start: int, stop: int
+    ) -> npt.NDArray[np.unsignedinteger]:
+        """Rows ``[start, stop)`` of a block validated at ingest (a resume's new rows):
+        Ray writes only these rows as the result; nothing is validated again."""
+        return canonical[start:stop]
 
     @ray.method(concurrency_group=VALIDATE_GROUP)
     def canonical(

@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from routeplay.core.spec import RouteSpec
 from routeplay.errors import (
     ForeignEngineStore,
     RouteplayNotImportable,
@@ -75,22 +76,26 @@ def start_engine_store(
     runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 60.0,
     user: str = "",
+    spec: RouteSpec | None = None,
 ) -> Any:
     """Start (or join) the detached engine store actor, as LMDeploy would create its own.
 
     ``resources`` pins it (e.g. to the engine's node, so payloads are written there);
     ``runtime_env`` is the actor's Ray runtime environment. Waits up to ``timeout_s`` for
     the actor to answer. ``user`` (a run id) is counted among the shared actor's users,
-    so that ``leave_engine_store`` ends it only when its last user leaves. Raises
+    so that ``leave_engine_store`` ends it only when its last user leaves. ``spec`` (the
+    engine's model) has each payload put from then on validated and narrowed as it
+    arrives, on the store's node, off the trainer's step (``routeplay.store.ingest``);
+    adopting a key with the same spec then only moves bytes. Raises
     ``ForeignEngineStore`` if another kind of actor holds ``namespace/name``,
     ``RouteplayNotImportable`` if the actor's worker cannot import routeplay,
     ``StoreTimeout`` if the actor does not come up in time.
 
     Example:
-        >>> store = start_engine_store(ttl_s=600)  # before the LMDeploy server starts
+        >>> store = start_engine_store(ttl_s=600, spec=spec)  # before the LMDeploy server
         >>> key = ray.get(store.put.remote(routing))  # what LMDeploy's engine then does
     """
-    flow = _start(name, namespace, ttl_s, resources, runtime_env, timeout_s, user)
+    flow = _start(name, namespace, ttl_s, resources, runtime_env, timeout_s, user, spec)
     return drive(flow, ray_calls.RAY)
 
 
@@ -103,13 +108,14 @@ async def astart_engine_store(
     runtime_env: dict[str, Any] | None = None,
     timeout_s: float = 60.0,
     user: str = "",
+    spec: RouteSpec | None = None,
 ) -> Any:
     """Awaitable ``start_engine_store`` (same arguments, same refusals).
 
     Example:
         >>> store = await astart_engine_store(namespace=SGLANG_NAMESPACE)  # doctest: +SKIP
     """
-    flow = _start(name, namespace, ttl_s, resources, runtime_env, timeout_s, user)
+    flow = _start(name, namespace, ttl_s, resources, runtime_env, timeout_s, user, spec)
     return await adrive(flow, ray_calls.RAY)
 
 
@@ -121,6 +127,7 @@ def _start(
     runtime_env: dict[str, Any] | None,
     timeout_s: float,
     user: str,
+    spec: RouteSpec | None,
 ) -> Flow[Any]:
     where = f"Ray actor {namespace}/{name}"
     actor = EngineStoreActor.options(
@@ -137,6 +144,9 @@ def _start(
     if user:
         attach = [actor.attach.remote(user)]
         yield from awaiting(attach, f"{where}: attach", timeout_s=timeout_s)
+    if spec is not None:
+        ingest = [actor.validate_as.remote(spec)]
+        yield from awaiting(ingest, f"{where}: validate at ingest", timeout_s=timeout_s)
     return actor
 
 

@@ -8,6 +8,13 @@ keeps LMDeploy's contract (``put``/``get``/``clear``) and adds ``peek``, ``get_r
 (hand out the reference: the caller reads from the object store directly), ``free``, a
 TTL for unconsumed keys, and ``stats``.
 
+Validated at ingest: a store that knows the model's routing spec has each payload
+validated and narrowed as it is put (the actor shell starts that work; this class keeps
+its result next to the key, ``prepare``). An adopting store with the same spec then
+takes the canonical rows ready-made (``prepared``) instead of validating the raw payload
+on the trainer's step; the result goes with the key when it is consumed, freed or
+expired, like the raw payload.
+
 Plain Python with the object-store operations passed in; the actor shell is in
 ``routeplay.store.actors``. A key is consumed once: a second ``get``/``get_ref`` raises
 ``AlreadyConsumed`` (a ``KeyError`` too, as LMDeploy clients expect).
@@ -52,6 +59,10 @@ class EngineStoreStats:
     """Keys dropped by ``free`` or ``clear``."""
     expired: int
     """Keys dropped because nobody consumed them within the TTL."""
+    prepared: int = 0
+    """Payloads validated and narrowed at ingest (``prepare``)."""
+    prepared_bytes: int = 0
+    """Canonical bytes those validations wrote (once per payload, before any adopt)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +89,7 @@ class _Entry(Generic[Ref]):
     created: float
     meta: PayloadMeta | None
     run: str = ""  # "" until a run claims the key
+    prepared: object = None  # the payload's ingest validation (opaque here), if any
 
 
 class EngineStore(Generic[Ref]):
@@ -101,6 +113,7 @@ class EngineStore(Generic[Ref]):
         self._by_age: list[tuple[float, str]] = []
         self._forgotten: OrderedDict[str, str] = OrderedDict()  # key -> why it is gone
         self._counts = {"puts": 0, "consumed": 0, "freed": 0, "expired": 0}
+        self._prepared = {"prepared": 0, "prepared_bytes": 0}
 
     # -- LMDeploy's contract ---------------------------------------------------------
     def put(self, data: Any, run: str = "") -> str:
@@ -161,6 +174,23 @@ class EngineStore(Generic[Ref]):
                 raise
         return self.get_ref(key, run)
 
+    def prepare(self, key: str, prepared: object, nbytes: int) -> bool:
+        """Keep the ingest validation of a live key's payload (``nbytes``: the canonical
+        bytes it writes); False when the key is already gone (its result is dropped)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        entry.prepared = prepared
+        self._prepared["prepared"] += 1
+        self._prepared["prepared_bytes"] += nbytes
+        return True
+
+    def prepared(self, key: str) -> object:
+        """The ingest validation kept for a key (None when it has none or is gone); the
+        caller takes the key itself with ``take_checked``, which checks its run."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.prepared
+
     def free(self, key: str, run: str | None = None) -> bool:
         """Drop a key nobody will consume (idempotent); True if it was live. A key of
         another run is refused (``RunMismatch``), never freed."""
@@ -192,7 +222,7 @@ class EngineStore(Generic[Ref]):
     def stats(self) -> EngineStoreStats:
         """Counts of live, put, consumed, freed and expired keys."""
         self.expire()
-        return EngineStoreStats(live_keys=len(self._entries), **self._counts)
+        return EngineStoreStats(live_keys=len(self._entries), **self._counts, **self._prepared)
 
     def keys(self, run: str = "") -> list[str]:
         """Live keys of ``run``, oldest first ("": keys no run has claimed yet)."""

@@ -99,6 +99,21 @@ def _existing(refs: list[Any]) -> list[Any]:
     return list(created)
 
 
+def existing(refs: list[Any]) -> set[Any]:
+    """``_existing`` as a set (for membership tests); empty for no references."""
+    return set(_existing(refs)) if refs else set()
+
+
+def succeeded(ref: Any, timeout_s: float) -> bool:
+    """Whether the task behind ``ref`` returned (waits up to ``timeout_s``); False when it
+    raised, its worker or owner died, or it did not finish in time."""
+    try:
+        ray.get(ref, timeout=timeout_s)
+    except (rex.RayError, TimeoutError):
+        return False
+    return True
+
+
 async def aget(refs: Sequence[Any], *, timeout_s: float, what: str) -> list[Any]:
     """The values of ``refs`` (Ray references or ``concurrent.futures`` futures), awaited
     with a deadline, errors translated as ``get``'s. A cancellation is not an error: it

@@ -1,0 +1,218 @@
+"""An engine store that knows the spec validates payloads as they are put: adopting a
+key then takes canonical rows that already exist (``routeplay.store.ingest``). Each
+test checks what a reader gets against the raw payload, and that the store returns to
+its baseline: the raw payload, the ingest result and the adopted block all go."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from store_probe import kill_and_wait, used_bytes, wait_until
+
+from routeplay.bench.transfer_paths import make_routing
+from routeplay.core import EngineKey, preset
+from routeplay.errors import DuplicateExperts, LifetimeError
+from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
+from routeplay.store.ingest import Prepared, Validated, hand_over
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+SPEC = preset("glm-4.5-air")  # 46 decoder layers, the first dense: LMDeploy sends all 46
+ROWS = 300
+NAME = "ingest_store"
+
+
+@pytest.fixture(scope="module")
+def engine_store() -> Any:
+    return start_engine_store(name=NAME, ttl_s=60, spec=SPEC)
+
+
+@pytest.fixture(scope="module")
+def store() -> RouteStore:
+    return StoreConfig(run="run-ingest", timeout_s=20).build()
+
+
+def _put(engine_store: Any, raw: np.ndarray) -> str:
+    return str(ray.get(engine_store.put.remote(raw), timeout=20))
+
+
+def _canonical(raw: np.ndarray) -> np.ndarray:
+    return raw[:, list(SPEC.moe_layer_indices()), :].astype(SPEC.dtype)
+
+
+def _read(store: RouteStore, key: EngineKey, start_row: int = 0) -> np.ndarray:
+    handle = store.adopt_key(key, SPEC, start_row=start_row)
+    with store.acquire(handle, "train/ingest"):
+        return np.array(store.read(handle))
+
+
+def _read_or_error(store: RouteStore, handle: Any) -> np.ndarray | LifetimeError:
+    try:
+        return np.array(store.read(handle))
+    except LifetimeError as exc:
+        return exc
+
+
+def _settled(baseline: int) -> bool:
+    return wait_until(lambda: used_bytes() <= baseline, timeout_s=30)
+
+
+def test_a_payload_is_validated_once_at_ingest_and_adopted_ready_made(
+    engine_store: Any, store: RouteStore
+) -> None:
+    baseline = used_bytes()
+    before = ray.get(engine_store.stats.remote(), timeout=20)
+    raw = make_routing(SPEC, ROWS, all_layers=True, seed=1)
+    key = _put(engine_store, raw)
+    np.testing.assert_array_equal(
+        _read(store, EngineKey(key=key, rows=ROWS, actor=NAME)), _canonical(raw)
+    )
+    after = ray.get(engine_store.stats.remote(), timeout=20)
+    assert after.prepared - before.prepared == 1
+    assert after.prepared_bytes - before.prepared_bytes == SPEC.nbytes(ROWS)
+    store.flush()
+    assert _settled(baseline)
+
+
+def test_a_trailing_row_and_a_history_are_left_out_of_what_is_read(
+    engine_store: Any, store: RouteStore
+) -> None:
+    baseline = used_bytes()
+    raw = make_routing(SPEC, ROWS + 1, all_layers=True, seed=2)  # LMDeploy's trailing row
+    trailing = EngineKey(key=_put(engine_store, raw), rows=ROWS, actor=NAME, trailing_rows=1)
+    np.testing.assert_array_equal(_read(store, trailing), _canonical(raw)[:ROWS])
+    resumed = EngineKey(key=_put(engine_store, raw), rows=ROWS, actor=NAME, trailing_rows=1)
+    new_rows = _read(store, resumed, start_row=120)  # a resume: only rows past the history
+    np.testing.assert_array_equal(new_rows, _canonical(raw)[120:ROWS])
+    store.flush()
+    assert _settled(baseline)
+
+
+def test_a_payload_refused_at_ingest_fails_as_it_would_without_it(
+    engine_store: Any, store: RouteStore
+) -> None:
+    baseline = used_bytes()
+    bad = make_routing(SPEC, ROWS, all_layers=True, seed=3)
+    bad[7, 3] = 0  # a zero-padded row in MoE layer 2 (decoder layer 3)
+    handle = store.adopt_key(EngineKey(key=_put(engine_store, bad), rows=ROWS, actor=NAME), SPEC)
+    with (
+        store.acquire(handle, "train/bad"),
+        pytest.raises(DuplicateExperts, match="row 7, layer 2"),
+    ):
+        store.read(handle)
+    store.flush()
+    assert _settled(baseline)
+
+
+def test_another_spec_validates_the_raw_payload_as_before(store: RouteStore) -> None:
+    other = preset("qwen3-30b-a3b")
+    engine_store = start_engine_store(name="ingest_other", ttl_s=60, spec=SPEC)
+    try:
+        raw = make_routing(other, ROWS, all_layers=True, seed=4)
+        key = EngineKey(key=_put(engine_store, raw), rows=ROWS, actor="ingest_other")
+        handle = store.adopt_key(key, other)  # the store's spec does not fit: not at ingest
+        with store.acquire(handle, "train/other"):
+            rows = store.read(handle)
+        np.testing.assert_array_equal(rows, raw.astype(other.dtype))
+        assert ray.get(engine_store.stats.remote(), timeout=20).prepared == 0
+    finally:
+        ray.kill(engine_store)
+
+
+def test_unadopted_keys_free_their_ingest_result(engine_store: Any) -> None:
+    baseline = used_bytes()
+    keys = [_put(engine_store, make_routing(SPEC, ROWS, all_layers=True, seed=s)) for s in (5, 6)]
+    assert ray.get(engine_store.free.remote(keys[0]), timeout=20)
+    assert (
+        ray.get(engine_store.get.remote(keys[1]), timeout=20).dtype == np.uint16
+    )  # LMDeploy's get
+    assert _settled(baseline)
+
+
+def test_a_killed_engine_store_leaves_exact_rows_or_a_lifetime_error_and_no_bytes() -> None:
+    """The engine store owns blocks validated at ingest: once it is killed, a read gets
+    the exact rows (while Ray still has them) or ``RoutesLost``, never other rows or an
+    untyped error, and the orphaned bytes are freed."""
+    baseline = used_bytes()
+    dying = start_engine_store(name="ingest_dying", ttl_s=60, spec=SPEC)
+    reader = StoreConfig(run="run-ingest-dying", timeout_s=20).build()
+    try:
+        raw = make_routing(SPEC, ROWS, all_layers=True, seed=7)
+        key = EngineKey(key=_put(dying, raw), rows=ROWS, actor="ingest_dying")
+        handle = reader.adopt_key(key, SPEC)
+        kill_and_wait(dying)
+        with reader.acquire(handle, "train/dying"):
+            outcome = _read_or_error(reader, handle)
+        if isinstance(outcome, LifetimeError):
+            assert "lost" in str(outcome).lower()
+        else:
+            np.testing.assert_array_equal(outcome, _canonical(raw))
+    finally:
+        reader.shutdown()
+    # Ray may keep a byte of the killed actor's own state in the object store (seen: 1
+    # byte, 1 time in 4); a payload here is 220 kB raw, its canonical block 108 kB.
+    assert _settled(baseline + 1024)
+
+
+CALLS: dict[str, Any] = {
+    "existing": ray_calls.existing,
+    "succeeded": lambda status: ray_calls.succeeded(status, 20.0),
+}  # what the engine store passes
+
+
+@ray.remote(num_returns=2)
+def _slow_ingest(refuse: bool, rows: int) -> tuple[None, np.ndarray]:
+    """An ingest validation that takes a while (status, block), as ``KeyValidator.ingest``."""
+    time.sleep(1.5)
+    if refuse:
+        raise DuplicateExperts("duplicate expert ids", where="engine key k, row 7, layer 2")
+    return None, np.zeros((rows, *SPEC.row_shape), SPEC.dtype)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_validation_still_running_is_handed_over_when_it_covers_the_keys_rows(
+    refuse: bool,
+) -> None:
+    status, block = _slow_ingest.remote(refuse, ROWS)
+    ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
+    raw = [ray.put(np.zeros(1))]
+    key = EngineKey(key="ab" * 28, rows=ROWS)
+    started = time.perf_counter()
+    [out] = hand_over([raw], [ready], [key], [0], SPEC, **CALLS)
+    assert time.perf_counter() - started < 1.0  # not waited for: the reader's fetch waits
+    assert isinstance(out, Validated)
+    if refuse:
+        with pytest.raises(DuplicateExperts, match="row 7, layer 2"):
+            ray.get(out.canonical[0], timeout=20)
+    else:
+        assert ray.get(out.canonical[0], timeout=20).shape[0] == ROWS
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_validation_of_other_rows_than_the_keys_decides_by_its_outcome(refuse: bool) -> None:
+    status, block = _slow_ingest.remote(refuse, ROWS + 1)
+    ready = Prepared(spec=SPEC, rows=ROWS + 1, status=status, canonical=[block])
+    raw = [ray.put(np.zeros(1))]
+    trailing = EngineKey(key="ab" * 28, rows=ROWS, trailing_rows=1)  # a refusal may lie
+    [out] = hand_over([raw], [ready], [trailing], [0], SPEC, **CALLS)  # in the last row
+    if refuse:
+        assert out is raw  # the raw path validates the key's own rows
+    else:
+        assert isinstance(out, Validated)
+        assert out.rows == ROWS + 1
+
+
+def test_a_validation_under_another_spec_or_a_refused_key_is_not_used() -> None:
+    status, block = _slow_ingest.remote(False, ROWS)
+    ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
+    raw = [ray.put(np.zeros(1))]
+    key = EngineKey(key="ab" * 28, rows=ROWS)
+    refused = DuplicateExperts("refused by its metadata")
+    other = preset("qwen3-30b-a3b")
+    assert hand_over([raw], [ready], [key], [0], other, **CALLS) == [raw]
+    assert hand_over([refused], [ready], [key], [0], SPEC, **CALLS) == [refused]
+    assert hand_over([raw], [None], [key], [0], SPEC, **CALLS) == [raw]
