@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from store_probe import kill_and_wait, used_bytes, wait_until
+from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, preset
@@ -61,19 +61,38 @@ def _settled(baseline: int) -> bool:
     return wait_until(lambda: used_bytes() <= baseline, timeout_s=30)
 
 
+def _created() -> int:
+    return sum(node.created_bytes for node in created_bytes().values())
+
+
+@pytest.mark.parametrize("at_ingest", [True, False])
 def test_a_payload_is_validated_once_at_ingest_and_adopted_ready_made(
-    engine_store: Any, store: RouteStore
+    engine_store: Any, store: RouteStore, at_ingest: bool
 ) -> None:
+    """With the spec, the adopt + read writes nothing (the block exists); without it
+    (the control), the adopt writes the canonical block: the same rows either way."""
+    where = engine_store if at_ingest else start_engine_store(name="ingest_none", ttl_s=60)
     baseline = used_bytes()
-    before = ray.get(engine_store.stats.remote(), timeout=20)
+    before = ray.get(where.stats.remote(), timeout=20)
     raw = make_routing(SPEC, ROWS, all_layers=True, seed=1)
-    key = _put(engine_store, raw)
-    np.testing.assert_array_equal(
-        _read(store, EngineKey(key=key, rows=ROWS, actor=NAME)), _canonical(raw)
-    )
-    after = ray.get(engine_store.stats.remote(), timeout=20)
-    assert after.prepared - before.prepared == 1
-    assert after.prepared_bytes - before.prepared_bytes == SPEC.nbytes(ROWS)
+    start = _created()
+    key = EngineKey(key=_put(where, raw), rows=ROWS, actor=NAME if at_ingest else "ingest_none")
+    # LMDeploy's put writes the raw payload twice (the argument, then the store's own
+    # put); at ingest the canonical block follows, written as the validation ends.
+    put = 2 * raw.nbytes + (SPEC.nbytes(ROWS) if at_ingest else 0)
+    assert wait_until(lambda: _created() - start >= put)
+    start = _created()
+    np.testing.assert_array_equal(_read(store, key), _canonical(raw))
+    written = _created() - start
+    after = ray.get(where.stats.remote(), timeout=20)
+    if at_ingest:
+        assert written < SPEC.nbytes(ROWS) // 2, written  # read as it was written at ingest
+        assert after.prepared - before.prepared == 1
+        assert after.prepared_bytes - before.prepared_bytes == SPEC.nbytes(ROWS)
+    else:
+        assert written >= SPEC.nbytes(ROWS), written  # validated and written at adoption
+        assert after.prepared == before.prepared
+        ray.kill(where)
     store.flush()
     assert _settled(baseline)
 
@@ -204,6 +223,15 @@ def test_a_validation_of_other_rows_than_the_keys_decides_by_its_outcome(refuse:
     else:
         assert isinstance(out, Validated)
         assert out.rows == ROWS + 1
+
+
+def test_a_validation_that_does_not_end_in_time_sends_the_key_to_the_raw_path() -> None:
+    status, block = _slow_ingest.remote(False, ROWS + 1)
+    ready = Prepared(spec=SPEC, rows=ROWS + 1, status=status, canonical=[block])
+    raw = [ray.put(np.zeros(1))]
+    trailing = EngineKey(key="ab" * 28, rows=ROWS, trailing_rows=1)
+    hasty = {**CALLS, "succeeded": lambda status: ray_calls.succeeded(status, 0.1)}
+    assert hand_over([raw], [ready], [trailing], [0], SPEC, **hasty) == [raw]  # nothing lost
 
 
 def test_a_validation_under_another_spec_or_a_refused_key_is_not_used() -> None:

@@ -133,48 +133,28 @@ class Bench:
         adopted-key path has the engine store validate each payload as the engine puts
         it (``routeplay.store.ingest``), unless ``ingest`` is False: then each payload
         is validated when adopted, on the step."""
-        plan = self.w.sample_plan(seed)
-        rows = [p[0] for p in plan]
         # A GRPO group's layout is made at adoption from its members' raw rows.
         at_ingest = path == "adopt" and ingest and not self.w.prompt_tokens
-        self._validate_at_ingest(at_ingest)
-        prepared = self._prepared()
-        before_engine = self._created()
-        if path == "producer":
-            ray.get(self.rollout.decode.remote(plan), timeout=_DEADLINE_S)
-        else:
-            keys = ray.get(self.engine.keys.remote(plan), timeout=_DEADLINE_S)
-        # Validated at ingest, the path writes while the engine puts: its bytes count
-        # from there (less the engine's own payloads), its time from the engine's end.
-        before = before_engine if at_ingest else self._created()
-        cpu_start = busy_core_ms()
-        start = time.perf_counter()
-        if path == "eager":
-            wrapped = ray.get(self.rollout.eager.remote(keys), timeout=_DEADLINE_S)
-            out = ray.get(
-                [rank.read_eager.remote(wrapped, check) for rank in self.ranks], timeout=_DEADLINE_S
-            )
-        else:
+        with self._validating_at_ingest(at_ingest):
+            prepared, before_engine = self._prepared(), self._created()
+            plan = self.w.sample_plan(seed)
             if path == "producer":
-                handles = ray.get(
-                    self.rollout.produce.remote(self.w.prompt_tokens), timeout=_DEADLINE_S
-                )
+                ray.get(self.rollout.decode.remote(plan), timeout=_DEADLINE_S)
+                keys: list[str] = []
             else:
-                handles = ray.get(
-                    self.rollout.adopt.remote(keys, rows, self.w.prompt_tokens), timeout=_DEADLINE_S
-                )
-            holder = f"train/{path}/{seed}"
-            out = ray.get(
-                [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks],
-                timeout=_DEADLINE_S,
-            )
-        elapsed = time.perf_counter() - start
-        core_ms = busy_core_ms() - cpu_start
-        created = {role: n - before[role] for role, n in self._created().items()}
-        if at_ingest:
-            created["engine"] -= self.w.samples * self.w.raw_bytes
-        self._validate_at_ingest(False)
-        prepared = self._prepared() - prepared
+                keys = ray.get(self.engine.keys.remote(plan), timeout=_DEADLINE_S)
+            # Validated at ingest, the path writes while the engine puts: its bytes count
+            # from there (less the engine's own payloads), its time from the engine's end.
+            before = before_engine if at_ingest else self._created()
+            cpu_start = busy_core_ms()
+            start = time.perf_counter()
+            out = self._step(path, seed, keys, [p[0] for p in plan], check)
+            elapsed = time.perf_counter() - start
+            core_ms = busy_core_ms() - cpu_start
+            created = {role: n - before[role] for role, n in self._created().items()}
+            if at_ingest:
+                created["engine"] -= self.w.samples * self.w.raw_bytes
+            prepared = self._prepared() - prepared
         ray.get(self.rollout.drop.remote(), timeout=_DEADLINE_S)
         ray.get([rank.flush.remote() for rank in self.ranks], timeout=_DEADLINE_S)
         return {
@@ -188,9 +168,34 @@ class Bench:
             "digests": [digest for _, digest in out],
         }
 
-    def _validate_at_ingest(self, on: bool) -> None:
+    def _step(
+        self, path: str, seed: int, keys: list[str], rows: list[int], check: bool
+    ) -> list[tuple[int, str]]:
+        """The timed part: the rollout worker's hop, then every rank's read."""
+        if path == "eager":
+            wrapped = ray.get(self.rollout.eager.remote(keys), timeout=_DEADLINE_S)
+            reads = [rank.read_eager.remote(wrapped, check) for rank in self.ranks]
+            return list(ray.get(reads, timeout=_DEADLINE_S))
+        prompt = self.w.prompt_tokens
+        if path == "producer":
+            hop = self.rollout.produce.remote(prompt)
+        else:
+            hop = self.rollout.adopt.remote(keys, rows, prompt)
+        handles = ray.get(hop, timeout=_DEADLINE_S)
+        holder = f"train/{path}/{seed}"
+        reads = [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks]
+        return list(ray.get(reads, timeout=_DEADLINE_S))
+
+    @contextmanager
+    def _validating_at_ingest(self, on: bool) -> Iterator[None]:
+        """The engine store validates payloads at ingest (``on``) for this block only:
+        the other paths, and a run that failed, leave it off."""
         spec = self.w.spec if on else None
         ray.get(self.engine_store.validate_as.remote(spec), timeout=_DEADLINE_S)
+        try:
+            yield
+        finally:
+            ray.get(self.engine_store.validate_as.remote(None), timeout=_DEADLINE_S)
 
     def _prepared(self) -> int:
         """Payloads the engine store has validated at ingest so far."""
@@ -230,20 +235,30 @@ def measure_workload(
     pairs: int = 0,
 ) -> dict[str, Any]:
     """Every path of one workload, its limit, and a check that all paths agree; the
-    producer path runs ``max(runs, pairs)`` times, each next to a bare-Ray run."""
+    producer path runs ``max(runs, pairs)`` times, each next to a bare-Ray run.
+
+    Order: the routeplay paths, the limit, then the eager path. The eager path leaves
+    gigabytes for Ray and its ranks to free (its int64 copies, its relayed objects),
+    work that would otherwise run during the next path's runs (tried in rounds with the
+    others on the headline workload: Ray's own floor went from about 350 to 470 ms)."""
     bench = Bench(store, w, roles)
-    digests = {path: bench.run(path, seed=1, check=True)["digests"] for path in PATHS}
-    digests["adopt_at_step"] = bench.run("adopt", seed=1, check=True, ingest=False)["digests"]
+    digests = {
+        "producer": bench.run("producer", seed=1, check=True)["digests"],
+        "adopt": bench.run("adopt", seed=1, check=True)["digests"],
+        "adopt_at_step": bench.run("adopt", seed=1, check=True, ingest=False)["digests"],
+    }
+    timed = {
+        "adopt": [bench.run("adopt", seed=2 + i) for i in range(runs)],
+        "adopt_at_step": [bench.run("adopt", seed=2 + i, ingest=False) for i in range(runs)],
+    }
+    timed["producer"], bare = _paired_with_bare_ray(bench, probes, max(runs, pairs))
+    limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
+    digests["eager"] = bench.run("eager", seed=1, check=True)["digests"]
+    timed["eager"] = [bench.run("eager", seed=2 + i) for i in range(runs)]
     if len({tuple(d) for d in digests.values()}) != 1:
         raise RuntimeError(f"{w.name}: the paths delivered different rows: {digests}")
-    per_path = {}
-    for path in ("eager", "adopt"):
-        per_path[path] = summarize([bench.run(path, seed=2 + i) for i in range(runs)])
-    at_step = [bench.run("adopt", seed=2 + i, ingest=False) for i in range(runs)]
-    per_path["adopt_at_step"] = summarize(at_step)
-    producer, bare = _paired_with_bare_ray(bench, probes, max(runs, pairs))
-    per_path["producer"] = summarize(producer)
-    limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
+    per_path = {path: summarize(path_runs) for path, path_runs in timed.items()}
+    producer = timed["producer"]
     entry: dict[str, Any] = {
         "name": w.name,
         "model": w.model,

@@ -6,8 +6,9 @@ list has, per workload, ``name``, ``eager_ms``, ``routeplay_ms`` (producer path)
 ``adopt_ms`` (the engine store validating each payload as it is put),
 ``adopt_at_step_ms`` (each payload validated when adopted, on the step), ``limit_ms``
 (medians), ``bytes_written``, ``bytes_pulled`` and ``peak_rank_bytes`` (each a mapping
-path -> figure), and each path's full figures under its own key (``eager``,
-``producer``, ``adopt``, ``adopt_at_step``: median/min/max, runs, per-node bytes).
+eager/producer/adopt -> figure), and each path's full figures under its own key
+(``eager``, ``producer``, ``adopt``, ``adopt_at_step``: median/min/max, runs, core-ms,
+bytes, per-node bytes).
 Its ``sessions`` object holds the multi-turn bytes (``routeplay.bench.sessions``):
 ``shape`` (the session and rollout sizes) and ``wires`` -> wire -> ``session`` /
 ``partial`` -> ``unique_rows``, ``before`` / ``after`` compaction (``stored_per_unique_row``
@@ -76,7 +77,9 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "timed from the engine's last put, so the last payloads' validation still "
                 "runs in the window; adopt_at_step: the engine store without a spec, each "
                 "payload validated when adopted; a GRPO group's keys are always validated "
-                "at adoption (their layout needs every member's rows)"
+                "at adoption (their layout needs every member's rows); a workload runs the "
+                "routeplay paths, then the limit, then the eager path (whose gigabytes "
+                "Ray frees afterwards)"
             ),
             "bytes_pulled": "object-store bytes created on the trainer node (pulled there)",
             "peak_rank_bytes": "largest routing bytes one rank held at once",
@@ -84,7 +87,9 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "busy CPU core-ms of the driver's machine during a path's timed window "
                 "(median; every node's when the cluster is local, Ray's daemons included: "
                 "an upper bound of the path's own; routeplay.bench.host_cpu); the table's "
-                "a-pull is the limit's adopt-path pull, timed around the whole call"
+                "a-pull is the limit's adopt-path pull, timed around the whole call; adopt's "
+                "leaves out the validation done at ingest while the engine put its payloads "
+                "(validate_ms: one core's time for it), adopt_at_step's includes it"
             ),
             "validate_ms": (
                 "one core validating the step's engine payloads on the engine node (best "

@@ -8,9 +8,11 @@ borrows the engine store's block)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def call_producer(producer: Any, token: str, blocks: int) -> tuple[list[Any], Any]:
@@ -151,7 +154,9 @@ class StoreShardShell(_Reaped):
         pack: bool = False,
     ) -> list[Any]:
         """Consume engine keys and have their rows validated and narrowed once, on the
-        engine store's node; this shard owns the canonical blocks the validator returns.
+        engine store's node; this shard owns the canonical blocks the validator returns,
+        or borrows the engine store's where it validated the payload as it was put
+        (``routeplay.store.ingest``; the raw payload then goes at once).
         One call to each engine store for all its keys; validations run in parallel.
         ``starts``: per key, the first row to keep (a resume's or a later turn's
         history is not stored again; the rows before it go with the raw payload).
@@ -173,15 +178,18 @@ class StoreShardShell(_Reaped):
             engine = self._engine(name, namespace)
             picked = [keys[i] for i in indices]
             grouped = shared_prefix > 0 or pack
-            taken, node = ray_calls.get(
-                # Alone, a key validated at ingest comes ready-made (a group's layout
-                # needs every member's raw rows).
-                engine.take_checked_many.remote(
-                    picked, spec, self._shard.run, None if grouped else [begin[i] for i in indices]
-                ),
+            # Alone, a key validated at ingest comes with its block (a group's layout
+            # needs every member's raw rows).
+            take = engine.take_checked_many if grouped else engine.take_offered_many
+            taken, node, *offered = ray_calls.get(
+                take.remote(picked, spec, self._shard.run),
                 timeout_s=self._timeout_s,
                 what=f"{namespace}/{name}: take {len(picked)} keys",
             )
+            if offered:
+                taken = self._validated(
+                    taken, offered[0], picked, [begin[i] for i in indices], spec
+                )
             validator = self._validator(node)
             good = [
                 (index, key, wrapped)
@@ -200,6 +208,28 @@ class StoreShardShell(_Reaped):
             for index, key, wrapped in good:
                 out[index] = self._adopt_one(validator, key, wrapped, begin[index], spec)
         return out
+
+    def _validated(
+        self,
+        taken: list[Any],
+        offered: list[Any],
+        keys: list[EngineKey],
+        starts: list[int],
+        spec: RouteSpec,
+    ) -> list[Any]:
+        """``ingest.hand_over`` with this shard's deadline: a validation that does not
+        end within half the timeout sends its key to the raw path (the raw reference is
+        held here, so nothing is lost and the caller's deadline is kept)."""
+        end = time.monotonic() + self._timeout_s / 2
+        return hand_over(
+            taken,
+            offered,
+            keys,
+            starts,
+            spec,
+            existing=ray_calls.existing,
+            succeeded=lambda status: ray_calls.succeeded(status, max(0.0, end - time.monotonic())),
+        )
 
     def _adopt_one(
         self, validator: Any, key: EngineKey, taken: Any, start: int, spec: RouteSpec
@@ -336,6 +366,11 @@ class StoreShardShell(_Reaped):
         return self._locked(self._shard.leaks)
 
 
+def _under(prepared: object, spec: RouteSpec) -> Prepared | None:
+    """A key's validation at ingest if it was made under ``spec`` (else None)."""
+    return prepared if isinstance(prepared, Prepared) and prepared.spec == spec else None
+
+
 def _random_key(ref: Any) -> str:
     """A key of LMDeploy's shape (56 lowercase hex, as ``ObjectRef.hex()``), all 224 bits
     from the CSPRNG: a key is a capability to consume a payload, so it is unguessable."""
@@ -379,40 +414,35 @@ class EngineStoreShell(_Reaped):
         self._ingest_spec = spec
 
     def take_checked_many(
-        self,
-        keys: list[EngineKey],
-        spec: RouteSpec,
-        run: str | None = None,
-        starts: list[int] | None = None,
+        self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
     ) -> tuple[list[Any], str]:
         """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
-        returned in its place (a key of another run is refused and left alone). With
-        ``starts`` (each key's first row to adopt), a key validated at ingest under
-        ``spec`` comes as ``Validated`` (its canonical block, ``ingest.hand_over``), the
-        others as their raw reference. Also returns this actor's node, where the bytes
-        live."""
+        returned in its place (a key of another run is refused and left alone). Also
+        returns this actor's node, where the bytes live."""
+        taken = self._locked(lambda: take_checked_many(self._store, keys, spec, run))
+        return taken, self._node_id
 
-        def take() -> tuple[list[Any], list[object]]:
-            ready = [self._store.prepared(key.key) if starts else None for key in keys]
-            return take_checked_many(self._store, keys, spec, run), ready
+    def take_offered_many(
+        self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
+    ) -> tuple[list[Any], str, list[Prepared | None]]:
+        """``take_checked_many``, and per key its validation at ingest under ``spec``
+        (None if none): the adopter decides whether it stands for the key's own
+        (``ingest.hand_over``), so nothing here waits once the keys are consumed."""
 
-        taken, ready = self._locked(take)
-        if not starts:
-            return taken, self._node_id
-        out = hand_over(  # unlocked: it may wait for validations still running
-            taken,
-            ready,
-            keys,
-            starts,
-            spec,
-            existing=ray_calls.existing,
-            succeeded=lambda status: ray_calls.succeeded(status, self._timeout_s),
-        )
-        return out, self._node_id
+        def take() -> tuple[list[Any], list[Prepared | None]]:
+            offered = [_under(self._store.prepared(key.key), spec) for key in keys]
+            return take_checked_many(self._store, keys, spec, run), offered
+
+        taken, offered = self._locked(take)
+        return taken, self._node_id, offered
 
     def put(self, data: Any, run: str = "") -> str:
-        key = self._locked(lambda: self._store.put(data, run))
-        self._ingest(key)
+        def put() -> tuple[str, Any, PayloadMeta | None]:
+            key = self._store.put(data, run)
+            return key, self._store.peek_ref(key), self._store.meta(key)
+
+        key, ref, meta = self._locked(put)
+        self._ingest(key, ref, meta)
         return key
 
     def put_from(
@@ -422,21 +452,24 @@ class EngineStoreShell(_Reaped):
         [ref] = take_and_wait(producer, token, 1, self._timeout_s)  # outside the lock
         meta = PayloadMeta(shape=tuple(shape), dtype=dtype) if shape is not None else None
         key = self._locked(lambda: self._store.adopt(ref, meta))
-        self._ingest(key)
+        self._ingest(key, ref, meta)
         return key
 
-    def _ingest(self, key: str) -> None:
+    def _ingest(self, key: str, ref: Any, meta: PayloadMeta | None) -> None:
         """Start validating a new key's payload when a spec is set and its metadata fits
-        (before the key is returned: whoever adopts it finds the validation under way)."""
+        (before the key is returned: whoever adopts it finds the validation under way).
+        Best effort: the key is stored already, so a failure here is logged and the key
+        is adopted from its raw payload, as without a spec."""
         spec = self._ingest_spec
-        if spec is None:
-            return
-        ref, meta = self._locked(lambda: (self._store.peek_ref(key), self._store.meta(key)))
-        if meta is None or not fits(meta, spec):
+        if spec is None or meta is None or not fits(meta, spec):
             return
         rows = meta.shape[0]
         whole = EngineKey(key=key, rows=rows)  # every row: the adopter picks its own
-        status, canonical = self._ingest_validator().ingest.remote(ref, whole, spec)
+        try:
+            status, canonical = self._ingest_validator().ingest.remote(ref, whole, spec)
+        except Exception:  # Ray's errors starting a call or an actor: logged, not raised
+            log.warning("engine key %s: validation at ingest not started", key, exc_info=True)
+            return
         prepared = Prepared(spec=spec, rows=rows, status=status, canonical=[canonical])
         self._locked(lambda: self._store.prepare(key, prepared, spec.nbytes(rows)))
 
@@ -492,8 +525,10 @@ class KeyValidatorShell:
     (``routeplay.store.ray_calls.get_as_created``), not in one ``ray.get`` of all of
     them, which Ray would pull only once the last one exists.
 
-    An engine store that knows the spec calls ``ingest`` as each payload is put (same
-    lane), so adopting the key later takes the block as it is (``routeplay.store.ingest``).
+    An engine store that knows the spec has a validator of its own on its node and calls
+    its ``ingest`` as each payload is put (one at a time, each with every core, while the
+    engine generates), so adopting the key later takes the block as it is
+    (``routeplay.store.ingest``).
     """
 
     def __init__(self) -> None:

@@ -62,7 +62,7 @@ class EngineStoreStats:
     prepared: int = 0
     """Payloads validated and narrowed at ingest (``prepare``)."""
     prepared_bytes: int = 0
-    """Canonical bytes those validations wrote (once per payload, before any adopt)."""
+    """Canonical bytes of those payloads (counted as each validation starts)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,11 +9,17 @@ still generates the step's other samples, and the step itself only moves bytes.
 The engine store's actor (``routeplay.store.actors.EngineStoreShell``) starts one
 ``KeyValidator.ingest`` per put whose metadata fits the spec; the result (a small status
 and the canonical block, both owned by the engine store) waits next to the key
-(``EngineStore.prepare``). ``hand_over`` turns a consumed key into ``Validated`` when
-its validation stands for the adopter's, under the adopter's spec; otherwise the
-adopter gets the raw payload and validates the key's own rows as before (a refused
-payload fails with the same error, naming the same rows, either way). Plain Python:
-the Ray calls are passed in.
+(``EngineStore.prepare``). The adopting shard takes each key with its validation
+(``EngineStoreShell.take_offered_many``: nothing waits in the engine store once a key is
+consumed) and ``hand_over`` turns it into ``Validated`` when the validation stands for
+the adopter's, under the adopter's spec; otherwise the shard validates the key's own
+rows from the raw payload as before (a refused payload fails with the same error,
+naming the same rows, either way). Plain Python: the Ray calls are passed in.
+
+Costs: one canonical block per payload next to the raw one until the key goes; a key
+read with LMDeploy's ``get``, freed, or adopted in a group or under another spec is
+validated all the same (its block is dropped). With LMDeploy's trailing row, the block
+keeps that row (one row per sample; readers never read it).
 
 Lifetime: a ``Validated`` block is owned by the engine store actor and borrowed by the
 adopting shard, as the raw payload was until its adoption; it lives while a holder
