@@ -120,6 +120,10 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
         assert w["producer_beyond_bare_ray_ms"] == pytest.approx(
             w["producer"]["median_ms"] - w["bare_ray_ms"], abs=0.11
         )
+        assert w["bare_ray_fetch_ms"] > 0  # the adopt path's floor, one pair here too
+        assert w["adopt_beyond_bare_ray_fetch_ms"] == pytest.approx(
+            w["adopt"]["median_ms"] - w["bare_ray_fetch_ms"], abs=0.11
+        )
     assert results["goals"]["below_limit"] == []  # type: ignore[index]
 
 

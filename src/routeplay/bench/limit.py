@@ -24,10 +24,12 @@ Next to the limit, for the reader: the machine's busy core-ms during the best pu
 (``pull_core_ms``: what Ray's transfer costs in CPU, ``routeplay.bench.host_cpu``), the
 best time of one core validating the step's engine payloads on the engine node
 (``validate_ms``: the CPU the adopted-key path spends that the producer path does not),
-and ``bare_ray``, Ray's own floor for the producer path's objects: the
+and Ray's own floor for each path's objects: ``bare_ray`` for the producer path (the
 same objects put by an actor on the rollout node and fetched and copied by the SP ranks
-with plain ``ray.put`` / ``ray.get`` (no store, no leases, no shard calls), timed like a
-path. Its runs alternate with the producer path's, so each producer run has a bare run
+with plain ``ray.put`` / ``ray.get``: no store, no leases, no shard calls), and
+``bare_ray_fetch`` for the adopted-key path (the same objects already on the engine node,
+as validation at ingest leaves them: only the ranks' fetch and copy), each timed like a
+path. Their runs alternate with the path's, so each run of the path has a floor run
 next to it (the machine's drift between phases of a workload cancels); the median of
 the pairs' differences is what routeplay itself costs on that path, and the rest of
 the distance to the limit is Ray's.
@@ -263,6 +265,36 @@ class Probes:
             yield run
         finally:
             ray.get(source.hold_arrays.remote([]), timeout=_DEADLINE_S)
+
+    @contextmanager
+    def bare_ray_fetch(self, w: Workload) -> Iterator[Callable[[], float]]:
+        """Ray's own floor for the adopted-key path's work: the same objects already in
+        the engine node's store (written untimed, as validation at ingest writes them
+        while the engine runs), fetched and copied by the SP ranks with plain
+        ``ray.get``; yields a function that times one run (ms).
+
+        Example:
+            with probes.bare_ray_fetch(w) as bare_run:
+                floor_ms = bare_run()
+        """
+        source, ranks = self._sources["engine"], self.sinks(w.sp)
+        shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
+
+        def run() -> float:
+            wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
+            start = time.perf_counter()
+            pairs = zip(ranks, shares, strict=True)
+            ray.get(
+                [rank.fetch_share.remote(wrapped, mine) for rank, mine in pairs],
+                timeout=_DEADLINE_S,
+            )
+            elapsed = time.perf_counter() - start
+            del wrapped
+            ray.get(source.drop.remote(), timeout=_DEADLINE_S)
+            return 1e3 * elapsed
+
+        run()  # warms the ranks' buffers
+        yield run
 
     def _best_pull(self, w: Workload, source_role: str, runs: int) -> tuple[float, float]:
         """The fastest pull (ms) and the machine's busy core-ms during that call."""

@@ -235,7 +235,8 @@ def measure_workload(
     pairs: int = 0,
 ) -> dict[str, Any]:
     """Every path of one workload, its limit, and a check that all paths agree; the
-    producer path runs ``max(runs, pairs)`` times, each next to a bare-Ray run.
+    producer and adopt paths run ``max(runs, pairs)`` times, each run next to a run of
+    Ray's own floor for its objects.
 
     Order: the routeplay paths, the limit, then the eager path. The eager path leaves
     gigabytes for Ray and its ranks to free (its int64 copies, its relayed objects),
@@ -247,11 +248,11 @@ def measure_workload(
         "adopt": bench.run("adopt", seed=1, check=True)["digests"],
         "adopt_at_step": bench.run("adopt", seed=1, check=True, ingest=False)["digests"],
     }
-    timed = {
-        "adopt": [bench.run("adopt", seed=2 + i) for i in range(runs)],
-        "adopt_at_step": [bench.run("adopt", seed=2 + i, ingest=False) for i in range(runs)],
-    }
-    timed["producer"], bare = _paired_with_bare_ray(bench, probes, max(runs, pairs))
+    timed = {"adopt_at_step": [bench.run("adopt", seed=2 + i, ingest=False) for i in range(runs)]}
+    with probes.bare_ray_fetch(w) as fetch_run:
+        timed["adopt"], bare_fetch = _paired(bench, "adopt", fetch_run, max(runs, pairs))
+    with probes.bare_ray(w) as bare_run:
+        timed["producer"], bare = _paired(bench, "producer", bare_run, max(runs, pairs))
     limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
     digests["eager"] = bench.run("eager", seed=1, check=True)["digests"]
     timed["eager"] = [bench.run("eager", seed=2 + i) for i in range(runs)]
@@ -277,6 +278,8 @@ def measure_workload(
         "bare_ray_ms": round(statistics.median(bare), 1),
         "bare_ray_runs": len(bare),
         "producer_beyond_bare_ray_ms": _median_difference(producer, bare),
+        "bare_ray_fetch_ms": round(statistics.median(bare_fetch), 1),
+        "adopt_beyond_bare_ray_fetch_ms": _median_difference(timed["adopt"], bare_fetch),
         "producer_minus_bare_ray_medians_ms": round(
             per_path["producer"]["median_ms"] - statistics.median(bare), 1
         ),
@@ -291,22 +294,21 @@ def measure_workload(
     return entry
 
 
-def _paired_with_bare_ray(
-    bench: Bench, probes: Probes, runs: int
+def _paired(
+    bench: Bench, path: str, floor_run: Callable[[], float], runs: int
 ) -> tuple[list[dict[str, Any]], list[float]]:
-    """The producer path's timed runs, each next to a run of Ray's own floor for the same
-    objects (``Probes.bare_ray``): pairs taken at the same moment of the machine, which
-    goes first alternating (what one run leaves behind, e.g. objects Ray is still
-    freeing, falls on either side alike)."""
-    producer, bare = [], []
-    with probes.bare_ray(bench.w) as bare_run:
-        for i in range(runs):
-            if i % 2:
-                bare.append(bare_run())
-            producer.append(bench.run("producer", seed=2 + i))
-            if not i % 2:
-                bare.append(bare_run())
-    return producer, bare
+    """``path``'s timed runs, each next to a run of Ray's own floor for the same objects
+    (``Probes.bare_ray`` / ``bare_ray_fetch``): pairs taken at the same moment of the
+    machine, which goes first alternating (what one run leaves behind, e.g. objects Ray
+    is still freeing, falls on either side alike)."""
+    timed, floors = [], []
+    for i in range(runs):
+        if i % 2:
+            floors.append(floor_run())
+        timed.append(bench.run(path, seed=2 + i))
+        if not i % 2:
+            floors.append(floor_run())
+    return timed, floors
 
 
 def _median_difference(runs: list[dict[str, Any]], floors: list[float]) -> float:
