@@ -243,20 +243,13 @@ class Probes:
             with probes.bare_ray(w) as bare_run:
                 floor_ms = bare_run()
         """
-        source, ranks = self._sources["rollout"], self.sinks(w.sp)
+        source, fetch = self._sources["rollout"], self._ranks_fetch(w)
         ray.get(source.hold_arrays.remote(object_sizes(w)), timeout=_DEADLINE_S)
-        shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
 
         def run() -> float:
             start = time.perf_counter()
-            wrapped = ray.get(source.put_held.remote(), timeout=_DEADLINE_S)
-            pairs = zip(ranks, shares, strict=True)
-            ray.get(
-                [rank.fetch_share.remote(wrapped, mine) for rank, mine in pairs],
-                timeout=_DEADLINE_S,
-            )
+            fetch(ray.get(source.put_held.remote(), timeout=_DEADLINE_S))
             elapsed = time.perf_counter() - start
-            del wrapped
             ray.get(source.drop.remote(), timeout=_DEADLINE_S)
             return 1e3 * elapsed
 
@@ -277,24 +270,31 @@ class Probes:
             with probes.bare_ray_fetch(w) as bare_run:
                 floor_ms = bare_run()
         """
-        source, ranks = self._sources["engine"], self.sinks(w.sp)
-        shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
+        source, fetch = self._sources["engine"], self._ranks_fetch(w)
 
         def run() -> float:
             wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
             start = time.perf_counter()
-            pairs = zip(ranks, shares, strict=True)
-            ray.get(
-                [rank.fetch_share.remote(wrapped, mine) for rank, mine in pairs],
-                timeout=_DEADLINE_S,
-            )
+            fetch(wrapped)
             elapsed = time.perf_counter() - start
-            del wrapped
             ray.get(source.drop.remote(), timeout=_DEADLINE_S)
             return 1e3 * elapsed
 
         run()  # warms the ranks' buffers
         yield run
+
+    def _ranks_fetch(self, w: Workload) -> Callable[[list[list[Any]]], None]:
+        """The SP ranks (sinks) fetching the given objects and copying their shares, at
+        once; returns when every rank has (the caller drops the references after)."""
+        ranks = self.sinks(w.sp)
+        shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
+
+        def fetch(wrapped: list[list[Any]]) -> None:
+            pairs = zip(ranks, shares, strict=True)
+            calls = [rank.fetch_share.remote(wrapped, mine) for rank, mine in pairs]
+            ray.get(calls, timeout=_DEADLINE_S)
+
+        return fetch
 
     def _best_pull(self, w: Workload, source_role: str, runs: int) -> tuple[float, float]:
         """The fastest pull (ms) and the machine's busy core-ms during that call."""
