@@ -65,6 +65,24 @@ def _created() -> int:
     return sum(node.created_bytes for node in created_bytes().values())
 
 
+def _put_and_wait(where: Any, raw: np.ndarray, *, at_ingest: bool) -> str:
+    """Put as LMDeploy does and wait until every write of the put is done: the raw
+    payload twice (the argument, then the store's own put) and, at ingest, the canonical
+    block, written as the validation ends."""
+    start = _created()
+    key = _put(where, raw)
+    put = 2 * raw.nbytes + (SPEC.nbytes(raw.shape[0]) if at_ingest else 0)
+    assert wait_until(lambda: _created() - start >= put)
+    return key
+
+
+def _read_written(store: RouteStore, key: EngineKey) -> tuple[np.ndarray, int]:
+    """The rows of an adopt + read, and the object-store bytes it wrote."""
+    start = _created()
+    rows = _read(store, key)
+    return rows, _created() - start
+
+
 @pytest.mark.parametrize("at_ingest", [True, False])
 def test_a_payload_is_validated_once_at_ingest_and_adopted_ready_made(
     engine_store: Any, store: RouteStore, at_ingest: bool
@@ -75,15 +93,10 @@ def test_a_payload_is_validated_once_at_ingest_and_adopted_ready_made(
     baseline = used_bytes()
     before = ray.get(where.stats.remote(), timeout=20)
     raw = make_routing(SPEC, ROWS, all_layers=True, seed=1)
-    start = _created()
-    key = EngineKey(key=_put(where, raw), rows=ROWS, actor=NAME if at_ingest else "ingest_none")
-    # LMDeploy's put writes the raw payload twice (the argument, then the store's own
-    # put); at ingest the canonical block follows, written as the validation ends.
-    put = 2 * raw.nbytes + (SPEC.nbytes(ROWS) if at_ingest else 0)
-    assert wait_until(lambda: _created() - start >= put)
-    start = _created()
-    np.testing.assert_array_equal(_read(store, key), _canonical(raw))
-    written = _created() - start
+    actor = NAME if at_ingest else "ingest_none"
+    key = EngineKey(key=_put_and_wait(where, raw, at_ingest=at_ingest), rows=ROWS, actor=actor)
+    rows, written = _read_written(store, key)
+    np.testing.assert_array_equal(rows, _canonical(raw))
     after = ray.get(where.stats.remote(), timeout=20)
     if at_ingest:
         assert written < SPEC.nbytes(ROWS) // 2, written  # read as it was written at ingest
@@ -102,8 +115,11 @@ def test_a_trailing_row_and_a_history_are_left_out_of_what_is_read(
 ) -> None:
     baseline = used_bytes()
     raw = make_routing(SPEC, ROWS + 1, all_layers=True, seed=2)  # LMDeploy's trailing row
-    trailing = EngineKey(key=_put(engine_store, raw), rows=ROWS, actor=NAME, trailing_rows=1)
-    np.testing.assert_array_equal(_read(store, trailing), _canonical(raw)[:ROWS])
+    key = _put_and_wait(engine_store, raw, at_ingest=True)
+    trailing = EngineKey(key=key, rows=ROWS, actor=NAME, trailing_rows=1)
+    rows, written = _read_written(store, trailing)
+    np.testing.assert_array_equal(rows, _canonical(raw)[:ROWS])
+    assert written < SPEC.nbytes(ROWS) // 2, written  # the ingest block, its last row unread
     resumed = EngineKey(key=_put(engine_store, raw), rows=ROWS, actor=NAME, trailing_rows=1)
     new_rows = _read(store, resumed, start_row=120)  # a resume: only rows past the history
     np.testing.assert_array_equal(new_rows, _canonical(raw)[120:ROWS])

@@ -366,11 +366,6 @@ class StoreShardShell(_Reaped):
         return self._locked(self._shard.leaks)
 
 
-def _under(prepared: object, spec: RouteSpec) -> Prepared | None:
-    """A key's validation at ingest if it was made under ``spec`` (else None)."""
-    return prepared if isinstance(prepared, Prepared) and prepared.spec == spec else None
-
-
 def _random_key(ref: Any) -> str:
     """A key of LMDeploy's shape (56 lowercase hex, as ``ObjectRef.hex()``), all 224 bits
     from the CSPRNG: a key is a capability to consume a payload, so it is unguessable."""
@@ -424,13 +419,13 @@ class EngineStoreShell(_Reaped):
 
     def take_offered_many(
         self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
-    ) -> tuple[list[Any], str, list[Prepared | None]]:
-        """``take_checked_many``, and per key its validation at ingest under ``spec``
-        (None if none): the adopter decides whether it stands for the key's own
+    ) -> tuple[list[Any], str, list[object]]:
+        """``take_checked_many``, and per key its validation at ingest (None if none):
+        the adopter decides whether it stands for the key's own under its spec
         (``ingest.hand_over``), so nothing here waits once the keys are consumed."""
 
-        def take() -> tuple[list[Any], list[Prepared | None]]:
-            offered = [_under(self._store.prepared(key.key), spec) for key in keys]
+        def take() -> tuple[list[Any], list[object]]:
+            offered = [self._store.prepared(key.key) for key in keys]
             return take_checked_many(self._store, keys, spec, run), offered
 
         taken, offered = self._locked(take)

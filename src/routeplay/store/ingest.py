@@ -107,15 +107,13 @@ def hand_over(
     outcome decides: a refusal may lie in rows the key leaves out, so a refused (or
     unreadable) validation sends the key to the raw path, which validates its own rows."""
     usable = [
-        index
+        (index, ready)
         for index, (one, ready) in enumerate(zip(taken, prepared, strict=True))
         if isinstance(ready, Prepared) and ready.spec == spec and not isinstance(one, BaseException)
     ]
-    ready_ones = [(index, prepared[index]) for index in usable]
-    finished = existing([ready.status for _, ready in ready_ones if isinstance(ready, Prepared)])
+    finished = existing([ready.status for _, ready in usable])
     out = list(taken)
-    for index, ready in ready_ones:
-        assert isinstance(ready, Prepared)  # usable ones only
+    for index, ready in usable:
         exact = starts[index] == 0 and keys[index].rows == ready.rows
         running = ready.status not in finished
         if (running and exact) or succeeded(ready.status):  # else: the raw path

@@ -72,11 +72,11 @@ def get_as_created(
     while remaining:
         pending = list(dict.fromkeys(refs[i] for i in remaining))  # ray.wait refuses repeats
         with translated(what, timeout_s):
-            created = _existing(pending)
+            created = existing(pending)
             if not created:  # none yet: block until one exists, then take all that do
                 left = max(0.0, end - time.monotonic())
                 if ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)[0]:
-                    created = _existing(pending)
+                    created = existing(pending)
         if not created:
             raise StoreTimeout(
                 "routing blocks were not written in time",
@@ -85,23 +85,20 @@ def get_as_created(
                 hint="Their writer (a key validator, a producer) is slow or hung; a dead "
                 "writer fails the read at once (RoutesLost).",
             )
-        done = set(created)
-        now = [i for i in remaining if refs[i] in done]
-        remaining = [i for i in remaining if refs[i] not in done]
+        now = [i for i in remaining if refs[i] in created]
+        remaining = [i for i in remaining if refs[i] not in created]
         with translated(what, timeout_s):
             values = ray.get([refs[i] for i in now], timeout=max(0.0, end - time.monotonic()))
         yield now, list(values)
 
 
-def _existing(refs: list[Any]) -> list[Any]:
-    """The references whose objects exist somewhere now (no waiting, nothing fetched)."""
-    created, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-    return list(created)
-
-
 def existing(refs: list[Any]) -> set[Any]:
-    """``_existing`` as a set (for membership tests); empty for no references."""
-    return set(_existing(refs)) if refs else set()
+    """The references whose objects exist somewhere now (no waiting, nothing fetched);
+    a task that raised counts as existing (its error is its object)."""
+    if not refs:
+        return set()
+    created, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return set(created)
 
 
 def succeeded(ref: Any, timeout_s: float) -> bool:
