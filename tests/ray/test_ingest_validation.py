@@ -17,7 +17,7 @@ from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, preset
 from routeplay.errors import DuplicateExperts, LifetimeError
 from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
-from routeplay.store.ingest import Prepared, Validated, hand_over
+from routeplay.store.ingest import Prepared, Validated, hand_over, settle
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -194,9 +194,16 @@ def test_a_killed_engine_store_leaves_exact_rows_or_a_lifetime_error_and_no_byte
 
 
 CALLS: dict[str, Any] = {
-    "existing": ray_calls.existing,
     "succeeded": lambda status: ray_calls.succeeded(status, 20.0),
+}  # what the shard passes
+SETTLE: dict[str, Any] = {
+    "existing": ray_calls.existing,
+    "succeeded": lambda status: ray_calls.succeeded(status, 0.0),
 }  # what the engine store passes
+
+
+def _never_waited(status: Any) -> bool:
+    raise AssertionError("a settled outcome was waited for again")
 
 
 @ray.remote(num_returns=2)
@@ -260,3 +267,33 @@ def test_a_validation_under_another_spec_or_a_refused_key_is_not_used() -> None:
     assert hand_over([raw], [ready], [key], [0], other, **CALLS) == [raw]
     assert hand_over([refused], [ready], [key], [0], SPEC, **CALLS) == [refused]
     assert hand_over([raw], [None], [key], [0], SPEC, **CALLS) == [raw]
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_engine_store_settles_ended_validations_without_waiting(refuse: bool) -> None:
+    status, block = _slow_ingest.remote(refuse, ROWS)
+    ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
+    started = time.perf_counter()
+    [running] = settle([ready], **SETTLE)
+    assert time.perf_counter() - started < 1.0  # not waited for
+    assert running.outcome is None
+    assert wait_until(lambda: ray_calls.existing([status]) == {status})
+    [ended, none] = settle([ready, None], **SETTLE)
+    assert ended.outcome is (not refuse)
+    assert none is None
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_settled_outcome_decides_without_waiting(exact: bool) -> None:
+    """Valid: the block is used, whatever rows the key covers; refused or lost: the raw
+    path, also for a key whose rows it covers exactly (a lost validation left no block;
+    the raw path still has the payload, and a refusal is the raw path's too)."""
+    status, block = _slow_ingest.remote(False, ROWS)
+    rows = ROWS if exact else ROWS - 1
+    key = EngineKey(key="ab" * 28, rows=rows, trailing_rows=0 if exact else 1)
+    raw = [ray.put(np.zeros(1))]
+    valid = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block], outcome=True)
+    lost = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block], outcome=False)
+    out = hand_over([raw, raw], [valid, lost], [key, key], [0, 0], SPEC, succeeded=_never_waited)
+    assert isinstance(out[0], Validated)
+    assert out[1] is raw

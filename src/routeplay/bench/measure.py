@@ -171,19 +171,20 @@ class Bench:
     def _step(
         self, path: str, seed: int, keys: list[str], rows: list[int], check: bool
     ) -> list[tuple[int, str]]:
-        """The timed part: the rollout worker's hop, then every rank's read."""
+        """The timed part: the rollout worker's hop, then every rank's read. The hop's
+        result goes to the ranks as a reference (Ray sends it on as it is made), as a
+        trainer's controller would pass it, rather than through a ``ray.get`` here."""
         if path == "eager":
-            wrapped = ray.get(self.rollout.eager.remote(keys), timeout=_DEADLINE_S)
-            reads = [rank.read_eager.remote(wrapped, check) for rank in self.ranks]
+            relayed = self.rollout.eager.remote(keys)
+            reads = [rank.read_eager.remote(relayed, check) for rank in self.ranks]
             return list(ray.get(reads, timeout=_DEADLINE_S))
         prompt = self.w.prompt_tokens
         if path == "producer":
             hop = self.rollout.produce.remote(prompt)
         else:
             hop = self.rollout.adopt.remote(keys, rows, prompt)
-        handles = ray.get(hop, timeout=_DEADLINE_S)
         holder = f"train/{path}/{seed}"
-        reads = [rank.read_routeplay.remote(handles, holder, check) for rank in self.ranks]
+        reads = [rank.read_routeplay.remote(hop, holder, check) for rank in self.ranks]
         return list(ray.get(reads, timeout=_DEADLINE_S))
 
     @contextmanager

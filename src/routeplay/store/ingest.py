@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ from routeplay.core.validate import check_dtype, check_shape
 from routeplay.errors import RouteplayError
 from routeplay.store.engine_store import PayloadMeta
 
-__all__ = ["Prepared", "Validated", "fits", "hand_over"]
+__all__ = ["Prepared", "Validated", "fits", "hand_over", "settle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,9 @@ class Prepared:
     """Reference to None once the payload is valid (the task raises its refusal)."""
     canonical: list[Any]
     """The canonical block's reference, wrapped (Ray passes it through unresolved)."""
+    outcome: bool | None = None
+    """As the engine store saw it when the key was taken: True valid, False refused or
+    lost, None still running (``settle``: the owner checks without a remote call)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,27 @@ def fits(meta: PayloadMeta | None, spec: RouteSpec) -> bool:
     return True
 
 
+def settle(
+    prepared: Sequence[object],
+    *,
+    existing: Callable[[list[Any]], set[Any]],
+    succeeded: Callable[[Any], bool],
+) -> list[object]:
+    """Each ``Prepared`` with its ``outcome`` where its validation has ended. Run by the
+    engine store, which owns the statuses: for it, whether one exists and what it holds
+    are local look-ups, where each would cost the adopter a call to the owner (several
+    ms each on a busy node, on the step's critical path). ``existing``: the statuses
+    that exist now; ``succeeded``: whether an existing one accepted its payload."""
+    pending = [ready for ready in prepared if isinstance(ready, Prepared)]
+    finished = existing([ready.status for ready in pending])
+    return [
+        replace(ready, outcome=succeeded(ready.status))
+        if isinstance(ready, Prepared) and ready.status in finished
+        else ready
+        for ready in prepared
+    ]
+
+
 def hand_over(
     taken: Sequence[Any],
     prepared: Sequence[object],
@@ -91,31 +115,32 @@ def hand_over(
     starts: Sequence[int],
     spec: RouteSpec,
     *,
-    existing: Callable[[list[Any]], set[Any]],
     succeeded: Callable[[Any], bool],
 ) -> list[Any]:
     """Per consumed key (``taken``: its wrapped raw reference, or its refusal): a
     ``Validated`` block where the key's ingest validation under ``spec`` stands for the
-    key's own, its raw reference otherwise. ``existing``: the statuses that exist now
-    (no waiting); ``succeeded``: whether a status's validation accepted its payload
-    (waits for it; False when refused, lost or late).
+    key's own, its raw reference otherwise. ``prepared`` come ``settle``d by the engine
+    store; ``succeeded``: whether a validation still running accepts its payload (waits
+    for it; False when refused, lost or late).
 
-    A validation still running is not waited for when it covers exactly the key's rows
-    (from row 0, no trailing row): the block is handed over at once and a reader's
-    fetch of it waits for it (and raises its refusal, as the raw path's block would), so
-    the last payloads' validations overlap the transfer of the first. Otherwise the
-    outcome decides: a refusal may lie in rows the key leaves out, so a refused (or
-    unreadable) validation sends the key to the raw path, which validates its own rows."""
-    usable = [
-        (index, ready)
-        for index, (one, ready) in enumerate(zip(taken, prepared, strict=True))
-        if isinstance(ready, Prepared) and ready.spec == spec and not isinstance(one, BaseException)
-    ]
-    finished = existing([ready.status for _, ready in usable])
+    A validation that covers exactly the key's rows (from row 0, no trailing row) is
+    handed over unless it ended refused or lost: still running, a reader's fetch of the
+    block waits for it (and raises its refusal, as the raw path's block would), so the
+    last payloads' validations overlap the transfer of the first; a lost one goes the
+    raw way, which still has the payload. Otherwise the outcome decides, waited for if
+    need be: a refusal may lie in rows the key leaves out, so a refused (or unreadable)
+    validation sends the key to the raw path, which validates its own rows."""
     out = list(taken)
-    for index, ready in usable:
+    for index, (one, ready) in enumerate(zip(taken, prepared, strict=True)):
+        if not isinstance(ready, Prepared) or ready.spec != spec or isinstance(one, BaseException):
+            continue
         exact = starts[index] == 0 and keys[index].rows == ready.rows
-        running = ready.status not in finished
-        if (running and exact) or succeeded(ready.status):  # else: the raw path
+        if _stands_for_key(ready, exact, succeeded):
             out[index] = Validated(canonical=ready.canonical, rows=ready.rows)
     return out
+
+
+def _stands_for_key(ready: Prepared, exact: bool, succeeded: Callable[[Any], bool]) -> bool:
+    if exact and ready.outcome is not False:
+        return True  # running or valid: the reader's fetch gets the outcome
+    return ready.outcome if ready.outcome is not None else succeeded(ready.status)

@@ -1,9 +1,10 @@
 """Every Ray wait of the store goes through here: a deadline, and Ray's exceptions
 translated into routeplay's (``raise ... from``) so callers see one tree. ``get``
-blocks (``ray.get``); ``get_as_created`` blocks too, fetching objects in batches as
-they come to exist; ``aget`` awaits Ray's references on the running event loop (no
-thread, no ``ray.get``); all translate with ``translated``. ``RAY`` resolves a flow's
-waits (``routeplay.store.flow``) either way, for clients of plain actors."""
+blocks (``ray.get``); ``get_as_created`` blocks too, pulling each object as it comes
+to exist and handing them over in batches as they arrive; ``aget`` awaits Ray's
+references on the running event loop (no thread, no ``ray.get``); all translate with
+``translated``. ``RAY`` resolves a flow's waits (``routeplay.store.flow``) either way,
+for clients of plain actors."""
 
 from __future__ import annotations
 
@@ -56,28 +57,27 @@ def get(refs: Any, *, timeout_s: float, what: str) -> Any:
 def get_as_created(
     refs: Sequence[Any], *, timeout_s: float, what: str
 ) -> Iterator[tuple[list[int], list[Any]]]:
-    """The values of ``refs`` in batches, as their objects come to exist: each batch is
-    every reference whose object exists when the batch is asked for (positions into
-    ``refs``, values), fetched in one ``ray.get``; one deadline for all of them.
+    """The values of ``refs`` in batches as they arrive: each object is pulled to this
+    node as soon as it exists, whatever the others do, and each batch is every object
+    that has arrived when the batch is asked for (positions into ``refs``, values); one
+    deadline for all of them.
 
     Why not one ``ray.get``: Ray's pull manager pulls a get's objects as one bundle and
     activates a bundle only once it knows every object's size, that is once every object
     exists (``PullManager::ActivateNextPullBundleRequest``). Blocks still being written
-    one after another (an adopted step's payloads, validated in turn on the engine's
-    node) would then cross only after the last one is written; fetched as each is
-    created, a block crosses and is copied while the next is still being validated.
-    Blocks that all exist already (a producer's) cost one extra ``ray.wait``."""
+    (an adopted step's last payload, validated as the engine put it) would then cross
+    only after the last one is written; fetched in batches of those that exist, a block
+    written during a batch would wait for the whole batch. ``ray.wait`` with
+    ``fetch_local`` pulls each object on its own (a bundle each), and Ray keeps pulling
+    an object it has started on after the wait returns, so each block starts crossing
+    once it exists, and each batch is copied while later ones still cross."""
     end = time.monotonic() + timeout_s
     remaining = list(range(len(refs)))
     while remaining:
         pending = list(dict.fromkeys(refs[i] for i in remaining))  # ray.wait refuses repeats
         with translated(what, timeout_s):
-            created = existing(pending)
-            if not created:  # none yet: block until one exists, then take all that do
-                left = max(0.0, end - time.monotonic())
-                if ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)[0]:
-                    created = existing(pending)
-        if not created:
+            arrived = _arrived(pending, max(0.0, end - time.monotonic()))
+        if not arrived:
             raise StoreTimeout(
                 "routing blocks were not written in time",
                 where=what,
@@ -85,11 +85,21 @@ def get_as_created(
                 hint="Their writer (a key validator, a producer) is slow or hung; a dead "
                 "writer fails the read at once (RoutesLost).",
             )
-        now = [i for i in remaining if refs[i] in created]
-        remaining = [i for i in remaining if refs[i] not in created]
+        now = [i for i in remaining if refs[i] in arrived]
+        remaining = [i for i in remaining if refs[i] not in arrived]
         with translated(what, timeout_s):
             values = ray.get([refs[i] for i in now], timeout=max(0.0, end - time.monotonic()))
         yield now, list(values)
+
+
+def _arrived(pending: list[Any], timeout_s: float) -> set[Any]:
+    """The objects of ``pending`` that are on this node, once at least one is (waited
+    for up to ``timeout_s``; empty if none came); an object whose task raised, or whose
+    owner died, arrives as its error."""
+    if not ray.wait(pending, num_returns=1, timeout=timeout_s, fetch_local=True)[0]:
+        return set()
+    here, _ = ray.wait(pending, num_returns=len(pending), timeout=0, fetch_local=True)
+    return set(here)
 
 
 def existing(refs: list[Any]) -> set[Any]:
