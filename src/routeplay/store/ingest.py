@@ -11,7 +11,8 @@ The engine store's actor (``routeplay.store.actors.EngineStoreShell``) starts on
 and the canonical block, both owned by the engine store) waits next to the key
 (``EngineStore.prepare``). The adopting shard takes each key with its validation
 (``EngineStoreShell.take_offered_many``: nothing waits in the engine store once a key is
-consumed) and ``hand_over`` turns it into ``Validated`` when the validation stands for
+consumed; it ``settle``s the validations that have ended, which it can look up without a
+call) and ``hand_over`` turns it into ``Validated`` when the validation stands for
 the adopter's, under the adopter's spec; otherwise the shard validates the key's own
 rows from the raw payload as before (a refused payload fails with the same error,
 naming the same rows, either way). Plain Python: the Ray calls are passed in.
