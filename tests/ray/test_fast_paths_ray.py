@@ -224,7 +224,7 @@ def test_a_block_never_written_fails_the_read_at_its_deadline() -> None:
     gate = _Gate.remote()
     try:
         never = gate.block_when_open.remote(1000)
-        with pytest.raises(StoreTimeout, match="not written in time") as timed_out:
+        with pytest.raises(StoreTimeout, match="did not arrive in time") as timed_out:
             list(get_as_created([never], timeout_s=0.5, what="blocks of payload p"))
         assert "blocks of payload p" in str(timed_out.value)
     finally:

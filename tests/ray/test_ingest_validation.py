@@ -15,7 +15,7 @@ from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, preset
-from routeplay.errors import DuplicateExperts, LifetimeError
+from routeplay.errors import AlreadyConsumed, DuplicateExperts, LifetimeError
 from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
 from routeplay.store.ingest import Prepared, Validated, hand_over, settle
 
@@ -198,7 +198,7 @@ CALLS: dict[str, Any] = {
 }  # what the shard passes
 SETTLE: dict[str, Any] = {
     "existing": ray_calls.existing,
-    "succeeded": lambda status: ray_calls.succeeded(status, 0.0),
+    "outcome": ray_calls.outcome_now,
 }  # what the engine store passes
 
 
@@ -273,14 +273,53 @@ def test_a_validation_under_another_spec_or_a_refused_key_is_not_used() -> None:
 def test_the_engine_store_settles_ended_validations_without_waiting(refuse: bool) -> None:
     status, block = _slow_ingest.remote(refuse, ROWS)
     ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
+    raw = [ray.put(np.zeros(1))]
     started = time.perf_counter()
-    [running] = settle([ready], **SETTLE)
+    [running] = settle([raw], [ready], **SETTLE)
     assert time.perf_counter() - started < 1.0  # not waited for
     assert running.outcome is None
     assert wait_until(lambda: ray_calls.existing([status]) == {status})
-    [ended, none] = settle([ready, None], **SETTLE)
+    refused = DuplicateExperts("refused by its metadata")
+    # A key named twice (consumed once, then refused) and one without a validation.
+    taken, offered = [raw, raw, refused, raw], [ready, ready, ready, None]
+    ended, twice, again, none = settle(taken, offered, **SETTLE)
     assert ended.outcome is (not refuse)
+    assert twice.outcome is (not refuse)
+    assert again.outcome is (not refuse)  # the same status, looked up once
     assert none is None
+
+
+def test_settling_is_best_effort_the_keys_are_consumed_already() -> None:
+    ready = Prepared(spec=SPEC, rows=ROWS, status=ray.put(None), canonical=[ray.put(0)])
+
+    def broken(refs: list[Any]) -> set[Any]:
+        raise ray.exceptions.RaySystemError("the raylet is gone")
+
+    assert settle([[ray.put(0)]], [ready], existing=broken, outcome=ray_calls.outcome_now) == [
+        ready
+    ]
+
+
+def test_the_engine_store_hands_keys_over_with_their_settled_validations(
+    engine_store: Any,
+) -> None:
+    raw = make_routing(SPEC, ROWS, all_layers=True, seed=4)
+    key = EngineKey(key=_put_and_wait(engine_store, raw, at_ingest=True), rows=ROWS, actor=NAME)
+    taken, _, [offered] = ray.get(engine_store.take_offered_many.remote([key], SPEC), timeout=20)
+    assert offered.outcome is True  # ended valid: the adopter makes no call to find out
+    assert not isinstance(taken[0], BaseException)
+
+
+def test_a_key_adopted_twice_in_one_call_gives_its_rows_once_and_a_refusal(
+    engine_store: Any, store: RouteStore
+) -> None:
+    raw = make_routing(SPEC, ROWS, all_layers=True, seed=6)
+    key = EngineKey(key=_put_and_wait(engine_store, raw, at_ingest=True), rows=ROWS, actor=NAME)
+    handle, again = store.adopt_keys_each([key, key], SPEC)
+    assert isinstance(again, AlreadyConsumed)
+    with store.acquire(handle, "train/twice"):
+        np.testing.assert_array_equal(store.read(handle), _canonical(raw))
+    store.flush()
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -288,7 +327,7 @@ def test_a_settled_outcome_decides_without_waiting(exact: bool) -> None:
     """Valid: the block is used, whatever rows the key covers; refused or lost: the raw
     path, also for a key whose rows it covers exactly (a lost validation left no block;
     the raw path still has the payload, and a refusal is the raw path's too)."""
-    status, block = _slow_ingest.remote(False, ROWS)
+    status, block = ray.put(None), ray.put(np.zeros((ROWS, *SPEC.row_shape), SPEC.dtype))
     rows = ROWS if exact else ROWS - 1
     key = EngineKey(key="ab" * 28, rows=rows, trailing_rows=0 if exact else 1)
     raw = [ray.put(np.zeros(1))]

@@ -61,7 +61,7 @@ class NeverWritten(LocalBackend):
     def fetch_as_created(
         self, refs: Sequence[Any], what: str
     ) -> Iterator[tuple[list[int], list[Any]]]:
-        raise StoreTimeout("routing blocks were not written in time", where=what)
+        raise StoreTimeout("routing blocks did not arrive in time", where=what)
         yield  # a generator, as the real one
 
 
@@ -69,6 +69,6 @@ def test_a_read_whose_blocks_never_come_names_its_payload_run_and_reader() -> No
     store = RouteStore(StoreConfig(run="hung"), NeverWritten("hung", shards=1, ttl_s=600.0))
     [handle] = store.put_many([canonicalize(random_routing(SPEC, 4, 0), SPEC)])
     [segment] = handle.segments
-    with pytest.raises(StoreTimeout, match="not written in time") as timed_out:
+    with pytest.raises(StoreTimeout, match="did not arrive in time") as timed_out:
         store.read_many([(handle, 0, 4)], holder="rank-3")
     assert f"payload {segment.source.payload_id} (run hung), read by rank-3" in str(timed_out.value)

@@ -429,11 +429,7 @@ class EngineStoreShell(_Reaped):
             return take_checked_many(self._store, keys, spec, run), offered
 
         taken, offered = self._locked(take)
-        offered = settle(
-            offered,
-            existing=ray_calls.existing,
-            succeeded=lambda status: ray_calls.succeeded(status, 0.0),
-        )
+        offered = settle(taken, offered, existing=ray_calls.existing, outcome=ray_calls.outcome_now)
         return taken, self._node_id, offered
 
     def put(self, data: Any, run: str = "") -> str:

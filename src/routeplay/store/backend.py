@@ -88,8 +88,8 @@ class Backend(Protocol):
     def fetch_as_created(
         self, refs: Sequence[Any], what: str
     ) -> Iterator[tuple[list[int], list[Any]]]:
-        """``fetch`` in batches as the blocks come to exist: positions into ``refs`` and
-        their values (``ray_calls.get_as_created``: each block crosses as it is written)."""
+        """``fetch`` in batches as the blocks arrive: positions into ``refs`` and their
+        values (``ray_calls.get_as_created``: each block crosses as soon as it is written)."""
         ...
 
     def borrow(self, refs: Sequence[Any]) -> list[Any]:

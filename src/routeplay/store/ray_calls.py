@@ -70,7 +70,12 @@ def get_as_created(
     written during a batch would wait for the whole batch. ``ray.wait`` with
     ``fetch_local`` pulls each object on its own (a bundle each), and Ray keeps pulling
     an object it has started on after the wait returns, so each block starts crossing
-    once it exists, and each batch is copied while later ones still cross."""
+    once it exists, and each batch is copied while later ones still cross.
+
+    Ray has no call to stop such a pull: after an error, or when the caller stops
+    early, the blocks already on their way still arrive (copies the node's store may
+    evict). A block that arrives while the caller copies a batch waits, unpinned, for
+    the next one; evicted meanwhile, the next wait pulls it again."""
     end = time.monotonic() + timeout_s
     remaining = list(range(len(refs)))
     while remaining:
@@ -79,11 +84,12 @@ def get_as_created(
             arrived = _arrived(pending, max(0.0, end - time.monotonic()))
         if not arrived:
             raise StoreTimeout(
-                "routing blocks were not written in time",
+                "routing blocks did not arrive in time",
                 where=what,
-                expected=f"{len(pending)} more blocks within {timeout_s}s",
-                hint="Their writer (a key validator, a producer) is slow or hung; a dead "
-                "writer fails the read at once (RoutesLost).",
+                expected=f"{len(pending)} more blocks on this node within {timeout_s}s",
+                hint="Their writer (a key validator, a producer) is slow or hung, or the "
+                "transfer is (a full object store on this node); a dead writer fails the "
+                "read at once (RoutesLost).",
             )
         now = [i for i in remaining if refs[i] in arrived]
         remaining = [i for i in remaining if refs[i] not in arrived]
@@ -109,6 +115,19 @@ def existing(refs: list[Any]) -> set[Any]:
         return set()
     created, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
     return set(created)
+
+
+def outcome_now(ref: Any) -> bool | None:
+    """What the task behind ``ref`` came to, without waiting: True when it returned,
+    False when it raised or its worker or owner died, None when it has not ended (or
+    its result is not readable at once: it is treated as still running)."""
+    try:
+        ray.get(ref, timeout=0)
+    except rex.GetTimeoutError:
+        return None
+    except rex.RayError:
+        return False
+    return True
 
 
 def succeeded(ref: Any, timeout_s: float) -> bool:

@@ -134,8 +134,8 @@ class Reader:
         self, plan: ReadPlan, holder: str, outs: Sequence[npt.NDArray[Any]]
     ) -> None:
         """Copy every planned block range into its output, a batch of blocks at a time
-        as the blocks come to exist (``Backend.fetch_as_created``): a block crosses and
-        is copied while later blocks are still being written. Each batch's zero-copy
+        as the blocks arrive (``Backend.fetch_as_created``): a block crosses and is
+        copied while later blocks are still being written or crossing. Each batch's zero-copy
         views are dropped before the next batch is fetched, also on errors: nothing
         stays pinned. After an error the outputs hold the batches copied before it."""
         keys, refs = self._block_refs(plan)
