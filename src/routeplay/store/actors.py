@@ -432,6 +432,15 @@ class EngineStoreShell(_Reaped):
         offered = settle(taken, offered, existing=ray_calls.existing, outcome=ray_calls.outcome_now)
         return taken, self._node_id, offered
 
+    def validated(self, key: str) -> bool | None:
+        """How the key's validation at ingest ended, without waiting: True valid, False
+        refused or lost, None still running (or none: no spec, or the key is gone)."""
+        ready = self._locked(lambda: self._store.prepared(key))
+        [settled] = settle(
+            [None], [ready], existing=ray_calls.existing, outcome=ray_calls.outcome_now
+        )
+        return settled.outcome if isinstance(settled, Prepared) else None
+
     def put(self, data: Any, run: str = "") -> str:
         def put() -> tuple[str, Any, PayloadMeta | None]:
             key = self._store.put(data, run)
