@@ -202,10 +202,7 @@ def test_a_killed_engine_store_leaves_exact_rows_or_a_lifetime_error_and_no_byte
 CALLS: dict[str, Any] = {
     "succeeded": lambda status: ray_calls.succeeded(status, 20.0),
 }  # what the shard passes
-SETTLE: dict[str, Any] = {
-    "existing": ray_calls.existing,
-    "outcome": ray_calls.outcome_now,
-}  # what the engine store passes
+SETTLE: dict[str, Any] = {"outcome": ray_calls.outcome_now}  # what the engine store passes
 
 
 def _never_waited(status: Any) -> bool:
@@ -279,31 +276,26 @@ def test_a_validation_under_another_spec_or_a_refused_key_is_not_used() -> None:
 def test_the_engine_store_settles_ended_validations_without_waiting(refuse: bool) -> None:
     status, block = _slow_ingest.remote(refuse, ROWS)
     ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
-    raw = [ray.put(np.zeros(1))]
     started = time.perf_counter()
-    [running] = settle([raw], [ready], **SETTLE)
+    [running] = settle([ready], **SETTLE)
     assert time.perf_counter() - started < 1.0  # not waited for
     assert running.outcome is None
-    assert wait_until(lambda: ray_calls.existing([status]) == {status})
-    refused = DuplicateExperts("refused by its metadata")
+    assert wait_until(lambda: ray_calls.outcome_now(status) is not None)
     # A key named twice (consumed once, then refused) and one without a validation.
-    taken, offered = [raw, raw, refused, raw], [ready, ready, ready, None]
-    ended, twice, again, none = settle(taken, offered, **SETTLE)
+    ended, twice, again, none = settle([ready, ready, ready, None], **SETTLE)
     assert ended.outcome is (not refuse)
     assert twice.outcome is (not refuse)
-    assert again.outcome is (not refuse)  # the same status, looked up once
+    assert again.outcome is (not refuse)  # the same status, looked up again
     assert none is None
 
 
 def test_settling_is_best_effort_the_keys_are_consumed_already() -> None:
     ready = Prepared(spec=SPEC, rows=ROWS, status=ray.put(None), canonical=[ray.put(0)])
 
-    def broken(refs: list[Any]) -> set[Any]:
+    def broken(status: Any) -> bool | None:
         raise ray.exceptions.RaySystemError("the raylet is gone")
 
-    assert settle([[ray.put(0)]], [ready], existing=broken, outcome=ray_calls.outcome_now) == [
-        ready
-    ]
+    assert settle([ready], outcome=broken) == [ready]
 
 
 def test_the_engine_store_hands_keys_over_with_their_settled_validations(

@@ -91,38 +91,23 @@ def fits(meta: PayloadMeta | None, spec: RouteSpec) -> bool:
     return True
 
 
-def settle(
-    taken: Sequence[Any],
-    prepared: Sequence[object],
-    *,
-    existing: Callable[[list[Any]], set[Any]],
-    outcome: Callable[[Any], bool | None],
-) -> list[object]:
-    """Per consumed key (``taken``: its raw reference, or its refusal), its ``Prepared``
-    with the ``outcome`` of a validation that has ended. Run by the engine store, which
-    owns the statuses: for it, whether one exists and what it holds are local look-ups,
-    where each would cost the adopter a call to the owner (several ms each on a busy
-    node, on the step's critical path). ``existing``: the statuses that exist now;
-    ``outcome``: what an existing one came to, without waiting (None: not readable yet).
+def settle(prepared: Sequence[object], *, outcome: Callable[[Any], bool | None]) -> list[object]:
+    """Each ``Prepared`` with the ``outcome`` of its validation (None while it runs).
+    Run by the engine store, which owns the statuses: for it, what one holds is a local
+    look-up, where it would cost the adopter a call to the owner (several ms each on a
+    busy node, on the step's critical path). ``outcome``: what a status came to, without
+    waiting.
 
     Best effort: the keys are consumed already, so a look-up that fails leaves every
     outcome unknown (the adopter then waits for those it needs) and loses nothing."""
-    statuses = {
-        id(ready.status): ready.status
-        for one, ready in zip(taken, prepared, strict=True)
-        if isinstance(ready, Prepared) and not isinstance(one, BaseException)
-    }  # a key named twice is consumed once: Ray's wait refuses repeated references
     try:
-        ended = {id(status): outcome(status) for status in existing(list(statuses.values()))}
+        return [
+            replace(ready, outcome=outcome(ready.status)) if isinstance(ready, Prepared) else ready
+            for ready in prepared
+        ]
     except Exception:  # whatever the look-up raised, the keys must still be handed over
         log.warning("validations at ingest not settled", exc_info=True)
         return list(prepared)
-    return [
-        replace(ready, outcome=ended[id(ready.status)])
-        if isinstance(ready, Prepared) and id(ready.status) in ended
-        else ready
-        for ready in prepared
-    ]
 
 
 def hand_over(

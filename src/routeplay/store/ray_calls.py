@@ -108,15 +108,6 @@ def _arrived(pending: list[Any], timeout_s: float) -> set[Any]:
     return set(here)
 
 
-def existing(refs: list[Any]) -> set[Any]:
-    """The references whose objects exist somewhere now (no waiting, nothing fetched);
-    a task that raised counts as existing (its error is its object)."""
-    if not refs:
-        return set()
-    created, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-    return set(created)
-
-
 def outcome_now(ref: Any) -> bool | None:
     """What the task behind ``ref`` came to, without waiting: True when it returned,
     False when it raised or its worker or owner died, None when it has not ended (or
