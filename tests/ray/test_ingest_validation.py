@@ -6,6 +6,7 @@ its baseline: the raw payload, the ingest result and the adopted block all go.""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,10 @@ import ray
 from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 
 from routeplay.bench.transfer_paths import make_routing
-from routeplay.core import EngineKey, preset
-from routeplay.errors import AlreadyConsumed, DuplicateExperts, LifetimeError
+from routeplay.core import EngineKey, RouteSpec, preset
+from routeplay.errors import AlreadyConsumed, DuplicateExperts, LifetimeError, RoutesLost
 from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
-from routeplay.store.ingest import Prepared, Validated, hand_over, settle
+from routeplay.store.ingest import Prepared, Validated, decide, hand_over, settle
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -298,7 +299,7 @@ def test_settling_is_best_effort_the_keys_are_consumed_already() -> None:
     assert settle([ready], outcome=broken) == [ready]
 
 
-def test_the_engine_store_hands_keys_over_with_their_settled_validations(
+def test_the_engine_store_hands_a_validated_key_over_as_its_block_alone(
     engine_store: Any,
 ) -> None:
     raw = make_routing(SPEC, ROWS, all_layers=True, seed=4)
@@ -306,9 +307,41 @@ def test_the_engine_store_hands_keys_over_with_their_settled_validations(
     # The block is written before the validator's reply reaches the engine store: wait
     # until the store itself sees the validation ended.
     assert wait_until(lambda: ray.get(engine_store.validated.remote(key.key)) is True)
-    taken, _, [offered] = ray.get(engine_store.take_offered_many.remote([key], SPEC), timeout=20)
-    assert offered.outcome is True  # ended valid: the adopter makes no call to find out
-    assert not isinstance(taken[0], BaseException)
+    taken, _, waits = ray.get(engine_store.take_offered_many.remote([key], SPEC), timeout=20)
+    # Decided where the outcome is known: no raw payload, no status, nothing to wait for.
+    assert isinstance(taken[0], Validated)
+    assert waits == [None]
+    np.testing.assert_array_equal(ray.get(taken[0].canonical[0], timeout=20), _canonical(raw))
+
+
+def _prepared(outcome: bool | None, rows: int = ROWS, spec: RouteSpec = SPEC) -> Prepared:
+    return Prepared(spec=spec, rows=rows, status="status", canonical=["block"], outcome=outcome)
+
+
+@pytest.mark.parametrize(
+    ("ready", "start", "decided", "waited"),
+    [
+        (_prepared(None), 0, True, False),  # running, covers the rows: the read waits
+        (_prepared(True), 0, True, False),
+        (_prepared(False), 0, False, False),  # refused or lost: the raw path
+        (_prepared(None, rows=ROWS + 1), 0, False, True),  # trailing row: outcome decides
+        (_prepared(True, rows=ROWS + 1), 0, True, False),
+        (_prepared(None), 3, False, True),  # a resume's rows
+        (_prepared(True), 3, True, False),
+        (_prepared(None, spec=replace(SPEC, num_experts=SPEC.num_experts * 2)), 0, False, False),
+        (None, 0, False, False),  # not validated at ingest
+    ],
+)
+def test_decide_sends_a_block_alone_the_raw_payload_or_what_must_be_waited_for(
+    ready: Prepared | None, start: int, decided: bool, waited: bool
+) -> None:
+    key = EngineKey(key="ab" * 28, rows=ROWS)
+    [out], [wait] = decide([["raw"]], [ready], [key], [start], SPEC)
+    assert isinstance(out, Validated) is decided
+    assert out == (Validated(canonical=["block"], rows=ready.rows) if decided else ["raw"])
+    assert (wait is ready) if waited else (wait is None)
+    refused = RoutesLost("gone")
+    assert decide([refused], [ready], [key], [start], SPEC) == ([refused], [None])
 
 
 def test_a_key_adopted_twice_in_one_call_gives_its_rows_once_and_a_refusal(

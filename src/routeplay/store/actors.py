@@ -26,7 +26,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
-from routeplay.store.ingest import Prepared, Validated, fits, hand_over, settle
+from routeplay.store.ingest import Prepared, Validated, decide, fits, hand_over, settle
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
@@ -180,16 +180,19 @@ class StoreShardShell(_Reaped):
             grouped = shared_prefix > 0 or pack
             # Alone, a key validated at ingest comes with its block (a group's layout
             # needs every member's raw rows).
-            take = engine.take_checked_many if grouped else engine.take_offered_many
+            starts_of = [begin[i] for i in indices]
+            take = (
+                engine.take_checked_many.remote(picked, spec, self._shard.run)
+                if grouped
+                else engine.take_offered_many.remote(picked, spec, self._shard.run, starts_of)
+            )
             taken, node, *offered = ray_calls.get(
-                take.remote(picked, spec, self._shard.run),
+                take,
                 timeout_s=self._timeout_s,
                 what=f"{namespace}/{name}: take {len(picked)} keys",
             )
             if offered:
-                taken = self._validated(
-                    taken, offered[0], picked, [begin[i] for i in indices], spec
-                )
+                taken = self._validated(taken, offered[0], picked, starts_of, spec)
             validator = self._validator(node)
             good = [
                 (index, key, wrapped)
@@ -417,12 +420,18 @@ class EngineStoreShell(_Reaped):
         return taken, self._node_id
 
     def take_offered_many(
-        self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
+        self,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        run: str | None = None,
+        starts: list[int] | None = None,
     ) -> tuple[list[Any], str, list[object]]:
-        """``take_checked_many``, and per key its validation at ingest (None if none),
-        with its outcome where it has ended (``ingest.settle``: this actor owns the
-        statuses, so finding out costs no call); the adopter decides whether it stands
-        for the key's own under its spec (``ingest.hand_over``). Nothing here waits."""
+        """``take_checked_many`` with each key's validation at ingest applied where it
+        stands for the key's own from its start row (``ingest.decide``, after
+        ``ingest.settle``: this actor owns the statuses, so finding out costs no call):
+        per key its ``Validated`` block, its raw reference or its refusal, and the
+        validations still running that the adopter must wait for (``ingest.hand_over``).
+        Nothing here waits."""
 
         def take() -> tuple[list[Any], list[object]]:
             offered = [self._store.prepared(key.key) for key in keys]
@@ -430,7 +439,9 @@ class EngineStoreShell(_Reaped):
 
         taken, offered = self._locked(take)
         offered = settle(offered, outcome=ray_calls.outcome_now)
-        return taken, self._node_id, offered
+        begin = starts if starts is not None else [0] * len(keys)
+        decided, waits = decide(taken, offered, keys, begin, spec)
+        return decided, self._node_id, waits
 
     def validated(self, key: str) -> bool | None:
         """How the key's validation at ingest ended, without waiting: True valid, False

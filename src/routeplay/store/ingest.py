@@ -12,9 +12,10 @@ and the canonical block, both owned by the engine store) waits next to the key
 (``EngineStore.prepare``). The adopting shard takes each key with its validation
 (``EngineStoreShell.take_offered_many``: nothing waits in the engine store once a key is
 consumed; it ``settle``s the validations that have ended, which it can look up without a
-call) and ``hand_over`` turns it into ``Validated`` when the validation stands for
-the adopter's, under the adopter's spec; otherwise the shard validates the key's own
-rows from the raw payload as before (a refused payload fails with the same error,
+call, and ``decide``s every key it can, so it sends a decided key's block alone) and
+``hand_over`` turns it into ``Validated`` when the validation stands for the adopter's,
+under the adopter's spec; otherwise the shard validates the key's own rows from the raw
+payload as before (a refused payload fails with the same error,
 naming the same rows, either way). Plain Python: the Ray calls are passed in.
 
 Costs: one canonical block per payload next to the raw one until the key goes; a key
@@ -46,7 +47,7 @@ from routeplay.core.validate import check_dtype, check_shape
 from routeplay.errors import RouteplayError
 from routeplay.store.engine_store import PayloadMeta
 
-__all__ = ["Prepared", "Validated", "fits", "hand_over", "settle"]
+__all__ = ["Prepared", "Validated", "decide", "fits", "hand_over", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,36 @@ def settle(prepared: Sequence[object], *, outcome: Callable[[Any], bool | None])
         return list(prepared)
 
 
+def decide(
+    taken: Sequence[Any],
+    prepared: Sequence[object],
+    keys: Sequence[EngineKey],
+    starts: Sequence[int],
+    spec: RouteSpec,
+) -> tuple[list[Any], list[object]]:
+    """``hand_over`` as far as it goes without waiting, run by the engine store on the
+    keys it consumed: per key, a ``Validated`` block in place of its raw reference where
+    the validation stands for the key's own, and the ``Prepared`` the adopter must wait
+    for (a validation still running that does not cover exactly the key's rows; None
+    for every other key). So what the adopter is sent is only what it can use: the
+    block of a key decided here, without the raw payload (which then goes at once) or
+    the status; the raw payload of a key sent the raw way. Each reference a reply
+    carries costs its receiver a registration with the owner, on the step's critical
+    path (with Ray 2.60 here, a reply with 24 references took 3.8 ms, with 8 2.8 ms,
+    with none 1.1 ms)."""
+    out, waits = list(taken), list[object]([None] * len(taken))
+    for index, (one, ready) in enumerate(zip(taken, prepared, strict=True)):
+        if not isinstance(ready, Prepared) or ready.spec != spec or isinstance(one, BaseException):
+            continue
+        exact = starts[index] == 0 and keys[index].rows == ready.rows
+        if (exact and ready.outcome is not False) or ready.outcome is True:
+            # Running or valid: a reader's fetch of the block gets the outcome.
+            out[index] = Validated(canonical=ready.canonical, rows=ready.rows)
+        elif ready.outcome is None:
+            waits[index] = ready
+    return out, waits
+
+
 def hand_over(
     taken: Sequence[Any],
     prepared: Sequence[object],
@@ -121,9 +152,9 @@ def hand_over(
 ) -> list[Any]:
     """Per consumed key (``taken``: its wrapped raw reference, or its refusal): a
     ``Validated`` block where the key's ingest validation under ``spec`` stands for the
-    key's own, its raw reference otherwise. ``prepared`` come ``settle``d by the engine
-    store; ``succeeded``: whether a validation still running accepts its payload (waits
-    for it; False when refused, lost or late).
+    key's own, its raw reference otherwise. ``prepared``: as ``decide`` left them (or
+    ``settle``d); ``succeeded``: whether a validation still running accepts its payload
+    (waits for it; False when refused, lost or late).
 
     A validation that covers exactly the key's rows (from row 0, no trailing row) is
     handed over unless it ended refused or lost: still running, a reader's fetch of the
@@ -132,18 +163,8 @@ def hand_over(
     raw way, which still has the payload. Otherwise the outcome decides, waited for if
     need be: a refusal may lie in rows the key leaves out, so a refused (or unreadable)
     validation sends the key to the raw path, which validates its own rows."""
-    out = list(taken)
-    for index, (one, ready) in enumerate(zip(taken, prepared, strict=True)):
-        if not isinstance(ready, Prepared) or ready.spec != spec or isinstance(one, BaseException):
-            continue
-        exact = starts[index] == 0 and keys[index].rows == ready.rows
-        if _stands_for_key(ready, exact, succeeded):
+    out, waits = decide(taken, prepared, keys, starts, spec)
+    for index, ready in enumerate(waits):
+        if isinstance(ready, Prepared) and succeeded(ready.status):
             out[index] = Validated(canonical=ready.canonical, rows=ready.rows)
     return out
-
-
-def _stands_for_key(ready: Prepared, exact: bool, succeeded: Callable[[Any], bool]) -> bool:
-    """Whether ``ready`` can be read as the key's rows (``exact``: it covers them)."""
-    if exact and ready.outcome is not False:
-        return True  # running or valid: the reader's fetch gets the outcome
-    return ready.outcome if ready.outcome is not None else succeeded(ready.status)
