@@ -22,6 +22,7 @@ from routeplay.store import (
     RouteStore,
     StoreConfig,
     producer_actor,
+    ray_calls,
     start_engine_store,
 )
 from routeplay.store.ray_calls import get_as_created
@@ -218,6 +219,26 @@ def test_a_block_is_fetched_as_soon_as_it_exists_not_after_the_last_one() -> Non
         assert next(batches, None) is None
     finally:
         ray.kill(gate)
+
+
+def test_blocks_that_all_exist_are_fetched_with_one_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every block written (a trainer's read long after adoption, a producer's blocks):
+    # one bundle, no per-object pulls (measured ~25 ms faster for 197 MB to 4 ranks).
+    first = ray.put(np.arange(100_000, dtype=np.uint32))
+    second = ray.put(np.ones(50_000, np.uint8))
+    waits: list[bool] = []
+    real_wait = ray_calls.ray.wait
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        waits.append(kwargs.get("fetch_local", True))
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray_calls.ray, "wait", spy)
+    [(positions, values)] = list(get_as_created([second, first, second], timeout_s=30, what="b"))
+    assert positions == [0, 1, 2]
+    np.testing.assert_array_equal(values[1], np.arange(100_000, dtype=np.uint32))
+    assert values[0] is values[2] or values[0].nbytes == values[2].nbytes == 50_000
+    assert waits == [False]  # only asked whether they exist, nothing pulled one by one
 
 
 def test_a_block_never_written_fails_the_read_at_its_deadline() -> None:

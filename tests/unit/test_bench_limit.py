@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from routeplay.bench import limit
-from routeplay.bench.limit import beaten, object_sizes, rank_byte_ranges, rank_shares
+from routeplay.bench.limit import beaten, object_sizes, rank_byte_ranges, rank_shares, tightened
 from routeplay.bench.report import below_limit
 from routeplay.bench.workloads import BenchConfig, Workload
 
@@ -83,3 +83,16 @@ def test_the_validation_probe_validates_each_sample_of_the_step(
     w = BenchConfig.smoke().workloads[0]
     assert limit.validate_s(w, runs=2) > 0
     assert seen == [((w.rows, w.spec.decoder_layers, w.spec.top_k), "uint16")] * 2 * w.samples
+
+
+def test_a_floor_run_faster_than_the_probe_lowers_that_paths_limit_only() -> None:
+    probed = {"by_path": {"producer": 200.0, "adopt": 230.0}, "limit_ms": 200.0, "runs": 5}
+    limit = tightened(probed, {"producer": [260.0, 250.0], "adopt": [240.0, 221.5, 260.0]})
+    assert limit["by_path"] == {"producer": 200.0, "adopt": 221.5}
+    assert limit["limit_ms"] == 200.0
+    assert limit["probe_by_path"] == probed["by_path"]
+    assert limit["floor_best_ms"] == {"producer": 250.0, "adopt": 221.5}
+    assert limit["runs"] == 5
+    # A floor median below the probe (seen in a full run) can no longer beat the limit.
+    assert beaten({"producer": 210.0, "adopt": 225.0}, limit) == []
+    assert tightened(probed, {"adopt": []})["by_path"] == probed["by_path"]

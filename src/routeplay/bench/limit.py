@@ -16,6 +16,11 @@ node, and each SP rank must copy its rows out. The limit is the best (fastest) o
 ``limit = best pull + best copy``. The best of each part errs low, so the limit is a
 lower bound, and a path whose median beats it means the measurement is wrong: ``beaten``
 names such paths, and the bench says so and fails instead of printing a ratio below 1.
+Where a workload also times Ray's own floor for a path (below), the limit is
+``tightened`` to the floor's best run if that was faster: a floor run moves the same
+bytes between the same nodes and makes the same copies, so the physical limit is at most
+its time, and the probe, timed at one moment of a drifting machine, can stand above it
+(a full run saw the adopt path's floor at a median of 0.95x a probe-only limit).
 (Adding the parts assumes no rank copies while another rank's bytes still cross; a path
 that overlapped them perfectly could gain at most the copy, a few per cent of the pull
 at 1 GB/s pulls and 10 GB/s copies: far below what any path's own calls cost.)
@@ -67,6 +72,7 @@ __all__ = [
     "object_sizes",
     "rank_byte_ranges",
     "rank_shares",
+    "tightened",
     "validate_s",
 ]
 
@@ -321,6 +327,26 @@ class Probes:
         ]
         ray.get([rank.warm.remote(0) for rank in ranks], timeout=_DEADLINE_S)  # free
         return min(slowest)
+
+
+def tightened(limit: dict[str, Any], floors_ms: dict[str, Sequence[float]]) -> dict[str, Any]:
+    """``limit`` with each path's limit lowered to the best run of its Ray floor where
+    that was faster (see the module docstring); ``probe_by_path`` keeps the probe's
+    figures, ``floor_best_ms`` the floors' best runs.
+
+    Example:
+        tightened({"by_path": {"adopt": 230.0}, "limit_ms": 230.0}, {"adopt": [240.0, 221.5]})
+        # {"by_path": {"adopt": 221.5}, "limit_ms": 221.5, ...}
+    """
+    best = {path: round(min(runs), 2) for path, runs in floors_ms.items() if runs}
+    by_path = {path: min(ms, best.get(path, ms)) for path, ms in limit["by_path"].items()}
+    return {
+        **limit,
+        "by_path": by_path,
+        "limit_ms": min(by_path.values()),
+        "probe_by_path": limit["by_path"],
+        "floor_best_ms": best,
+    }
 
 
 def beaten(medians_ms: dict[str, float], limit: dict[str, Any]) -> list[str]:

@@ -4,8 +4,8 @@ Nodes: a head (the store shards and the driver), the engine's node (the engine a
 LMDeploy's ``shared_store``), the rollout node and the trainer node (the SP ranks). Every
 figure of a workload comes from the same cluster in the same run: the three paths, the
 physical limit (``routeplay.bench.limit``: the best pull of the workload's own bytes from
-the node each path's payloads live on, plus the SP ranks' copies), and Ray's own byte
-counters.
+the node each path's payloads live on, plus the SP ranks' copies, or the best run of the
+path's Ray floor where that was faster), and Ray's own byte counters.
 
 Example:
     results = run_bench(BenchConfig.quick())
@@ -26,7 +26,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from routeplay.bench.host_cpu import busy_core_ms, cores
-from routeplay.bench.limit import Probes, beaten
+from routeplay.bench.limit import Probes, beaten, tightened
 from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
 from routeplay.bench.sessions import session_bytes
 from routeplay.bench.workloads import BenchConfig, Workload
@@ -254,7 +254,8 @@ def measure_workload(
         timed["adopt"], bare_fetch = _paired(bench, "adopt", fetch_run, max(runs, pairs))
     with probes.bare_ray(w) as bare_run:
         timed["producer"], bare = _paired(bench, "producer", bare_run, max(runs, pairs))
-    limit = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
+    probed = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
+    limit = tightened(probed, {"producer": bare, "adopt": bare_fetch})
     digests["eager"] = bench.run("eager", seed=1, check=True)["digests"]
     timed["eager"] = [bench.run("eager", seed=2 + i) for i in range(runs)]
     if len({tuple(d) for d in digests.values()}) != 1:

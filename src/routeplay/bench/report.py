@@ -110,8 +110,10 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             "limit": (
                 "per path, best of >= 5 runs: the trainer node pulls the workload's "
                 "cross-node objects from the node the path's payloads live on (producer: "
-                "rollout, adopt: engine) + the SP ranks copy their shares at once "
-                "(routeplay.bench.limit); a lower bound: a path below it fails the run"
+                "rollout, adopt: engine) + the SP ranks copy their shares at once, or the "
+                "best run of the path's bare Ray floor where that was faster "
+                "(routeplay.bench.limit; probe_by_path, floor_best_ms); a lower bound: a "
+                "path below it fails the run"
             ),
             "sessions": (
                 "multi-turn bytes: bytes stored (route store payload bytes; Ray's bytes in "

@@ -72,12 +72,22 @@ def get_as_created(
     an object it has started on after the wait returns, so each block starts crossing
     once it exists, and each batch is copied while later ones still cross.
 
+    When every object exists already (a trainer reading long after adoption, a
+    producer's blocks, which exist before their handle does), one ``ray.get`` pulls them
+    as one bundle, which was faster: 197 MB to 4 SP ranks on the bench's cluster took
+    about 25 ms less than with the per-object waits (12 paired steps, twice).
+
     Ray has no call to stop such a pull: after an error, or when the caller stops
     early, the blocks already on their way still arrive (copies the node's store may
     evict). A block that arrives while the caller copies a batch waits, unpinned, for
     the next one; evicted meanwhile, the next wait pulls it again."""
     end = time.monotonic() + timeout_s
     remaining = list(range(len(refs)))
+    if _all_exist(refs):
+        with translated(what, timeout_s):
+            values = ray.get(list(refs), timeout=timeout_s)
+        yield remaining, list(values)
+        return
     while remaining:
         pending = list(dict.fromkeys(refs[i] for i in remaining))  # ray.wait refuses repeats
         with translated(what, timeout_s):
@@ -96,6 +106,13 @@ def get_as_created(
         with translated(what, timeout_s):
             values = ray.get([refs[i] for i in now], timeout=max(0.0, end - time.monotonic()))
         yield now, list(values)
+
+
+def _all_exist(refs: Sequence[Any]) -> bool:
+    """Whether every object exists already, somewhere (without waiting or pulling)."""
+    unique = list(dict.fromkeys(refs))  # ray.wait refuses repeats
+    ready, _ = ray.wait(unique, num_returns=len(unique), timeout=0, fetch_local=False)
+    return len(ready) == len(unique)
 
 
 def _arrived(pending: list[Any], timeout_s: float) -> set[Any]:
