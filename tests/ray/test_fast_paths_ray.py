@@ -16,7 +16,7 @@ from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize, preset
-from routeplay.errors import ReleaseFailed, StoreTimeout
+from routeplay.errors import ReleaseFailed, StoreFailure, StoreTimeout
 from routeplay.store import (
     RoutesProducer,
     RouteStore,
@@ -239,6 +239,19 @@ def test_blocks_that_all_exist_are_fetched_with_one_get(monkeypatch: pytest.Monk
     np.testing.assert_array_equal(values[1], np.arange(100_000, dtype=np.uint32))
     assert values[0] is values[2] or values[0].nbytes == values[2].nbytes == 50_000
     assert waits == [False]  # only asked whether they exist, nothing pulled one by one
+
+
+@ray.remote(num_cpus=0)
+def _refused_block() -> None:
+    raise ValueError("not a block")
+
+
+def test_a_failed_block_among_blocks_that_all_exist_fails_the_read_typed() -> None:
+    good, bad = ray.put(np.ones(1000, np.uint8)), _refused_block.remote()
+    ray.wait([bad], timeout=20)
+    with pytest.raises(StoreFailure, match="not a block"):
+        list(get_as_created([good, bad], timeout_s=20, what="blocks"))
+    assert list(get_as_created([], timeout_s=1, what="blocks")) == []
 
 
 def test_a_block_never_written_fails_the_read_at_its_deadline() -> None:

@@ -307,7 +307,9 @@ def test_the_engine_store_hands_a_validated_key_over_as_its_block_alone(
     # The block is written before the validator's reply reaches the engine store: wait
     # until the store itself sees the validation ended.
     assert wait_until(lambda: ray.get(engine_store.validated.remote(key.key)) is True)
-    taken, _, waits = ray.get(engine_store.take_offered_many.remote([key], SPEC), timeout=20)
+    taken, _, waits = ray.get(
+        engine_store.take_offered_many.remote([key], SPEC, None, [0]), timeout=20
+    )
     # Decided where the outcome is known: no raw payload, no status, nothing to wait for.
     assert isinstance(taken[0], Validated)
     assert waits == [None]

@@ -86,13 +86,13 @@ def test_the_validation_probe_validates_each_sample_of_the_step(
 
 
 def test_a_floor_run_faster_than_the_probe_lowers_that_paths_limit_only() -> None:
-    probed = {"by_path": {"producer": 200.0, "adopt": 230.0}, "limit_ms": 200.0, "runs": 5}
+    probed = {"by_path": {"producer": 240.0, "adopt": 230.0}, "limit_ms": 230.0, "runs": 5}
     limit = tightened(probed, {"producer": [260.0, 250.0], "adopt": [240.0, 221.5, 260.0]})
-    assert limit["by_path"] == {"producer": 200.0, "adopt": 221.5}
-    assert limit["limit_ms"] == 200.0
+    assert limit["by_path"] == {"producer": 240.0, "adopt": 221.5}
+    assert limit["limit_ms"] == 221.5
     assert limit["probe_by_path"] == probed["by_path"]
     assert limit["floor_best_ms"] == {"producer": 250.0, "adopt": 221.5}
     assert limit["runs"] == 5
     # A floor median below the probe (seen in a full run) can no longer beat the limit.
-    assert beaten({"producer": 210.0, "adopt": 225.0}, limit) == []
+    assert beaten({"producer": 245.0, "adopt": 225.0}, limit) == []
     assert tightened(probed, {"adopt": []})["by_path"] == probed["by_path"]

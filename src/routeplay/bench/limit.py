@@ -16,7 +16,8 @@ node, and each SP rank must copy its rows out. The limit is the best (fastest) o
 ``limit = best pull + best copy``. The best of each part errs low, so the limit is a
 lower bound, and a path whose median beats it means the measurement is wrong: ``beaten``
 names such paths, and the bench says so and fails instead of printing a ratio below 1.
-Where a workload also times Ray's own floor for a path (below), the limit is
+Where a workload also times Ray's own floor for a path (below; the scaling points time
+none, so theirs stay the probe's), the limit is
 ``tightened`` to the floor's best run if that was faster: a floor run moves the same
 bytes between the same nodes and makes the same copies, so the physical limit is at most
 its time, and the probe, timed at one moment of a drifting machine, can stand above it

@@ -112,8 +112,10 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "cross-node objects from the node the path's payloads live on (producer: "
                 "rollout, adopt: engine) + the SP ranks copy their shares at once, or the "
                 "best run of the path's bare Ray floor where that was faster "
-                "(routeplay.bench.limit; probe_by_path, floor_best_ms); a lower bound: a "
-                "path below it fails the run"
+                "(routeplay.bench.limit; probe_by_path, floor_best_ms; scaling points: the "
+                "probe only); a lower bound: a path below it fails the run; "
+                "bare_ray(_fetch)_over_limit is a floor's median over that limit (its best "
+                "run bounds the limit, so at least 1)"
             ),
             "sessions": (
                 "multi-turn bytes: bytes stored (route store payload bytes; Ray's bytes in "

@@ -423,8 +423,8 @@ class EngineStoreShell(_Reaped):
         self,
         keys: list[EngineKey],
         spec: RouteSpec,
-        run: str | None = None,
-        starts: list[int] | None = None,
+        run: str | None,
+        starts: list[int],
     ) -> tuple[list[Any], str, list[object]]:
         """``take_checked_many`` with each key's validation at ingest applied where it
         stands for the key's own from its start row (``ingest.decide``, after
@@ -439,8 +439,7 @@ class EngineStoreShell(_Reaped):
 
         taken, offered = self._locked(take)
         offered = settle(offered, outcome=ray_calls.outcome_now)
-        begin = starts if starts is not None else [0] * len(keys)
-        decided, waits = decide(taken, offered, keys, begin, spec)
+        decided, waits = decide(taken, offered, keys, starts, spec)
         return decided, self._node_id, waits
 
     def validated(self, key: str) -> bool | None:
@@ -545,7 +544,8 @@ class KeyValidatorShell:
     next, where validating all at once would make every payload wait for the slowest.
     The readers' side of the overlap: a read fetches each block as soon as it exists
     (``routeplay.store.ray_calls.get_as_created``), not in one ``ray.get`` of all of
-    them, which Ray would pull only once the last one exists.
+    them, which Ray would pull only once the last one exists (once all exist, it is
+    one ``ray.get``).
 
     An engine store that knows the spec has a validator of its own on its node and calls
     its ``ingest`` as each payload is put (one at a time, on ``INGEST_THREADS`` cores,

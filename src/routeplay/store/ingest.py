@@ -9,8 +9,8 @@ still generates the step's other samples, and the step itself only moves bytes.
 The engine store's actor (``routeplay.store.actors.EngineStoreShell``) starts one
 ``KeyValidator.ingest`` per put whose metadata fits the spec; the result (a small status
 and the canonical block, both owned by the engine store) waits next to the key
-(``EngineStore.prepare``). The adopting shard takes each key with its validation
-(``EngineStoreShell.take_offered_many``: nothing waits in the engine store once a key is
+(``EngineStore.prepare``). The adopting shard takes each key decided, or with its
+validation (``EngineStoreShell.take_offered_many``: nothing waits in the engine store once a key is
 consumed; it ``settle``s the validations that have ended, which it can look up without a
 call, and ``decide``s every key it can, so it sends a decided key's block alone) and
 ``hand_over`` turns it into ``Validated`` when the validation stands for the adopter's,
@@ -150,9 +150,10 @@ def hand_over(
     *,
     succeeded: Callable[[Any], bool],
 ) -> list[Any]:
-    """Per consumed key (``taken``: its wrapped raw reference, or its refusal): a
-    ``Validated`` block where the key's ingest validation under ``spec`` stands for the
-    key's own, its raw reference otherwise. ``prepared``: as ``decide`` left them (or
+    """Per consumed key (``taken``: its wrapped raw reference, its refusal, or its
+    ``Validated`` block where the engine store ``decide``d it already): a ``Validated``
+    block where the key's ingest validation under ``spec`` stands for the key's own, its
+    raw reference otherwise. ``prepared``: as ``decide`` left them (or
     ``settle``d); ``succeeded``: whether a validation still running accepts its payload
     (waits for it; False when refused, lost or late).
 

@@ -135,7 +135,8 @@ class Reader:
     ) -> None:
         """Copy every planned block range into its output, a batch of blocks at a time
         as the blocks arrive (``Backend.fetch_as_created``): a block crosses and is
-        copied while later blocks are still being written or crossing. Each batch's zero-copy
+        copied while later blocks are still being written or crossing (blocks that all
+        exist already come as one batch, Ray's fastest pull). Each batch's zero-copy
         views are dropped before the next batch is fetched, also on errors: nothing
         stays pinned. After an error the outputs hold the batches copied before it."""
         keys, refs = self._block_refs(plan)
