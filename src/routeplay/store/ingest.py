@@ -68,6 +68,10 @@ class Prepared:
     """As the engine store saw it when the key was taken: True valid, False refused or
     lost, None still running (``settle``: the owner checks without a remote call)."""
 
+    def as_validated(self) -> Validated:
+        """Its block, to stand for the key's rows."""
+        return Validated(canonical=self.canonical, rows=self.rows)
+
 
 @dataclass(frozen=True, slots=True)
 class Validated:
@@ -135,7 +139,7 @@ def decide(
         exact = starts[index] == 0 and keys[index].rows == ready.rows
         if (exact and ready.outcome is not False) or ready.outcome is True:
             # Running or valid: a reader's fetch of the block gets the outcome.
-            out[index] = Validated(canonical=ready.canonical, rows=ready.rows)
+            out[index] = ready.as_validated()
         elif ready.outcome is None:
             waits[index] = ready
     return out, waits
@@ -167,5 +171,5 @@ def hand_over(
     out, waits = decide(taken, prepared, keys, starts, spec)
     for index, ready in enumerate(waits):
         if isinstance(ready, Prepared) and succeeded(ready.status):
-            out[index] = Validated(canonical=ready.canonical, rows=ready.rows)
+            out[index] = ready.as_validated()
     return out

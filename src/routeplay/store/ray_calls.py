@@ -106,12 +106,13 @@ def get_as_created(
 
 
 def _blocks(refs: list[Any], end: float, what: str, timeout_s: float) -> list[Any]:
-    """The values of ``refs`` by ``end`` (a timeout says the blocks did not arrive)."""
-    try:
-        with translated(what, timeout_s):
+    """The values of ``refs`` by ``end`` (Ray's timeout says the blocks did not arrive;
+    any other error, a writer's own ``StoreTimeout`` too, is translated as it is)."""
+    with translated(what, timeout_s):
+        try:
             return list(ray.get(refs, timeout=max(0.0, end - time.monotonic())))
-    except StoreTimeout as exc:
-        raise _not_arrived(what, len(refs), timeout_s) from exc
+        except rex.GetTimeoutError as exc:
+            raise _not_arrived(what, len(refs), timeout_s) from exc
 
 
 def _not_arrived(what: str, count: int, timeout_s: float) -> StoreTimeout:
@@ -146,21 +147,22 @@ def outcome_now(ref: Any) -> bool | None:
     """What the task behind ``ref`` came to, without waiting: True when it returned,
     False when it raised or its worker or owner died, None when it has not ended (or
     its result is not readable at once: it is treated as still running)."""
-    try:
-        ray.get(ref, timeout=0)
-    except rex.GetTimeoutError:
-        return None
-    except rex.RayError:
-        return False
-    return True
+    return _ended(ref, 0.0)
 
 
 def succeeded(ref: Any, timeout_s: float) -> bool:
     """Whether the task behind ``ref`` returned (waits up to ``timeout_s``); False when it
     raised, its worker or owner died, or it did not finish in time."""
+    return _ended(ref, timeout_s) is True
+
+
+def _ended(ref: Any, timeout_s: float) -> bool | None:
+    """``outcome_now`` after waiting up to ``timeout_s``."""
     try:
         ray.get(ref, timeout=timeout_s)
-    except (rex.RayError, TimeoutError):
+    except rex.GetTimeoutError:
+        return None
+    except rex.RayError:
         return False
     return True
 
