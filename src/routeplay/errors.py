@@ -9,6 +9,7 @@ Three families, kept apart so a caller can tell whose fault it was::
     │   ├── RunMismatch              data of another run resolved or released
     │   ├── HandleError              a handle sliced or stitched out of its rows
     │   ├── ForeignEngineStore       the engine store's actor name is held by another actor
+    │   ├── ProtocolMismatch         a routeplay actor called runs another routeplay protocol
     │   └── RouteplayNotImportable   a Ray process of the engine store cannot import routeplay
     ├── LifetimeError                something happened to data the caller held
     │   ├── RoutesLost               the owner died or the object is gone
@@ -53,6 +54,7 @@ __all__ = [
     "LifetimeError",
     "MalformedPayload",
     "MisuseError",
+    "ProtocolMismatch",
     "ReleaseFailed",
     "RouteplayError",
     "RouteplayNotImportable",
@@ -246,6 +248,12 @@ class HandleError(MisuseError):
 class ForeignEngineStore(MisuseError):
     """An actor of another class (e.g. LMDeploy's own ``SharedStore``) holds the name the
     engine store is started under; joining it would fail at the first routeplay call."""
+
+
+class ProtocolMismatch(MisuseError):
+    """A routeplay actor this process calls (a detached engine store, a joined run's
+    shards) runs a routeplay whose calls differ from this one's: it outlived an upgrade
+    on one side. Calling it would misread its answers, so nothing is called."""
 
 
 class RouteplayNotImportable(MisuseError):

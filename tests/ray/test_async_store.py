@@ -231,7 +231,8 @@ class CancelInFlight:
         self.waiting = asyncio.Event()
 
     async def aresolve(self, wait: Wait) -> list[Any]:
-        if self.releases or not wait.what.endswith(": release"):
+        # Not an engine store's protocol either: asked before its first call is sent.
+        if self.releases or not wait.what.endswith((": release", ": protocol")):
             self.waiting.set()
         return list(await self.inner.aresolve(wait))
 

@@ -9,6 +9,7 @@ data and returns ``ObjectRef.hex()``, ``get(key)`` pops it.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -19,10 +20,17 @@ import pytest
 import ray
 from ray import exceptions as rex
 
-from routeplay.errors import ForeignEngineStore, RouteplayNotImportable
-from routeplay.store import start_engine_store
+import routeplay
+from routeplay.bench.transfer_paths import make_routing
+from routeplay.core import EngineKey, Handle, Segment, preset
+from routeplay.errors import ForeignEngineStore, ProtocolMismatch, RouteplayNotImportable
+from routeplay.store import StoreConfig, start_engine_store
+from routeplay.store.actors import EngineStoreActor, StoreShardActor
+from routeplay.store.protocol import PROTOCOL
 
 pytestmark = pytest.mark.usefixtures("ray_local")
+
+SPEC = preset("glm-4.5-air")
 
 LMDEPLOY_LIKE = textwrap.dedent(
     '''
@@ -120,10 +128,20 @@ def test_a_foreign_store_whose_class_this_process_cannot_import_is_refused(
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("lmdeploy_like", None)
-    with pytest.raises(ForeignEngineStore, match=r"lmdeploy_like\.SharedStore without .*get_ref"):
-        start_engine_store()
-    _still_works(foreign)
-    ray.kill(foreign)
+    try:
+        with pytest.raises(ForeignEngineStore, match=r"lmdeploy_like\.SharedStore without .*get"):
+            start_engine_store()
+        # A key that names it reaches a shard, which asks before it calls: refused for
+        # what it is, not as an old routeplay (LMDeploy alone started the store).
+        store = StoreConfig(run="run-foreign-key", timeout_s=60).build()
+        key = EngineKey(key=ray.get(foreign.put.remote(np.arange(6))), rows=6)
+        refused = r"found an actor of class lmdeploy_like\.SharedStore"
+        with pytest.raises(ProtocolMismatch, match=refused):
+            store.adopt_keys([key], SPEC)
+        store.shutdown()
+        _still_works(foreign)
+    finally:
+        ray.kill(foreign)
 
 
 def test_a_worker_without_routeplay_is_reported_with_a_hint(tmp_path: Path) -> None:
@@ -139,3 +157,84 @@ def test_a_worker_without_routeplay_is_reported_with_a_hint(tmp_path: Path) -> N
     assert "importable" in message
     assert "docs/engine-store.md" in message
     assert isinstance(refused.value.__cause__, rex.RayActorError)  # translated at the boundary
+
+
+def _routeplay_at(tmp_path: Path, protocol_line: str) -> dict[str, Any]:
+    """A runtime env whose workers import a copy of this routeplay with ``protocol.py``'s
+    ``PROTOCOL`` line replaced: another routeplay, as on a node not yet upgraded."""
+    copy = tmp_path / "routeplay"
+    shutil.copytree(Path(routeplay.__file__).parent, copy, ignore=shutil.ignore_patterns("*.pyc"))
+    module = copy / "store" / "protocol.py"
+    source = module.read_text(encoding="utf-8")
+    assert f"PROTOCOL: Final = {PROTOCOL}\n" in source
+    module.write_text(source.replace(f"PROTOCOL: Final = {PROTOCOL}\n", protocol_line))
+    return {"env_vars": {"PYTHONPATH": _pythonpath(tmp_path)}}
+
+
+def test_an_engine_store_of_another_protocol_is_neither_joined_nor_adopted_from(
+    tmp_path: Path,
+) -> None:
+    # A detached engine store left from an older routeplay, its keys still there.
+    old_env = _routeplay_at(tmp_path, f"PROTOCOL: Final = {PROTOCOL - 1}\n")
+    name = "shared_store_old"
+    old = EngineStoreActor.options(
+        name=name, namespace="lmdeploy", lifetime="detached", runtime_env=old_env
+    ).remote(600.0, 60.0)
+    stores = [old]  # detached: ended by this test, whatever fails
+    try:
+        key = ray.get(old.put.remote(make_routing(SPEC, 6, all_layers=True, seed=1)))
+        with pytest.raises(ProtocolMismatch) as refused:
+            start_engine_store(name=name, timeout_s=120)
+        message = str(refused.value)
+        assert f"lmdeploy/{name}" in message
+        assert f"found protocol {PROTOCOL - 1} (routeplay " in message
+        assert f"expected protocol {PROTOCOL} (routeplay " in message
+        assert "ray.kill" in message  # and what to do
+        # A shard asks every engine store before taking from any: an adoption that also
+        # names a current store's key leaves that key where it was, too.
+        current = start_engine_store(name="shared_store_current")
+        stores.append(current)
+        fresh = ray.get(current.put.remote(make_routing(SPEC, 6, all_layers=True, seed=2)))
+        keys = [EngineKey(key=fresh, rows=6, actor="shared_store_current")]
+        keys.append(EngineKey(key=key, rows=6, actor=name))
+        store = StoreConfig(run="run-old-engine", timeout_s=60).build()
+        with pytest.raises(ProtocolMismatch, match=f"found protocol {PROTOCOL - 1}"):
+            store.adopt_keys(keys, SPEC)
+        assert ray.get(old.stats.remote()).live_keys == 1  # still the engine's to free
+        assert ray.get(current.stats.remote()).live_keys == 1
+        # The client's own calls to a store (free, a direct read) ask first as well.
+        with pytest.raises(ProtocolMismatch):
+            store.free_key(keys[1])
+        direct = Segment(source=keys[1], start=0, stop=6, spec=SPEC)
+        with pytest.raises(ProtocolMismatch):
+            store.read(Handle.of(direct))
+        assert ray.get(old.stats.remote()).live_keys == 1
+        assert store.free_key(keys[0])  # a store of this protocol: answered as before
+        store.shutdown()
+    finally:
+        for actor in stores:
+            ray.kill(actor)
+
+
+def test_joined_shards_from_before_protocol_versions_are_refused(tmp_path: Path) -> None:
+    # The oldest case: the peer's routeplay has no PROTOCOL at all.
+    old_env = _routeplay_at(tmp_path, "")
+    run = "run-old-shards"
+    # Held here: an actor whose last handle goes is ended, and join would start anew.
+    old = StoreShardActor.options(
+        name=f"routeplay.store.{run}.0", namespace="routeplay", runtime_env=old_env
+    ).remote(run, 0, None, 60.0, None)
+    try:
+        with pytest.raises(ProtocolMismatch) as refused:
+            StoreConfig(run=run, shards=2, join=True, timeout_s=120).build()
+        message = str(refused.value)
+        assert f"routeplay/routeplay.store.{run}.0" in message
+        assert "before protocol versions" in message
+        assert "new run id" in message
+        with pytest.raises(ValueError, match="Failed to look up actor"):  # none started beside
+            ray.get_actor(f"routeplay.store.{run}.1", namespace="routeplay")
+        # The other job's shard is left to it: neither ended nor replaced under its name.
+        joined = ray.get_actor(f"routeplay.store.{run}.0", namespace="routeplay")
+        assert joined._actor_id == old._actor_id
+    finally:
+        ray.kill(old)

@@ -16,7 +16,7 @@ from routeplay.core import EngineKey, RouteSpec
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.backend import LocalBackend, Settled, settled_answers
-from routeplay.store.flow import Wait
+from routeplay.store.flow import Flow, Wait
 from routeplay.store.lease import Lease
 from routeplay.store.shard import Grant
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
@@ -136,6 +136,9 @@ class FaultyBackend:
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return self.inner.lost_index(refs, error)
+
+    def ask_engines(self, keys: Sequence[EngineKey]) -> Flow[None]:
+        return self.inner.ask_engines(keys)
 
     def send_free_key(self, key: EngineKey, run: str) -> Any:
         return self.inner.send_free_key(key, run)

@@ -107,6 +107,7 @@ NEEDS: dict[str, frozenset[str]] = {
                 "client",
                 "engine_service",
                 "producer",
+                "protocol",
                 "ray_calls",
                 "reads",
                 "releases",

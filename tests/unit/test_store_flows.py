@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from faults import FaultyBackend
 
 from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
 from routeplay.errors import ReleaseFailed, RoutesExpired, RoutesLost, StoreTimeout
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.backend import Backend, LocalBackend, RayBackend
 from routeplay.store.flow import Flow, Wait, adrive, awaiting, drive
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
@@ -218,3 +219,12 @@ def test_the_two_faces_store_the_same_rows(face: str) -> None:
     assert store.stats().shared_prefix_bytes_saved == routing(4, 0).nbytes
     store.release_many([lease for _, lease in pairs])
     assert store.stats().leases == 0
+
+
+@pytest.mark.parametrize("backend", [LocalBackend, RayBackend, FaultyBackend])
+def test_every_backend_has_every_call_of_the_protocol(backend: type) -> None:
+    """A backend missing a call fails only on the path that makes it (the fault wrapper
+    once lacked ``ask_engines``: a rare lifecycle path raised AttributeError mid-release)."""
+    calls = {name for name in vars(Backend) if not name.startswith("_")}
+    assert calls
+    assert not {name for name in calls if not hasattr(backend, name)}

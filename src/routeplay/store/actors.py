@@ -26,10 +26,12 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
+from routeplay.store.flow import drive
 from routeplay.store.ingest import Prepared, Validated, decide, fits, hand_over, settle
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
+from routeplay.store.protocol import ENGINE_STORE_HINT, ask_peers
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardApi
 from routeplay.store.writes import Part
@@ -174,8 +176,11 @@ class StoreShardShell(_Reaped):
         by_engine: dict[tuple[str, str], list[int]] = {}
         for index, key in enumerate(keys):
             by_engine.setdefault((key.actor, key.namespace), []).append(index)
+        # Every engine store is asked before any is taken from: a refused one must not
+        # leave another's keys consumed and adopted with no caller to hand them to.
+        engines = self._engines_asked(list(by_engine))
         for (name, namespace), indices in by_engine.items():
-            engine = self._engine(name, namespace)
+            engine = engines[(name, namespace)]
             picked = [keys[i] for i in indices]
             grouped = shared_prefix > 0 or pack
             # Alone, a key validated at ingest comes with its block (a group's layout
@@ -291,11 +296,19 @@ class StoreShardShell(_Reaped):
     def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
         return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
 
-    def _engine(self, name: str, namespace: str) -> Any:
+    def _engines_asked(self, wheres: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+        """The engine stores' handles (``(name, namespace)`` each), those not known yet
+        asked for their protocol first, all at once (a detached store can be older than
+        this shard); looked up and asked outside the lock."""
         with self._handles_lock:
-            if (name, namespace) not in self._engines:
-                self._engines[(name, namespace)] = ray_calls.get_actor(name, namespace)
-            return self._engines[(name, namespace)]
+            known = {where: self._engines[where] for where in wheres if where in self._engines}
+        found = {where: ray_calls.get_actor(*where) for where in wheres if where not in known}
+        asked = [(engine, ray_calls.actor_where(ns, name)) for (name, ns), engine in found.items()]
+        drive(ask_peers(asked, ENGINE_STORE_HINT, self._timeout_s), ray_calls.RAY)
+        with self._handles_lock:
+            for where, engine in found.items():
+                known[where] = self._engines.setdefault(where, engine)
+        return known
 
     def _validator(self, node_id: str) -> Any:
         with self._handles_lock:

@@ -28,8 +28,9 @@ from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
-from routeplay.store.flow import Wait
+from routeplay.store.flow import Flow, Wait, drive
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
+from routeplay.store.protocol import ENGINE_STORE_HINT, SHARDS_HINT, ask_peers
 from routeplay.store.shard import StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardCall
 
@@ -98,6 +99,11 @@ class Backend(Protocol):
 
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None: ...
 
+    def ask_engines(self, keys: Sequence[EngineKey]) -> Flow[None]:
+        """Before the first call to the engine stores of ``keys``: ask which protocol
+        each speaks (``ProtocolMismatch`` if not this one's; ``routeplay.store.protocol``)."""
+        ...
+
     def send_free_key(self, key: EngineKey, run: str) -> Any:
         """Free an unread engine-store key of ``run``; answers True if it was live."""
         ...
@@ -135,6 +141,7 @@ class RayBackend:
         self._timeout_s = timeout_s
         self._waits = ray_calls.RayWaits(timeout_s)
         self._engines: dict[tuple[str, str], Any] = {}  # ray.get_actor costs a GCS call
+        self._asked: set[tuple[str, str]] = set()  # engine stores that speak our protocol
 
     @classmethod
     def start(
@@ -148,15 +155,17 @@ class RayBackend:
         join: bool,
         lease_ttl_s: float | None = None,
     ) -> RayBackend:
-        """Create the run's shard actors; join existing ones only when ``join`` is set."""
+        """Create the run's shard actors; join existing ones only when ``join`` is set
+        (then each is asked for its protocol first: ``ProtocolMismatch``)."""
         if not join:
-            _refuse_existing(f"routeplay.store.{run}.0", options["namespace"], run)
-        handles = [
-            StoreShardActor.options(name=f"routeplay.store.{run}.{i}", **options).remote(
-                run, i, ttl_s, timeout_s, lease_ttl_s
-            )
-            for i in range(shards)
-        ]
+            _refuse_existing(_shard_name(run, 0), options["namespace"], run)
+        handles: list[Any] = []
+        # Shard 0 first: if it is refused, no other shard was started beside the old run's.
+        for indices in (range(1), range(1, shards)):
+            started = _start_shards(run, indices, options, (ttl_s, timeout_s, lease_ttl_s))
+            if join:  # started by another job, they may run another routeplay
+                _ask_shards(started, run, indices, options["namespace"], timeout_s)
+            handles += started
         return cls(handles, timeout_s)
 
     @property
@@ -224,6 +233,20 @@ class RayBackend:
     def lost_index(self, refs: Sequence[Any], error: BaseException) -> int | None:
         return ray_calls.lost_index(list(refs), error)
 
+    def ask_engines(self, keys: Sequence[EngineKey]) -> Flow[None]:
+        """Once per engine store (a detached one can be older than this process), the
+        stores not asked yet all at once."""
+        unasked = {(k.actor, k.namespace) for k in keys} - self._asked
+        if not unasked:
+            return
+        # Looked up afresh and kept only once they answer: after a refusal the user
+        # restarts the store (the hint), and the next ask must reach the new actor.
+        found = {where: ray_calls.get_actor(*where) for where in sorted(unasked)}
+        asked = [(engine, ray_calls.actor_where(ns, name)) for (name, ns), engine in found.items()]
+        yield from ask_peers(asked, ENGINE_STORE_HINT, self._timeout_s)
+        self._engines.update(found)
+        self._asked |= unasked
+
     def send_free_key(self, key: EngineKey, run: str) -> Any:
         return self._engine(key).free.remote(key.key, run)
 
@@ -253,6 +276,28 @@ class RayBackend:
     def shutdown(self) -> None:
         for shard in self._shards:
             ray.kill(shard)
+
+
+def _shard_name(run: str, index: int) -> str:
+    return f"routeplay.store.{run}.{index}"
+
+
+def _start_shards(
+    run: str, indices: range, options: dict[str, Any], args: tuple[Any, ...]
+) -> list[Any]:
+    """Shard actors ``indices`` of ``run`` (an existing one of the name is joined)."""
+    return [
+        StoreShardActor.options(name=_shard_name(run, i), **options).remote(run, i, *args)
+        for i in indices
+    ]
+
+
+def _ask_shards(
+    handles: Sequence[Any], run: str, indices: range, namespace: str, timeout_s: float
+) -> None:
+    named = [ray_calls.actor_where(namespace, _shard_name(run, i)) for i in indices]
+    asked = list(zip(handles, named, strict=True))
+    drive(ask_peers(asked, SHARDS_HINT, timeout_s), ray_calls.RAY)
 
 
 def _refuse_existing(name: str, namespace: str, run: str) -> None:
@@ -342,6 +387,10 @@ class LocalBackend:
                 ttl_s=ttl_s,
             )
         return self._engine_stores[key]
+
+    def ask_engines(self, keys: Sequence[EngineKey]) -> Flow[None]:
+        """In-process engine stores run this very routeplay: nothing to ask."""
+        yield from ()
 
     def send_free_key(self, key: EngineKey, run: str) -> Any:
         with self._lock:

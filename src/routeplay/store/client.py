@@ -660,7 +660,8 @@ class RouteStore:
         yield from self._releases.settle(wait=False)
         shard = self._pick_shard(keys[0].key)
         pending = self._backend.send_adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
-        # The shard itself waits up to timeout_s for the engine store; give it room.
+        # The shard itself waits up to timeout_s for the engine store; give it room (its
+        # first call to a store also asks its protocol: past this, the undo frees it all).
         [results] = yield from self._await(
             [pending],
             f"adopt {len(keys)} engine keys",
@@ -720,6 +721,7 @@ class RouteStore:
         scoped = [self.scoped(key) for key in keys]
         if not scoped:
             return 0
+        yield from self._backend.ask_engines(scoped)
         pending = [self._backend.send_free_key(key, self.run) for key in scoped]
         where = ", ".join(sorted({f"{key.namespace}/{key.actor}" for key in scoped}))
         answers = yield from self._await(pending, f"{where}.free", ends=True)

@@ -8,9 +8,10 @@ Ray store use the same actor under namespace ``sglang``.
 Invariant: ``start_engine_store`` returns only a handle to a live routeplay engine store.
 If the name is already held by another actor (LMDeploy's own ``SharedStore``, started
 first), it raises ``ForeignEngineStore`` instead of joining it; if the actor's Ray worker
-cannot import routeplay, it raises ``RouteplayNotImportable``. Both checks are cheap: the
-first reads the method names Ray keeps on the handle (no call), the second is one
-``stats`` call, answered once the actor is up.
+cannot import routeplay, it raises ``RouteplayNotImportable``; if it runs another
+routeplay (a detached store outlives upgrades), ``ProtocolMismatch``. The checks are
+cheap: the first reads the method names Ray keeps on the handle (no call), the others
+are one question (``routeplay.store.protocol``), answered once the actor is up.
 
 ``astart_engine_store`` and ``aleave_engine_store`` are the awaitable twins (one flow
 each, ``routeplay.store.flow``: awaited on Ray's references, no ``ray.get``), for an
@@ -37,6 +38,7 @@ from routeplay.errors import (
 from routeplay.store import ray_calls
 from routeplay.store.actors import EngineStoreActor, EngineStoreShell
 from routeplay.store.flow import Flow, adrive, awaiting, drive
+from routeplay.store.protocol import ENGINE_STORE_HINT, ask_peers
 
 __all__ = [
     "LMDEPLOY_NAME",
@@ -89,7 +91,8 @@ def start_engine_store(
     adopting a key with the same spec then only moves bytes. Raises
     ``ForeignEngineStore`` if another kind of actor holds ``namespace/name``,
     ``RouteplayNotImportable`` if the actor's worker cannot import routeplay,
-    ``StoreTimeout`` if the actor does not come up in time.
+    ``ProtocolMismatch`` if it runs another routeplay protocol, ``StoreTimeout`` if the
+    actor does not come up in time.
 
     Example:
         >>> store = start_engine_store(ttl_s=600, spec=spec)  # before the LMDeploy server
@@ -129,7 +132,7 @@ def _start(
     user: str,
     spec: RouteSpec | None,
 ) -> Flow[Any]:
-    where = f"Ray actor {namespace}/{name}"
+    where = ray_calls.actor_where(namespace, name)
     actor = EngineStoreActor.options(
         name=name,
         namespace=namespace,
@@ -198,26 +201,20 @@ def _refuse_foreign(actor: Any, where: str) -> None:
         "another actor already holds the engine store's name",
         where=where,
         expected=f"routeplay's {EngineStoreShell.__module__}.{EngineStoreShell.__qualname__}",
-        found=f"{_class_of(actor)} without {', '.join(missing)}",
+        found=f"{ray_calls.class_of(actor) or 'an actor of another class'} without "
+        f"{', '.join(missing)}",
         hint="It is most likely LMDeploy's own SharedStore, started before routeplay's. "
         "Stop the engine, ray.kill(ray.get_actor(name, namespace=namespace)), call "
         "start_engine_store() and then start the engine again.",
     )
 
 
-def _class_of(actor: Any) -> str:
-    # Ray keeps the creating class's descriptor on every handle, even when this process
-    # cannot import that class (it then builds the handle on a placeholder class).
-    descriptor = getattr(actor, "_ray_actor_creation_function_descriptor", None)
-    module = getattr(descriptor, "module_name", "")
-    name = getattr(descriptor, "class_name", "")
-    return f"{module}.{name}" if module and name else "an actor of another class"
-
-
 def _wait_until_up(actor: Any, where: str, timeout_s: float) -> Flow[None]:
-    """One ``stats`` call: the actor exists, runs routeplay's code and can answer us."""
+    """One question, which protocol it speaks: the actor exists, runs routeplay's code,
+    the same protocol as ours (``ProtocolMismatch``; a detached one may be older), and
+    can answer us."""
     try:
-        yield from awaiting([actor.stats.remote()], where, timeout_s=timeout_s)
+        yield from ask_peers([(actor, where)], ENGINE_STORE_HINT, timeout_s)
     except StoreTimeout as exc:
         raise StoreTimeout(
             "the engine store actor did not come up in time",

@@ -31,7 +31,9 @@ __all__ = [
     "INLINE_LIMIT",
     "RAY",
     "RayWaits",
+    "actor_where",
     "aget",
+    "class_of",
     "get",
     "get_actor",
     "get_as_created",
@@ -286,6 +288,30 @@ RAY: Final = RayWaits()
 """Resolves waits on Ray references with the deadline each wait names."""
 
 
+def actor_where(namespace: str, name: str) -> str:
+    """How errors name a named actor.
+
+    Example:
+        actor_where("lmdeploy", "shared_store")  # 'Ray actor lmdeploy/shared_store'
+    """
+    return f"Ray actor {namespace}/{name}"
+
+
+def class_of(actor: Any) -> str | None:
+    """``module.Class`` an actor was created from, None if the handle does not say.
+
+    Ray keeps the creating class's descriptor on every handle, even when this process
+    cannot import that class (it then builds the handle on a placeholder class).
+
+    Example:
+        class_of(ray.get_actor("shared_store", namespace="lmdeploy"))  # 'lmdeploy....'
+    """
+    descriptor = getattr(actor, "_ray_actor_creation_function_descriptor", None)
+    module = getattr(descriptor, "module_name", "")
+    name = getattr(descriptor, "class_name", "")
+    return f"{module}.{name}" if module and name else None
+
+
 def get_actor(name: str, namespace: str) -> Any:
     """A named actor's handle; a missing one (a dead engine store) is ``EngineUnavailable``
     (a ``LifetimeError``), not Ray's ``ValueError: Failed to look up actor``."""
@@ -294,7 +320,7 @@ def get_actor(name: str, namespace: str) -> Any:
     except ValueError as exc:
         raise EngineStoreLost(
             "the engine store actor is gone",
-            where=f"Ray actor {namespace}/{name}",
+            where=actor_where(namespace, name),
             expected="a live engine store (start_engine_store)",
             found=str(exc).splitlines()[0][:200],
             hint="Its keys and their payloads are lost; restart it before the engine.",

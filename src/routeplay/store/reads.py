@@ -29,7 +29,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MisuseError, RoutesLost, StoreTimeout
 from routeplay.store.backend import Backend
-from routeplay.store.flow import Wait
+from routeplay.store.flow import Wait, drive
 from routeplay.store.key_check import check_key_payload
 from routeplay.store.read_plan import BlockCopy, ReadPlan, plan_reads
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
@@ -207,6 +207,7 @@ class Reader:
         so a payload that is not an array, or not the rows the key claims, is refused
         without allocating for the claim."""
         where = f"engine key {key.key}"
+        drive(self._backend.ask_engines([key]), self._backend)
         pending = self._backend.send_key_refs(key, self._run)
         [wrapped] = self._backend.resolve(Wait((pending,), f"{key.namespace}/{key.actor}.get_ref"))
         del pending
