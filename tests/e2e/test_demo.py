@@ -1,5 +1,7 @@
-"""The demo end to end: two steps per engine wire format, and the default recipe once
-through the CLI, exactly as ``make demo`` runs it (its report, JSON and PNG).
+"""The demo end to end: the default recipe once through the CLI, exactly as ``make
+demo`` runs it (its report, JSON and PNG), and two steps of the smoke recipe on each other
+engine wire format (the default's own wire is proven by the default run, with the same
+invariants).
 
 Each run goes through partial resumes, stale retries (the smoke recipe's staleness 0
 makes step 0's leftover group stale in step 1), two-turn trace sessions and R3 training,
@@ -51,8 +53,14 @@ REQUIRED = (
 )
 
 
-def _check_invariants(report: DemoReport) -> None:
-    assert report.steps == 2
+SMOKE_ROUTE_DIFF = 0.1
+"""Most routes a tiny smoke model's trainer may disagree on without replay."""
+DEFAULT_ROUTE_DIFF = 0.3
+"""The default recipe's model is scaled so that about 12% of routes differ."""
+
+
+def _check_invariants(report: DemoReport, steps: int, max_route_diff: float) -> None:
+    assert report.steps == steps
     assert report.routing_mismatches == 0
     assert report.routing_rows_replayed > 0
     assert (report.leaked_leases, report.leaked_bytes) == (0, 0)
@@ -65,7 +73,7 @@ def _check_invariants(report: DemoReport) -> None:
     # A packed forward that leaked attention across samples, or rows shifted by one,
     # would make the trainer's own routing disagree with the engine's almost everywhere.
     assert report.rows_compared > 0
-    assert report.route_diff_fraction_no_replay < 0.1
+    assert report.route_diff_fraction_no_replay < max_route_diff
     # The live drift (the library's meter inside the replayed training forward) and the
     # no-replay disagreement count the same rows, and agree exactly at the first MoE
     # layer: it sees the same hidden states either way (later layers may differ a little).
@@ -82,10 +90,10 @@ def _check_invariants(report: DemoReport) -> None:
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("name", WIRE_NAMES)
+@pytest.mark.parametrize("name", [n for n in WIRE_NAMES if n != recipe("default").wire])
 def test_two_steps_keep_every_invariant(name: str) -> None:
     report = run_demo(recipe("smoke").replace(wire=name, seed=1))
-    _check_invariants(report)
+    _check_invariants(report, steps=2, max_route_diff=SMOKE_ROUTE_DIFF)
     assert report.writes_per_payload is not None
     if wire(name).key_store:
         # The engine writes each answer's array (and its store a copy): counted apart.
@@ -248,6 +256,7 @@ def test_the_default_run_shows_what_the_r3_paper_shows(
     # The main job's own claims (issue: "the main job shows what the R3 paper shows"),
     # on the default recipe exactly as `make demo` runs it.
     report, _, _ = default_run
+    _check_invariants(report, steps=recipe("default").steps, max_route_diff=DEFAULT_ROUTE_DIFF)
     figures = {k: v for k, v in report.to_json().items() if k not in ("timeline", "r3")}
     assert report.ok, figures  # no mismatch, no leak, one write per payload
     assert (report.leaked_leases, report.leaked_bytes, report.failed_rollouts) == (0, 0, 0)
