@@ -10,6 +10,8 @@ import inspect
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from routeplay import __version__
 from routeplay.core import EngineKey, RouteSpec, StoreRef
@@ -84,6 +86,32 @@ def test_the_question_tells_an_old_routeplay_from_an_actor_without_one(
         check_answer(before, "here", "hint")
     with pytest.raises(ProtocolMismatch, match="found an actor that does not run routeplay"):
         check_answer(foreign, "here", "hint")
+
+
+ANSWERS = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
+    lambda inner: st.tuples(inner, inner) | st.lists(inner, max_size=3) | st.tuples(inner),
+    max_leaves=6,
+)
+
+
+@given(answer=ANSWERS)
+def test_any_answer_passes_only_as_this_protocol_or_is_refused_typed(answer: object) -> None:
+    """A peer's answer crosses a process boundary: whatever it is, the check raises
+    ``ProtocolMismatch`` (nothing else) unless it is exactly ``(PROTOCOL, version)``."""
+    try:
+        check_answer(answer, "here", "hint")
+    except ProtocolMismatch as refused:
+        message = str(refused)
+    else:
+        message = ""
+    if message:
+        assert "found " in message
+        return
+    assert isinstance(answer, tuple)
+    assert len(answer) == 2
+    assert type(answer[0]) is int
+    assert answer[0] == PROTOCOL
 
 
 def test_another_release_of_this_protocol_passes() -> None:

@@ -222,7 +222,7 @@ def test_the_two_faces_store_the_same_rows(face: str) -> None:
 
 
 @pytest.mark.parametrize("backend", [LocalBackend, RayBackend, FaultyBackend])
-def test_every_backend_has_every_call_of_the_protocol(backend: type) -> None:
+def test_every_backend_has_every_call_of_the_backend_interface(backend: type) -> None:
     """A backend missing a call fails only on the path that makes it (the fault wrapper
     once lacked ``ask_engines``: a rare lifecycle path raised AttributeError mid-release)."""
     calls = {name for name in vars(Backend) if not name.startswith("_")}

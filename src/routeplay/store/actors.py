@@ -31,7 +31,7 @@ from routeplay.store.ingest import Prepared, Validated, decide, fits, hand_over,
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
-from routeplay.store.protocol import ENGINE_STORE_HINT, ask_peers
+from routeplay.store.protocol import ask_engine_stores
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardApi
 from routeplay.store.writes import Part
@@ -302,9 +302,8 @@ class StoreShardShell(_Reaped):
         this shard); looked up and asked outside the lock."""
         with self._handles_lock:
             known = {where: self._engines[where] for where in wheres if where in self._engines}
-        found = {where: ray_calls.get_actor(*where) for where in wheres if where not in known}
-        asked = [(engine, ray_calls.actor_where(ns, name)) for (name, ns), engine in found.items()]
-        drive(ask_peers(asked, ENGINE_STORE_HINT, self._timeout_s), ray_calls.RAY)
+        unknown = [where for where in wheres if where not in known]
+        found = drive(ask_engine_stores(unknown, self._timeout_s), ray_calls.RAY)
         with self._handles_lock:
             for where, engine in found.items():
                 known[where] = self._engines.setdefault(where, engine)

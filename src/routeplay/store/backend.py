@@ -30,7 +30,7 @@ from routeplay.store.actors import StoreShardActor
 from routeplay.store.engine_store import EngineStore
 from routeplay.store.flow import Flow, Wait, drive
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
-from routeplay.store.protocol import ENGINE_STORE_HINT, SHARDS_HINT, ask_peers
+from routeplay.store.protocol import SHARDS_HINT, ask_engine_stores, ask_peers
 from routeplay.store.shard import StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardCall
 
@@ -239,12 +239,7 @@ class RayBackend:
         unasked = {(k.actor, k.namespace) for k in keys} - self._asked
         if not unasked:
             return
-        # Looked up afresh and kept only once they answer: after a refusal the user
-        # restarts the store (the hint), and the next ask must reach the new actor.
-        found = {where: ray_calls.get_actor(*where) for where in sorted(unasked)}
-        asked = [(engine, ray_calls.actor_where(ns, name)) for (name, ns), engine in found.items()]
-        yield from ask_peers(asked, ENGINE_STORE_HINT, self._timeout_s)
-        self._engines.update(found)
+        self._engines.update((yield from ask_engine_stores(unasked, self._timeout_s)))
         self._asked |= unasked
 
     def send_free_key(self, key: EngineKey, run: str) -> Any:

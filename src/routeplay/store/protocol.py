@@ -25,7 +25,7 @@ routeplay at all: both are refused, each named for what it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from routeplay import __version__
@@ -37,6 +37,7 @@ __all__ = [
     "ENGINE_STORE_HINT",
     "PROTOCOL",
     "SHARDS_HINT",
+    "ask_engine_stores",
     "ask_peers",
     "check_answer",
 ]
@@ -68,16 +69,32 @@ def ask_peers(peers: Sequence[tuple[Any, str]], hint: str, timeout_s: float) -> 
         asked = [(engine_store, "Ray actor lmdeploy/shared_store")]
         drive(ask_peers(asked, ENGINE_STORE_HINT, timeout_s=60.0), ray_calls.RAY)
     """
+    if not peers:
+        return
     for actor, where in peers:
         _refuse_other_kinds(actor, where, hint)
     question = _question()
     pending = [actor.__ray_call__.remote(question) for actor, _ in peers]
-    if not peers:
-        return
     what = f"{', '.join(where for _, where in peers)}: protocol"
     answers = yield from awaiting(pending, what, timeout_s=timeout_s)
     for (_, where), answer in zip(peers, answers, strict=True):
         check_answer(answer, where, hint)
+
+
+def ask_engine_stores(
+    wheres: Iterable[tuple[str, str]], timeout_s: float
+) -> Flow[dict[tuple[str, str], Any]]:
+    """Look up the engine stores ``(name, namespace)`` afresh and ask them all at once;
+    their handles once every one speaks this protocol (a caller caches only those: after
+    a refusal the user restarts the store, and the next ask must reach the new actor).
+
+    Example:
+        handles = drive(ask_engine_stores([("shared_store", "lmdeploy")], 60.0), ray_calls.RAY)
+    """
+    found = {where: ray_calls.get_actor(*where) for where in sorted(set(wheres))}
+    asked = [(engine, ray_calls.actor_where(ns, name)) for (name, ns), engine in found.items()]
+    yield from ask_peers(asked, ENGINE_STORE_HINT, timeout_s)
+    return found
 
 
 def check_answer(answer: object, where: str, hint: str) -> None:
