@@ -147,6 +147,7 @@ NEEDS: dict[str, frozenset[str]] = {
             "routeplay.engine.model",
             "routeplay.engine.requests",
             "routeplay.engine.server",
+            "routeplay.engine.wide_experts",
             "routeplay.integrations.megatron.drift",
             "routeplay.integrations.megatron.routers",
             "routeplay.integrations.megatron.session",
