@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,20 @@ def _still_works(foreign: Any) -> None:
     np.testing.assert_array_equal(ray.get(foreign.get.remote(key)), np.arange(6))
 
 
+def _kill_until_its_name_is_free(actor: Any, name: str, namespace: str) -> None:
+    """``ray.kill`` and wait until the name is released (the kill is asynchronous: until
+    then the name still resolves to the dying actor)."""
+    ray.kill(actor)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{namespace}/{name} still named 30 s after ray.kill")
+
+
 def test_a_foreign_shared_store_is_refused_and_left_alone() -> None:
     foreign = (
         ray.remote(num_cpus=0)(SharedStoreLookalike)
@@ -98,7 +113,7 @@ def test_a_foreign_shared_store_is_refused_and_left_alone() -> None:
     assert "ray.kill" in message  # and what to do
     _still_works(foreign)  # not joined, not replaced, not broken
     assert ray.get_actor("shared_store", namespace="lmdeploy")._actor_id == foreign._actor_id
-    ray.kill(foreign)
+    _kill_until_its_name_is_free(foreign, "shared_store", "lmdeploy")
     ours = start_engine_store()  # once the name is free, ours starts under it
     assert ray.get(ours.stats.remote()).live_keys == 0
     ray.kill(ours)

@@ -233,7 +233,10 @@ def _eventually_lost(lease: Lease) -> RoutesLost:
 def test_a_put_that_cannot_finish_times_out_with_a_clear_error() -> None:
     impatient = StoreConfig(run="run-timeout", timeout_s=0.5).build()
     slow = SlowWorker.remote(impatient)
-    with pytest.raises(StoreTimeout, match=r"did not hand over .* within 0\.5s"):
+    # The shard gives up on the hand-over after 0.5 s; on a loaded machine its answer can
+    # come after the client's own deadline for it (1 s): a timeout either way, named.
+    waited = r"did not hand over .* within 0\.5s|adopt .* expected an answer within 1\.0s"
+    with pytest.raises(StoreTimeout, match=waited):
         ray.get(slow.produce.remote(100, seed=11))
     assert impatient.stats().live_payloads == 0  # nothing half-adopted
     impatient.shutdown()

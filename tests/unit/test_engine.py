@@ -418,3 +418,31 @@ def test_a_repeated_prompt_reuses_its_prefill_exactly_and_new_weights_do_not() -
     after, expected = (e.generate(prompt, max_new_tokens=2, seed=3) for e in (cached, fresh))
     np.testing.assert_array_equal(after.routing, expected.routing)
     assert not np.array_equal(after.routing[: len(prompt)], first.routing[: len(prompt)])
+
+
+def test_a_prompt_extending_a_kept_one_computes_only_its_new_tokens() -> None:
+    # A session's next turn: the first prompt, its answer and a tool's output.
+    engine, fresh = ReferenceEngine(DEEPER), ReferenceEngine(DEEPER)
+    first = engine.generate(PROMPT, max_new_tokens=6, seed=1)
+    turn = PROMPT + list(first.token_ids) + [11, 12, 13, 14, 15]
+    second = engine.generate(turn, max_new_tokens=4, seed=2)
+    assert engine.stats().cached_prompt_tokens == len(PROMPT)
+    # Its first rows are the first request's prefill rows; the rest are one pass over the
+    # new tokens from the kept KV cache (a chunked prefill), then the decode.
+    np.testing.assert_array_equal(second.routing[: len(PROMPT)], first.routing[: len(PROMPT)])
+    new, fed = turn[len(PROMPT) :], list(second.token_ids[:-1])
+    rows = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=engine.model.config)
+        for step in [PROMPT, new] + [[token] for token in fed]:
+            with record(engine.model) as recorder:
+                engine.model(input_ids=torch.tensor([step]), cache=cache, use_cache=True)
+                rows.append(recorder.routes())
+    np.testing.assert_array_equal(second.routing, np.concatenate(rows))
+    # Another engine computes the whole prompt: same tokens asked, none cached.
+    alone = fresh.generate(turn, max_new_tokens=4, seed=2)
+    assert alone.routing.shape == second.routing.shape
+    assert fresh.stats().cached_prompt_tokens == 0
+    # A prompt that only shares a beginning with a kept one (not all of it) is computed.
+    engine.generate([*PROMPT[:-1], 63], max_new_tokens=2, seed=3)
+    assert engine.stats().cached_prompt_tokens == len(PROMPT)

@@ -15,16 +15,18 @@ from routeplay.engine.wide_experts import WIDE_EXPERTS, use_wide_experts  # noqa
 
 CONFIG = EngineConfig(hidden_size=64, num_layers=2, num_experts=16, top_k=4, seed=3)
 TOKENS = 48
+"""A prefill's tokens (4 x 48 pairs for 16 experts: all experts widened); a decode step
+has 1 (4 pairs: only its experts' weights widened)."""
 
 
 def _experts_and_inputs(
-    dtype: str,
+    dtype: str, tokens: int = TOKENS
 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
     model = build_model(CONFIG, dtype=dtype)
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(TOKENS, CONFIG.hidden_size, generator=gen).to(model.dtype)
-    logits = torch.randn(TOKENS, CONFIG.num_experts, generator=gen)
+    hidden = torch.randn(tokens, CONFIG.hidden_size, generator=gen).to(model.dtype)
+    logits = torch.randn(tokens, CONFIG.num_experts, generator=gen)
     weights, index = torch.softmax(logits, dim=-1).topk(CONFIG.top_k, dim=-1)
     return experts, hidden, index, (weights / weights.sum(-1, keepdim=True)).to(model.dtype)
 
@@ -48,8 +50,9 @@ def _by_hand(
     return out.to(half)
 
 
-def test_a_bf16_models_experts_are_the_float32_accumulation_written_out() -> None:
-    experts, hidden, index, weights = _experts_and_inputs("bfloat16")
+@pytest.mark.parametrize("tokens", [TOKENS, 1])
+def test_a_bf16_models_experts_are_the_float32_accumulation_written_out(tokens: int) -> None:
+    experts, hidden, index, weights = _experts_and_inputs("bfloat16", tokens)
     assert experts.config._experts_implementation == WIDE_EXPERTS
     with torch.no_grad():
         got = experts(hidden, index, weights)
@@ -76,8 +79,9 @@ def test_weights_loaded_later_count_at_the_next_call() -> None:
     torch.testing.assert_close(after.float(), expected.float(), rtol=2**-7, atol=1e-6)
 
 
-def test_gradients_reach_the_bf16_parameters() -> None:
-    experts, hidden, index, weights = _experts_and_inputs("bfloat16")
+@pytest.mark.parametrize("tokens", [TOKENS, 1])
+def test_gradients_reach_the_bf16_parameters(tokens: int) -> None:
+    experts, hidden, index, weights = _experts_and_inputs("bfloat16", tokens)
     hidden.requires_grad_(True)
     experts(hidden, index, weights).float().square().sum().backward()
     for param in (experts.gate_up_proj, experts.down_proj):

@@ -19,7 +19,10 @@ Prefix caching, as vLLM and SGLang do it: the prefill of a prompt seen again und
 same weights (the members of a GRPO group, a retried sample) is not recomputed. Its KV
 cache, last logits and routing rows are kept for the last few prompts, so a repeated
 prompt's routing rows are the first request's, exactly, as an engine with a prefix cache
-returns them.
+returns them. A prompt that extends a kept one under the same weights (a session's next
+turn: the last prompt, its answer and a tool's output) computes only its new tokens,
+from the kept KV cache: its first rows are the earlier request's, the rest come from that
+one pass (``EngineStats.cached_prompt_tokens`` counts the tokens not computed).
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ class EngineStats:
     """Requests served."""
     prompt_tokens: int
     """Prompt tokens processed, summed over requests."""
+    cached_prompt_tokens: int
+    """Of those, the tokens whose prefill came from the prefix cache (not computed), as
+    OpenAI's ``usage.prompt_tokens_details.cached_tokens`` counts them."""
     completion_tokens: int
     """Tokens generated, summed over requests."""
     full_forward_divergent_rows: int | None
@@ -111,6 +117,7 @@ class ReferenceEngine:
         self._lock = threading.Lock()
         self._weight_version = 0
         self._generations = self._prompt_tokens = self._completion_tokens = 0
+        self._cached_tokens = 0
         self._divergent: int | None = 0 if compare_full_forward else None
         # (weight version, prompt) -> the prefill's KV cache, last logits, routing rows
         self._prefills: OrderedDict[tuple[int, tuple[int, ...]], _Prefill] = OrderedDict()
@@ -210,6 +217,7 @@ class ReferenceEngine:
             return EngineStats(
                 generations=self._generations,
                 prompt_tokens=self._prompt_tokens,
+                cached_prompt_tokens=self._cached_tokens,
                 completion_tokens=self._completion_tokens,
                 full_forward_divergent_rows=self._divergent,
                 weight_version=self._weight_version,
@@ -255,24 +263,44 @@ class ReferenceEngine:
         return tokens, logprobs, finish, np.concatenate([prefill.routing, decoded])
 
     def _prefill(self, prompt: list[int]) -> _Prefill:
-        """The prompt's prefill, from the prefix cache or computed (and kept)."""
+        """The prompt's prefill, from the prefix cache or computed (and kept): a prompt
+        that extends a kept one (a later turn, a resume) computes only its new tokens."""
         key = (self._weight_version, tuple(prompt))
         kept = self._prefills.get(key)
         if kept is not None:
             self._prefills.move_to_end(key)
+            self._cached_tokens += len(prompt)
             return kept
-        model = self._model
+        model, prefix = self._model, self._longest_kept_prefix(key)
+        cache = DynamicCache(config=model.config) if prefix is None else copy.deepcopy(prefix.cache)
+        done = 0 if prefix is None else prefix.routing.shape[0]
+        self._cached_tokens += done
         with record(model) as recorder:
-            cache = DynamicCache(config=model.config)
-            prompt_ids = torch.tensor([prompt], dtype=torch.long)
-            out = model(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            new = torch.tensor([prompt[done:]], dtype=torch.long)
+            out = model(input_ids=new, cache=cache, use_cache=True, logits_to_keep=1)
             routing = recorder.routes()
+        if prefix is not None:  # the kept rows, as the first request's pass chose them
+            routing = np.concatenate([prefix.routing, routing])
         routing.setflags(write=False)
         kept = _Prefill(cache=cache, logits=out.logits[0, -1].float(), routing=routing)
         self._prefills[key] = kept
         while len(self._prefills) > _PREFIXES_KEPT:
             self._prefills.popitem(last=False)
         return kept
+
+    def _longest_kept_prefix(self, key: tuple[int, tuple[int, ...]]) -> _Prefill | None:
+        """The kept prefill of the longest prompt that ``key``'s prompt starts with (same
+        weights), as an engine's prefix cache finds it; None when there is none."""
+        version, prompt = key
+        best: tuple[int, ...] = ()
+        for kept_version, kept_prompt in self._prefills:
+            longer = len(best) < len(kept_prompt) < len(prompt)
+            if kept_version == version and longer and prompt[: len(kept_prompt)] == kept_prompt:
+                best = kept_prompt
+        if not best:
+            return None
+        self._prefills.move_to_end((version, best))
+        return self._prefills[(version, best)]
 
     def _full_forward_routing(self, ids: list[int]) -> npt.NDArray[np.unsignedinteger]:
         with torch.inference_mode(), record(self._model) as recorder:
