@@ -102,6 +102,8 @@ def main() -> None:
         "benchmark": "engine-experts",
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "decode_tokens": args.decode,
+        "torch_threads": torch.get_num_threads(),
         "model": {
             "layers": config.num_layers,
             "experts": config.num_experts,

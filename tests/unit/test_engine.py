@@ -425,8 +425,18 @@ def test_a_prompt_extending_a_kept_one_computes_only_its_new_tokens() -> None:
     engine, fresh = ReferenceEngine(DEEPER), ReferenceEngine(DEEPER)
     first = engine.generate(PROMPT, max_new_tokens=6, seed=1)
     turn = PROMPT + list(first.token_ids) + [11, 12, 13, 14, 15]
+    fed_lengths: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _, args, kwargs: fed_lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     second = engine.generate(turn, max_new_tokens=4, seed=2)
+    hook.remove()
+    assert fed_lengths == [len(turn) - len(PROMPT), 1, 1, 1]  # the new tokens, then decode
     assert engine.stats().cached_prompt_tokens == len(PROMPT)
+    # The kept prefill was extended on a copy: the first prompt is served as before.
+    again = engine.generate(PROMPT, max_new_tokens=6, seed=1)
+    assert (again.token_ids, again.logprobs) == (first.token_ids, first.logprobs)
+    np.testing.assert_array_equal(again.routing, first.routing)
     # Its first rows are the first request's prefill rows; the rest are one pass over the
     # new tokens from the kept KV cache (a chunked prefill), then the decode.
     np.testing.assert_array_equal(second.routing[: len(PROMPT)], first.routing[: len(PROMPT)])
@@ -445,4 +455,4 @@ def test_a_prompt_extending_a_kept_one_computes_only_its_new_tokens() -> None:
     assert fresh.stats().cached_prompt_tokens == 0
     # A prompt that only shares a beginning with a kept one (not all of it) is computed.
     engine.generate([*PROMPT[:-1], 63], max_new_tokens=2, seed=3)
-    assert engine.stats().cached_prompt_tokens == len(PROMPT)
+    assert engine.stats().cached_prompt_tokens == 2 * len(PROMPT)  # the repeat above only

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from routeplay.engine import EngineConfig, build_model  # noqa: E402
 from routeplay.engine.wide_experts import WIDE_EXPERTS, use_wide_experts  # noqa: E402
@@ -93,18 +93,35 @@ def test_gradients_reach_the_bf16_parameters(tokens: int) -> None:
     assert hidden.grad.abs().sum() > 0
 
 
-def test_float32_models_keep_transformers_default_and_other_families_take_it_too() -> None:
+def test_float32_models_keep_transformers_default_and_fp16_and_mixtral_take_it_too() -> None:
     assert build_model(CONFIG, dtype="float32").config._experts_implementation != WIDE_EXPERTS
+    experts, hidden, index, weights = _experts_and_inputs("float16")
+    assert experts.config._experts_implementation == WIDE_EXPERTS
+    with torch.no_grad():
+        got, expected = experts(hidden, index, weights), _by_hand(experts, hidden, index, weights)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-10, atol=1e-6)
     mixtral = build_model(EngineConfig(model_type="mixtral", hidden_size=32, vocab_size=64))
     assert mixtral.config._experts_implementation == WIDE_EXPERTS
-    assert use_wide_experts(mixtral)  # registering twice is harmless
+    experts = mixtral.model.layers[0].mlp.experts
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    index = torch.tensor([[0, 1]] * 5)
+    weights = torch.full((5, 2), 0.5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, expected = experts(hidden, index, weights), _by_hand(experts, hidden, index, weights)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
 
 
-def test_a_model_without_an_experts_interface_is_left_as_it_is() -> None:
-    class Plain(torch.nn.Module):
-        def set_experts_implementation(self, name: str) -> None:
-            raise ValueError(
-                f"{type(self).__name__} does not support setting experts implementation."
-            )
-
-    assert not use_wide_experts(Plain())  # type: ignore[arg-type]
+def test_a_dense_model_is_left_as_it_is() -> None:
+    dense = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        )
+    )
+    assert not use_wide_experts(dense)
+    assert dense.config._experts_implementation != WIDE_EXPERTS

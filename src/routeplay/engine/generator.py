@@ -22,7 +22,8 @@ prompt's routing rows are the first request's, exactly, as an engine with a pref
 returns them. A prompt that extends a kept one under the same weights (a session's next
 turn: the last prompt, its answer and a tool's output) computes only its new tokens,
 from the kept KV cache: its first rows are the earlier request's, the rest come from that
-one pass (``EngineStats.cached_prompt_tokens`` counts the tokens not computed).
+one pass (``EngineStats.cached_prompt_tokens`` counts the tokens not computed), so what
+a request returns can depend on what the engine still keeps, as in vLLM and SGLang.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class EngineStats:
     prompt_tokens: int
     """Prompt tokens processed, summed over requests."""
     cached_prompt_tokens: int
-    """Of those, the tokens whose prefill came from the prefix cache (not computed), as
-    OpenAI's ``usage.prompt_tokens_details.cached_tokens`` counts them."""
+    """Of those, the tokens whose prefill came from the prefix cache (not computed), like
+    OpenAI's ``usage.prompt_tokens_details.cached_tokens`` (counted here per token)."""
     completion_tokens: int
     """Tokens generated, summed over requests."""
     full_forward_divergent_rows: int | None
@@ -155,7 +156,10 @@ class ReferenceEngine:
         """Sample up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
         Sampling draws from a ``torch.Generator`` seeded with ``seed`` (``temperature`` 0 is
-        greedy), so a request is reproducible for given weights. ``stop_after`` interrupts
+        greedy), so a request is reproducible for given weights and the same prefix-cache
+        content: a prompt that extends a kept one is prefilled in two passes, whose bf16
+        numbers can pick other experts or tokens at near-ties than one pass would, as in
+        an engine with prefix caching. ``stop_after`` interrupts
         after that many tokens with finish reason ``"abort"`` (a partial rollout to resume
         later); ``eos_id`` (one id or several) ends it with ``"stop"``.
         """
@@ -273,7 +277,7 @@ class ReferenceEngine:
             return kept
         model, prefix = self._model, self._longest_kept_prefix(key)
         cache = DynamicCache(config=model.config) if prefix is None else copy.deepcopy(prefix.cache)
-        done = 0 if prefix is None else prefix.routing.shape[0]
+        done = 0 if prefix is None else prefix.routing.shape[0]  # one row per kept token
         self._cached_tokens += done
         with record(model) as recorder:
             new = torch.tensor([prompt[done:]], dtype=torch.long)

@@ -127,7 +127,7 @@ def build_model(config: EngineConfig, *, dtype: str | None = None) -> PreTrained
     torch.nn.Module.to(model, target)
     torch.nn.Module.train(model, False)  # eval mode
     if target in (torch.bfloat16, torch.float16):
-        use_wide_experts(model)  # an engine's MoE kernel: float32 accumulation, 2-4x faster
+        use_wide_experts(model)  # as an engine's MoE kernel: float32 accumulation, 2x faster
     return model
 
 
