@@ -543,7 +543,15 @@ validation (about 25 ms for 32k tokens of Qwen3-235B) is shorter than the time b
 an engine's samples. Only the step's last payload is validated while the step runs, and
 its one core leaves the others to the adopter's calls and the transfer (measured on the
 bench's 2-core cluster, 12 paired steps each: the adopted-key step took 31 ms beyond
-Ray's own fetch floor, against 45 ms with every core validating)."""
+Ray's own fetch floor, against 45 ms with every core validating).
+
+Priority: Ray starts workers at niceness 15 (its ``worker_niceness``) and raylets at 0,
+so while a step's transfer runs, the raylets take the cores and every actor of the step
+waits: traced on the bench's cluster, the last payload's validation (about 25 ms on an
+idle core) took 70-180 ms, and a trainer rank's copy of one 6 MB block up to 118 ms.
+Raising this validator to the raylets' niceness did not shorten the step (20
+alternating pairs: 62 ms beyond Ray's fetch floor at niceness 0, 46 ms at 15), so it
+keeps Ray's."""
 
 
 class KeyValidatorShell:
