@@ -32,8 +32,10 @@ from bodies import (
 )
 
 from routeplay.cli.main import main
+from routeplay.cli.options import _wire_name
 from routeplay.core import RouteSpec, preset
 from routeplay.core.formats import sglang, vllm
+from routeplay.core.wires import WIRE_NAMES
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2
 
@@ -449,3 +451,19 @@ def test_a_body_that_is_not_utf8_is_refused(
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["error"] == "MalformedPayload"
     assert "UTF-8" in report["message"]
+
+
+@pytest.mark.parametrize("command", ["demo", "soak"])
+def test_an_unknown_engine_format_is_a_usage_error_that_lists_the_wires(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Refused while parsing: nothing of the command runs (no Ray, no model).
+    status, out, err = run_cli(capsys, command, "--engine-format", "tgi")
+    assert status == EXIT_USAGE
+    assert "'tgi' is not one of" in err
+    assert all(name in err for name in WIRE_NAMES)
+    assert out == ""
+
+
+def test_every_registered_wire_name_is_an_engine_format() -> None:
+    assert [_wire_name(name) for name in WIRE_NAMES] == list(WIRE_NAMES)
