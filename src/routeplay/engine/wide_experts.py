@@ -20,7 +20,7 @@ for a decode step (no more (token, expert) pairs than experts) its
 ``batched_mm_experts_forward`` on float32 copies of only the chosen experts' weights.
 A family whose experts do not take an implementation keeps its own. A bf16 trainer gets
 them too (its experts then compute as the engine's do); autograd keeps each layer's
-float32 copies until the backward, which at the demo's sizes is a few MB.
+float32 copies until the backward: 3 MiB a layer at the demo's sizes, 72 MiB over its 24.
 
 Example:
     >>> model = build_model(EngineConfig(), dtype="bfloat16")  # calls use_wide_experts

@@ -547,8 +547,9 @@ Ray's own fetch floor, against 45 ms with every core validating).
 
 Priority: Ray starts workers at niceness 15 (its ``worker_niceness``) and raylets at 0,
 so while a step's transfer runs, the raylets take the cores and every actor of the step
-waits: traced on the bench's cluster, the last payload's validation (about 25 ms on an
-idle core) took 70-180 ms, and a trainer rank's copy of one 6 MB block up to 118 ms.
+waits: traced on the bench's cluster, the last payload's validation (21 ms on an
+idle core) took 70-180 ms, and a trainer rank took up to 118 ms to copy its 6 MB of
+rows out of one block that had arrived.
 Raising this validator to the raylets' niceness did not shorten the step (20
 alternating pairs: 62 ms beyond Ray's fetch floor at niceness 0, 46 ms at 15), so it
 keeps Ray's."""
