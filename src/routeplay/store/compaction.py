@@ -15,7 +15,9 @@ whose rows already lie in one payload is kept as it is (nothing is copied twice)
 so are the leading payloads of a section that each hold more rows than the rest after
 them (an earlier compaction's: a long session compacted again copies its
 rows since then, so a row is copied O(log rows) times over the session's life); every
-other section is copied. A copied section keeps each row's weight version as a
+other section is copied where that lowers the payloads a reader fetches (a section
+between two branch points inside kept payloads may have no payload of its own to
+remove: copying it would add one). A copied section keeps each row's weight version as a
 **run table**: one segment over the new payload per run of equal versions
 (``version_runs``).
 
@@ -203,11 +205,12 @@ def plan_compaction(handles: Sequence[Handle]) -> CompactionPlan:
                 order[id(node)].append(len(sections))
                 copied.extend([len(sections)] if copy else [])
                 sections.append(part)
+    leaves = tuple(tuple(i for n in paths[leaf] for i in order[id(n)]) for leaf in paths)
     return CompactionPlan(
         spec=spec,
         sections=tuple(sections),
-        copied=tuple(copied),
-        leaves=tuple(tuple(i for n in paths[leaf] for i in order[id(n)]) for leaf in paths),
+        copied=_fewer_payloads(sections, copied, leaves),
+        leaves=leaves,
         handles=tuple(
             (leaf_at[id(ends[i].leaf)], handles[i].rows) if i in ends else (-1, 0)
             for i in range(len(handles))
@@ -254,6 +257,32 @@ def _worth_copying(edge: tuple[Segment, ...]) -> bool:
     never copied: a key is consumed by its one read, inline rows cost no fetch)."""
     sources = {seg.source for seg in edge}
     return len(sources) > 1 and all(isinstance(s, StoreRef) for s in sources)
+
+
+def _fewer_payloads(
+    sections: Sequence[tuple[Segment, ...]], copied: Sequence[int], leaves: Sequence[Sequence[int]]
+) -> tuple[int, ...]:
+    """The copies that lower the payloads a reader fetches. A copy replaces its section's
+    payloads by one new payload, but a payload that a kept section still references
+    stays: a section cut between two kept neighbours' payloads (a branch point inside
+    them) would remove none and add one. So a copy stays only where no leaf ends with
+    more payloads and one with fewer, and the session as a whole loses one; dropping a
+    copy can make another useless, hence the loop."""
+    sources = [{seg.source for seg in section} for section in sections]
+    chosen = list(copied)
+
+    def lowers(index: int) -> bool:
+        def kept(among: Sequence[int]) -> set[Source]:
+            return {source for j in among if j not in chosen for source in sources[j]}
+
+        if not sources[index] - kept(range(len(sections))):
+            return False
+        gains = [len(sources[index] - kept(path)) for path in leaves if index in path]
+        return min(gains) >= 1 and max(gains) >= 2
+
+    while useless := [i for i in chosen if not lowers(i)]:
+        chosen.remove(useless[0])
+    return tuple(chosen)
 
 
 def _key(segment: Segment, offset: int = 0) -> _RowKey:
