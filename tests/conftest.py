@@ -33,6 +33,7 @@ settings.register_profile("ci", parent=settings.get_profile("routeplay"), derand
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "routeplay"))
 
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+COVERAGE_SAVE_EVERY_S = 0.5  # tests/coverage_startup/sitecustomize.py's SAVE_EVERY_S
 SETTLE_S = 60.0  # an earlier module's job and actors end asynchronously (2 busy CPUs)
 
 
@@ -64,8 +65,17 @@ def ray_local(request: pytest.FixtureRequest, ray_cluster: str) -> Iterator[None
         _wait_until_alone()
         yield
     finally:
+        _let_workers_save_coverage()
         _end_named_actors()
         ray.shutdown()
+
+
+def _let_workers_save_coverage() -> None:
+    """Under `make coverage`, a Ray worker saves its coverage every half second
+    (tests/coverage_startup), and the module's end kills its workers: wait for one save
+    after the module's last test."""
+    if os.environ.get("COVERAGE_PROCESS_CONFIG"):
+        time.sleep(COVERAGE_SAVE_EVERY_S + 0.1)
 
 
 def _wait_until_alone() -> None:
