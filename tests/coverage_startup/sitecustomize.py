@@ -7,7 +7,8 @@ worker seldom exits: the actors of a job that ends, and actors killed by `ray.ki
 through Ray's C++ quick exit, and an actor stopped with its node gets a SIGTERM whose handler
 Ray replaces with its own. So a Ray worker that coverage measures saves its data every half
 second and before any SIGTERM handler runs; at most the last half second of a killed worker
-goes unmeasured.
+goes unmeasured. And the methods of a threaded actor (the store's shards) run on threads
+that Ray's C++ core starts, which coverage would not trace at all.
 """
 
 import atexit
@@ -60,10 +61,34 @@ def _save_before_sigterm(cov: coverage.Coverage) -> None:
     signal.signal = set_handler_saving_first
 
 
+def _trace_threads_ray_starts(cov: coverage.Coverage) -> None:
+    """A threaded actor's methods run on threads Ray's C++ core starts, which coverage
+    (it reaches new threads through `threading.settrace`) never sees: the executor Ray
+    wraps each actor method in installs coverage's tracer on such a thread first."""
+    from ray._private.function_manager import FunctionActorManager
+
+    make_executor = FunctionActorManager._make_actor_method_executor
+    install_tracer = cov._collector._installation_trace  # what threading.settrace gets
+
+    def make_tracing_executor(self, method_name, method):
+        executor = make_executor(self, method_name, method)
+
+        def tracing_executor(*args, **kwargs):
+            if sys.gettrace() is None:
+                sys.settrace(install_tracer)
+            return executor(*args, **kwargs)
+
+        tracing_executor.name, tracing_executor.method = executor.name, executor.method
+        return tracing_executor
+
+    FunctionActorManager._make_actor_method_executor = make_tracing_executor
+
+
 def _keep_ray_worker_coverage() -> None:
     cov = coverage.Coverage.current()
     if cov is None or not sys.argv or not sys.argv[0].endswith(RAY_WORKER_MAIN):
         return
+    _trace_threads_ray_starts(cov)
     _save_before_sigterm(cov)
     atexit.register(_leave_the_exit_save_to_coverage)
     threading.Thread(target=_save_periodically, args=(cov,), daemon=True).start()
