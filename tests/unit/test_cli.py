@@ -467,3 +467,29 @@ def test_an_unknown_engine_format_is_a_usage_error_that_lists_the_wires(
 
 def test_every_registered_wire_name_is_an_engine_format() -> None:
     assert [_wire_name(name) for name in WIRE_NAMES] == list(WIRE_NAMES)
+
+
+def test_an_unknown_trainer_dtype_is_a_usage_error_that_lists_the_dtypes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, err = run_cli(capsys, "demo", "--trainer-dtype", "fp8")
+    assert status == EXIT_USAGE
+    assert "'fp8' is not one of fp32, float32, bf16, bfloat16" in err
+    assert out == ""
+
+
+def test_an_unknown_demo_recipe_is_a_usage_error_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, err = run_cli(capsys, "demo", "--recipe", "huge")
+    assert status == EXIT_USAGE
+    assert "usage error: unknown demo recipe" in err
+    assert "default" in err  # the recipes it knows
+    assert out == ""
+
+
+def test_bench_refuses_quick_and_smoke_together(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(capsys, "bench", "--quick", "--smoke")
+    assert status == EXIT_USAGE
+    assert "--quick and --smoke exclude each other" in err
+    assert out == ""

@@ -3,6 +3,7 @@ the training-batch hand-off and buffer checkpoints, on the in-process store."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from routeplay.rollout import (
     load_buffer,
     save_buffer,
 )
+from routeplay.rollout.state import release_states
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.shard_api import ShardApi, shard_call
 
@@ -65,6 +67,26 @@ def test_dense_and_missing_routing_are_distinguishable() -> None:
     moe = RolloutState(sample_id="m", group_id="g", prompt_ids=(1,))
     assert not dense.routing_missing
     assert moe.routing_missing
+
+
+def test_a_dense_state_refuses_routing_whichever_way_it_comes(store: RouteStore) -> None:
+    moe = sample(store, "m", "g", version=0)
+    dense = RolloutState(
+        sample_id="m", group_id="g", prompt_ids=(1,), routing_kind=RoutingKind.DENSE
+    )
+    handle = moe.routing
+    assert handle is not None
+    with pytest.raises(MisuseError, match="dense"):
+        dense.with_routing(handle, store.acquire(handle, "rollout/dense"), Origin.PRODUCED)
+    with pytest.raises(MisuseError, match="dense"):
+        dense.with_sample_routing(moe.sample_routing)  # the containers' way in
+    with pytest.raises(MisuseError, match="dense"):
+        dataclasses.replace(moe, routing_kind=RoutingKind.DENSE)  # built with routing
+    with pytest.raises(MisuseError, match="belongs to that sample"):
+        moe.with_sample_routing(dataclasses.replace(moe.sample_routing, sample_id="other"))
+    store.revoke_holder("rollout/dense")  # the lease with_routing refused to take over
+    moe.release()
+    assert store.leaks() == []
 
 
 def test_reset_is_pure_and_refuses_to_drop_a_live_lease(store: RouteStore) -> None:
@@ -265,6 +287,23 @@ def test_a_failed_release_leaves_a_resettable_state_that_still_names_the_lease(
     backend.heal()
     done = retry.release()  # retries the stuck lease
     assert (done.stuck, done.unreleased) == (False, ())
+    assert store.leaks() == []
+    assert store.stats().live_payloads == 0
+
+
+def test_release_states_ends_every_lease_it_can_and_returns_the_ones_it_could_not(
+    faulty: tuple[RouteStore, FaultyBackend],
+) -> None:
+    store, backend = faulty
+    states = [sample(store, sid, "g", version=0, seed=i) for i, sid in enumerate("abc")]
+    backend.lose_releases(states[1].lease)  # type: ignore[arg-type]
+    failed, errors = release_states(states)
+    assert [f.sample_id for f in failed] == ["b"]
+    assert [type(e) for e in errors] == [RoutesLost]
+    assert (failed[0].holds_lease, failed[0].stuck) == (False, True)
+    assert holders(store) == {"rollout/b": 1}  # a and c ended, b's still counted
+    backend.heal()
+    assert release_states(failed) == ([], [])  # retried: the stuck lease ends
     assert store.leaks() == []
     assert store.stats().live_payloads == 0
 

@@ -1,0 +1,65 @@
+"""The bench's report read back from a committed full run: the goals the closing notes
+quote follow from the run's own figures, the tables show them, and the plot is drawn
+(the smoke runs in the suite have no Qwen3-235B/SP=4 workload and no scaling curves)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from routeplay.bench.report import goals, scaling_table, sessions_table, workload_table, write_plot
+
+FULL_RUN = Path(__file__).parents[2] / "benchmarks/results/data-path_full_vm_2026-12-05T0628Z.json"
+HEADLINE = "qwen3-235b-a22b/32k/x8/sp4"
+
+
+@pytest.fixture(scope="module")
+def run() -> dict[str, Any]:
+    document = json.loads(FULL_RUN.read_text(encoding="utf-8"))
+    document["recorded_goals"] = document.pop("goals")
+    return document
+
+
+def test_the_headline_goals_are_the_ratios_of_the_largest_235b_sp4_workload(
+    run: dict[str, Any],
+) -> None:
+    derived = goals(run)
+    w = next(w for w in run["workloads"] if w["name"] == HEADLINE)
+    by_path = w["limit"]["by_path"]
+    assert derived["headline_workload"] == HEADLINE  # the 32k one, not the 8k one
+    assert derived["adopt_over_limit"] == round(w["adopt_ms"] / by_path["adopt"], 2) == 1.49
+    assert derived["producer_over_limit"] == round(w["routeplay_ms"] / by_path["producer"], 2)
+    assert derived["eager_over_adopt"] == round(w["eager_ms"] / w["adopt_ms"], 2) == 8.61
+    # the limit is bounded by the bare floor's best run, so its median is at least 1x
+    assert derived["bare_ray_fetch_over_limit"] >= 1
+    assert derived["headline_cpu"]["cores"] == run["host_cores"] == 2
+    assert derived == run["recorded_goals"]  # a stored run reads back to the same goals
+
+
+def test_the_tables_show_the_headline_the_scaling_and_the_sessions(
+    run: dict[str, Any],
+) -> None:
+    console = Console(width=400, record=True, file=io.StringIO())
+    for table in (workload_table(run), scaling_table(run), sessions_table(run)):
+        console.print(table)
+    text = console.export_text()
+    [headline] = [line for line in text.splitlines() if HEADLINE in line]
+    assert "1.49x" in headline  # adopt over its limit
+    assert "compacted to 1 segment(s)" in text  # the 1,000-segment handle, compacted
+    assert "lmdeploy-key/session" in text
+
+
+def test_the_plot_has_the_scaling_curves_and_the_compacted_segments(
+    run: dict[str, Any], tmp_path: Path
+) -> None:
+    path = write_plot(run, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    unmeasured = {**run, "scaling": {key: [] for key in run["scaling"]}}
+    empty = write_plot(unmeasured, tmp_path / "empty.png")
+    # the curves are drawn: the run's figure holds twice the pixels' worth of an empty one
+    assert path.stat().st_size > 2 * empty.stat().st_size
