@@ -38,7 +38,7 @@ rule that keeps compaction kill-safe (see docs/compaction.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -266,23 +266,38 @@ def _fewer_payloads(
     payloads by one new payload, but a payload that a kept section still references
     stays: a section cut between two kept neighbours' payloads (a branch point inside
     them) would remove none and add one. So a copy stays only where no leaf ends with
-    more payloads and one with fewer, and the session as a whole loses one; dropping a
-    copy can make another useless, hence the loop."""
+    more payloads and one with fewer, and the session as a whole loses one. Dropping a
+    copy only makes the others remove less, so the useless ones are dropped together
+    until none is left."""
     sources = [{seg.source for seg in section} for section in sections]
-    chosen = list(copied)
+    through: dict[int, list[int]] = {}  # section -> the leaves whose path holds it
+    for at, path in enumerate(leaves):
+        for i in path:
+            through.setdefault(i, []).append(at)
+    chosen = set(copied)
+    while useless := _useless_copies(sources, leaves, through, chosen):
+        chosen -= useless
+    return tuple(i for i in copied if i in chosen)
 
-    def lowers(index: int) -> bool:
-        def kept(among: Sequence[int]) -> set[Source]:
-            return {source for j in among if j not in chosen for source in sources[j]}
 
-        if not sources[index] - kept(range(len(sections))):
-            return False
-        gains = [len(sources[index] - kept(path)) for path in leaves if index in path]
-        return min(gains) >= 1 and max(gains) >= 2
+def _useless_copies(
+    sources: Sequence[set[Source]],
+    leaves: Sequence[Sequence[int]],
+    through: dict[int, list[int]],
+    chosen: set[int],
+) -> set[int]:
+    """The copies in ``chosen`` that, the others made, would not lower the payloads."""
 
-    while useless := [i for i in chosen if not lowers(i)]:
-        chosen.remove(useless[0])
-    return tuple(chosen)
+    def kept(among: Iterable[int]) -> set[Source]:
+        return {source for j in among if j not in chosen for source in sources[j]}
+
+    session, per_leaf = kept(range(len(sources))), [kept(path) for path in leaves]
+
+    def lowers(i: int) -> bool:
+        gains = [len(sources[i] - per_leaf[at]) for at in through[i]]
+        return bool(sources[i] - session) and min(gains) >= 1 and max(gains) >= 2
+
+    return {i for i in chosen if not lowers(i)}
 
 
 def _key(segment: Segment, offset: int = 0) -> _RowKey:
