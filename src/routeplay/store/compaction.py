@@ -15,9 +15,10 @@ whose rows already lie in one payload is kept as it is (nothing is copied twice)
 so are the leading payloads of a section that each hold more rows than the rest after
 them (an earlier compaction's: a long session compacted again copies its
 rows since then, so a row is copied O(log rows) times over the session's life); every
-other section is copied where that lowers the payloads a reader fetches (a section
-between two branch points inside kept payloads may have no payload of its own to
-remove: copying it would add one). A copied section keeps each row's weight version as a
+other section is copied where that lowers the payloads a reader fetches
+(``routeplay.store.compaction_choice``: a section between two branch points inside kept
+payloads may have no payload of its own to remove, and copying it would add one). A
+copied section keeps each row's weight version as a
 **run table**: one segment over the new payload per run of equal versions
 (``version_runs``).
 
@@ -38,7 +39,7 @@ rule that keeps compaction kill-safe (see docs/compaction.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ from routeplay.core.handle import Handle, Segment, Source, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import SpecMismatch
+from routeplay.store.compaction_choice import paying_copies
 
 if TYPE_CHECKING:  # the client loads Ray; planning does not need it
     from routeplay.store.client import RouteStore
@@ -206,15 +208,16 @@ def plan_compaction(handles: Sequence[Handle]) -> CompactionPlan:
                 copied.extend([len(sections)] if copy else [])
                 sections.append(part)
     leaves = tuple(tuple(i for n in paths[leaf] for i in order[id(n)]) for leaf in paths)
+    held = tuple(
+        (leaf_at[id(ends[i].leaf)], handles[i].rows) if i in ends else (-1, 0)
+        for i in range(len(handles))
+    )
     return CompactionPlan(
         spec=spec,
         sections=tuple(sections),
-        copied=_fewer_payloads(sections, copied, leaves),
+        copied=paying_copies(sections, copied, leaves, held),
         leaves=leaves,
-        handles=tuple(
-            (leaf_at[id(ends[i].leaf)], handles[i].rows) if i in ends else (-1, 0)
-            for i in range(len(handles))
-        ),
+        handles=held,
     )
 
 
@@ -257,47 +260,6 @@ def _worth_copying(edge: tuple[Segment, ...]) -> bool:
     never copied: a key is consumed by its one read, inline rows cost no fetch)."""
     sources = {seg.source for seg in edge}
     return len(sources) > 1 and all(isinstance(s, StoreRef) for s in sources)
-
-
-def _fewer_payloads(
-    sections: Sequence[tuple[Segment, ...]], copied: Sequence[int], leaves: Sequence[Sequence[int]]
-) -> tuple[int, ...]:
-    """The copies that lower the payloads a reader fetches. A copy replaces its section's
-    payloads by one new payload, but a payload that a kept section still references
-    stays: a section cut between two kept neighbours' payloads (a branch point inside
-    them) would remove none and add one. So a copy stays only where no leaf ends with
-    more payloads and one with fewer, and the session as a whole loses one. Dropping a
-    copy only makes the others remove less, so the useless ones are dropped together
-    until none is left."""
-    sources = [{seg.source for seg in section} for section in sections]
-    through: dict[int, list[int]] = {}  # section -> the leaves whose path holds it
-    for at, path in enumerate(leaves):
-        for i in path:
-            through.setdefault(i, []).append(at)
-    chosen = set(copied)
-    while useless := _useless_copies(sources, leaves, through, chosen):
-        chosen -= useless
-    return tuple(i for i in copied if i in chosen)
-
-
-def _useless_copies(
-    sources: Sequence[set[Source]],
-    leaves: Sequence[Sequence[int]],
-    through: dict[int, list[int]],
-    chosen: set[int],
-) -> set[int]:
-    """The copies in ``chosen`` that, the others made, would not lower the payloads."""
-
-    def kept(among: Iterable[int]) -> set[Source]:
-        return {source for j in among if j not in chosen for source in sources[j]}
-
-    session, per_leaf = kept(range(len(sources))), [kept(path) for path in leaves]
-
-    def lowers(i: int) -> bool:
-        gains = [len(sources[i] - per_leaf[at]) for at in through[i]]
-        return bool(sources[i] - session) and min(gains) >= 1 and max(gains) >= 2
-
-    return {i for i in chosen if not lowers(i)}
 
 
 def _key(segment: Segment, offset: int = 0) -> _RowKey:
