@@ -20,6 +20,7 @@ import threading
 import coverage
 
 SAVE_EVERY_S = 0.5
+SIGTERM_WAIT_S = 1.0  # a save takes ~10 ms; the raylet kills 3 s after its SIGTERM
 RAY_WORKER_MAIN = os.path.join("ray", "_private", "workers", "default_worker.py")
 
 # One save at a time: coverage's data file (SQLite) is not shared between threads.
@@ -50,10 +51,15 @@ def _save_before_sigterm(cov: coverage.Coverage) -> None:
         inner = handler
 
         def save_then_handle(signum, frame):
-            with _saving:
-                _last_save_done.set()
-                cov.stop()
-                cov.save()
+            # This runs on the main thread, which may hold the lock itself (a SIGTERM
+            # during the exit hook): wait for a periodic save, never for ourselves.
+            if not _last_save_done.is_set() and _saving.acquire(timeout=SIGTERM_WAIT_S):
+                try:
+                    _last_save_done.set()  # a second SIGTERM goes straight to Ray's
+                    cov.stop()
+                    cov.save()
+                finally:
+                    _saving.release()
             return inner(signum, frame)
 
         return set_handler(signum, save_then_handle)
