@@ -9,10 +9,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pytest
 from rich.console import Console
 
-from routeplay.bench.report import goals, scaling_table, sessions_table, workload_table, write_plot
+from routeplay.bench.report import (
+    goals,
+    scaling_figure,
+    scaling_table,
+    sessions_table,
+    workload_table,
+    write_plot,
+)
 
 FULL_RUN = Path(__file__).parents[2] / "benchmarks/results/data-path_full_vm_2026-12-05T0628Z.json"
 HEADLINE = "qwen3-235b-a22b/32k/x8/sp4"
@@ -57,6 +65,19 @@ def test_the_tables_show_the_headline_the_scaling_and_the_sessions(
 def test_the_plot_has_the_scaling_curves_and_the_compacted_segments(
     run: dict[str, Any], tmp_path: Path
 ) -> None:
+    figure = scaling_figure(run)
+    tokens, _, segments = figure.axes
+    assert [line.get_label() for line in tokens.get_lines()] == [
+        "eager",
+        "producer",
+        "adopt",
+        "limit",
+    ]
+    compacted = next(line for line in segments.get_lines() if "compacted" in line.get_label())
+    points = run["scaling"]["segments_per_handle"]
+    assert list(compacted.get_xdata()) == [p["segments"] for p in points]
+    assert list(compacted.get_ydata()) == [p["compacted_overhead_ms"] for p in points]
+    plt.close(figure)
     path = write_plot(run, tmp_path / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     unmeasured = {**run, "scaling": {key: [] for key in run["scaling"]}}

@@ -31,7 +31,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -40,10 +40,14 @@ from rich.table import Table
 import routeplay
 from routeplay.bench.workloads import BenchConfig
 
+if TYPE_CHECKING:  # matplotlib loads only when a plot is drawn
+    from matplotlib.figure import Figure
+
 __all__ = [
     "below_limit",
     "goals",
     "results_stem",
+    "scaling_figure",
     "scaling_table",
     "sessions_table",
     "workload_table",
@@ -379,6 +383,22 @@ def below_limit(results: dict[str, Any]) -> list[str]:
 
 def write_plot(results: dict[str, Any], path: Path) -> Path:
     """Scaling plot: ms vs tokens per sample, vs samples per step, overhead vs segments."""
+    import matplotlib.pyplot as plt
+
+    fig = scaling_figure(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def scaling_figure(results: dict[str, Any]) -> Figure:
+    """``write_plot``'s figure (the caller closes it).
+
+    Example:
+        >>> figure = scaling_figure(results)  # doctest: +SKIP
+        >>> [line.get_label() for line in figure.axes[2].get_lines()]  # doctest: +SKIP
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -415,7 +435,4 @@ def write_plot(results: dict[str, Any], path: Path) -> Path:
     axes[2].axhline(10, linestyle="--", color="grey", label="goal: 10 ms")
     axes[2].legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

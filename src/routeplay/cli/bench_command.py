@@ -62,7 +62,9 @@ def bench_command(
 
     console = Console()
     if quick and smoke:
-        Console(stderr=True).print("usage error: --quick and --smoke exclude each other")
+        Console(stderr=True).print(
+            "usage error: --quick and --smoke exclude each other", markup=False, soft_wrap=True
+        )
         return EXIT_USAGE
     config = BenchConfig.smoke() if smoke else BenchConfig.quick() if quick else BenchConfig.full()
     if runs is not None:
