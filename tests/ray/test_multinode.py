@@ -124,7 +124,23 @@ def test_each_path_is_at_or_above_its_limit_a_lower_bound(results: dict[str, obj
         assert w["adopt_beyond_bare_ray_fetch_ms"] == pytest.approx(
             w["adopt"]["median_ms"] - w["bare_ray_fetch_ms"], abs=0.11
         )
+        assert w["adopt_read_beyond_bare_ray_fetch_ms"] == pytest.approx(
+            w["adopt"]["phases_ms"]["read"] - w["bare_ray_fetch_ms"], abs=0.11
+        )
     assert results["goals"]["below_limit"] == []  # type: ignore[index]
+
+
+def test_each_step_is_split_into_its_phases(results: dict[str, object]) -> None:
+    for w in results["workloads"]:  # type: ignore[attr-defined]
+        for path in ("eager", "producer", "adopt", "adopt_at_step"):
+            phases, step = w[path]["phases_ms"], w[path]["median_ms"]
+            assert set(phases) == {"outside_ranks", "acquire", "read"}
+            # One run each here: the phases of one step, the slowest rank's adding up
+            assert 0 < phases["read"] < step
+            assert 0 < phases["outside_ranks"] < step
+            assert phases["outside_ranks"] + phases["acquire"] + phases["read"] >= step - 0.2
+        assert w["eager"]["phases_ms"]["acquire"] == 0  # the eager path has no leases
+        assert w["adopt"]["phases_ms"]["acquire"] > 0
 
 
 def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:

@@ -4,6 +4,7 @@ quote follow from the run's own figures, the tables show them, and the plot is d
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from pathlib import Path
@@ -13,8 +14,10 @@ import matplotlib.pyplot as plt
 import pytest
 from rich.console import Console
 
+from routeplay.bench.measure import phases_ms
 from routeplay.bench.report import (
     goals,
+    phases_table,
     scaling_figure,
     scaling_table,
     sessions_table,
@@ -84,3 +87,38 @@ def test_the_plot_has_the_scaling_curves_and_the_compacted_segments(
     empty = write_plot(unmeasured, tmp_path / "empty.png")
     # the curves are drawn: the run's figure holds twice the pixels' worth of an empty one
     assert path.stat().st_size > 2 * empty.stat().st_size
+
+
+def test_a_steps_phases_are_its_slowest_ranks_and_what_lies_outside_them() -> None:
+    # rank 0 acquires longer, rank 1 reads longer and ends last (12 + 190 < 5 + 200)
+    reads = [(0, "", 0.012, 0.190), (0, "", 0.005, 0.200)]
+    assert phases_ms(0.25, reads) == {"outside_ranks": 45.0, "acquire": 12.0, "read": 200.0}
+
+
+def test_the_phases_table_and_goals_show_where_the_headline_step_went(
+    run: dict[str, Any],
+) -> None:
+    run = copy.deepcopy(run)  # the module's run stays as recorded
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(phases_table(run))  # an older file: no phases, no rows
+    assert HEADLINE not in console.export_text()
+    w = next(w for w in run["workloads"] if w["name"] == HEADLINE)
+    w["producer"]["phases_ms"] = {"outside_ranks": 21.5, "acquire": 8.25, "read": 230.0}
+    w["adopt"]["phases_ms"] = {"outside_ranks": 17.5, "acquire": 11.0, "read": 222.75}
+    w["adopt_read_beyond_bare_ray_fetch_ms"] = 4.9
+    console.print(phases_table(run))
+    rows = [line for line in console.export_text().splitlines() if HEADLINE in line]
+    assert len(rows) == 2
+    cells = [cell.strip() for cell in rows[1].split("│")[1:-1]]
+    assert cells == [
+        HEADLINE,
+        "adopt",
+        f"{w['adopt_ms']:.1f}",
+        "17.5",
+        "11.0",
+        "222.8",
+        f"{w['bare_ray_fetch_ms']:.1f} (fetch)",
+    ]
+    derived = goals(run)
+    assert derived["headline_phases_ms"]["adopt"]["read"] == 222.75
+    assert derived["adopt_read_beyond_bare_ray_fetch_ms"] == 4.9

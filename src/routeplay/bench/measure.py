@@ -27,7 +27,13 @@ from ray.cluster_utils import Cluster
 
 from routeplay.bench.host_cpu import busy_core_ms, cores
 from routeplay.bench.limit import Probes, beaten, tightened
-from routeplay.bench.roles import BenchEngine, BenchRank, BenchRollout, sample_routing
+from routeplay.bench.roles import (
+    BenchEngine,
+    BenchRank,
+    BenchRollout,
+    RankRead,
+    sample_routing,
+)
 from routeplay.bench.sessions import session_bytes
 from routeplay.bench.workloads import BenchConfig, Workload
 from routeplay.core import Handle, canonicalize, preset
@@ -39,7 +45,7 @@ from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
 
-__all__ = ["PATHS", "run_bench"]
+__all__ = ["PATHS", "phases_ms", "run_bench"]
 
 ROLES = ("head", "engine", "rollout", "trainer")
 PATHS = ("eager", "producer", "adopt")
@@ -164,13 +170,14 @@ class Bench:
             "validated_at_ingest": prepared,
             "bytes_pulled": created["trainer"],
             "created_by_node": created,
-            "peak_rank_bytes": max(peak for peak, _ in out),
-            "digests": [digest for _, digest in out],
+            "peak_rank_bytes": max(peak for peak, *_ in out),
+            "digests": [digest for _, digest, *_ in out],
+            "phases_ms": phases_ms(elapsed, out),
         }
 
     def _step(
         self, path: str, seed: int, keys: list[str], rows: list[int], check: bool
-    ) -> list[tuple[int, str]]:
+    ) -> list[RankRead]:
         """The timed part: the rollout worker's hop, then every rank's read. The hop's
         result goes to the ranks as a reference (Ray sends it on as it is made), as a
         trainer's controller would pass it, rather than through a ``ray.get`` here."""
@@ -206,6 +213,24 @@ class Bench:
         return {self.roles[n]: s.created_bytes for n, s in node_store_stats().items()}
 
 
+def phases_ms(elapsed_s: float, reads: list[RankRead]) -> dict[str, float]:
+    """Where one step's time went (ms): ``acquire`` and ``read``, the slowest rank's own
+    (each the most any rank spent on it), and ``outside_ranks``, the step less the
+    method of the rank that took longest: the rollout worker's hop (adoption, or the
+    producer's write), sending the calls to the ranks and their answers back.
+
+    Example:
+        phases_ms(0.25, [(0, "", 0.01, 0.2), (0, "", 0.012, 0.19)])
+        # {'outside_ranks': 40.0, 'acquire': 12.0, 'read': 200.0}
+    """
+    slowest = max(acquire + read for *_, acquire, read in reads)
+    return {
+        "outside_ranks": round(1e3 * (elapsed_s - slowest), 1),
+        "acquire": round(1e3 * max(acquire for *_, acquire, _ in reads), 1),
+        "read": round(1e3 * max(read for *_, read in reads), 1),
+    }
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     times = [r["ms"] for r in runs]
     last = runs[-1]
@@ -220,6 +245,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "validated_at_ingest": max(r["validated_at_ingest"] for r in runs),
         "created_by_node": last["created_by_node"],
         "peak_rank_bytes": max(r["peak_rank_bytes"] for r in runs),
+        "phases_ms": {
+            phase: round(statistics.median(r["phases_ms"][phase] for r in runs), 1)
+            for phase in runs[0]["phases_ms"]
+        },
     }
 
 
@@ -282,6 +311,9 @@ def measure_workload(
         "producer_beyond_bare_ray_ms": _median_difference(producer, bare),
         "bare_ray_fetch_ms": round(statistics.median(bare_fetch), 1),
         "adopt_beyond_bare_ray_fetch_ms": _median_difference(timed["adopt"], bare_fetch),
+        "adopt_read_beyond_bare_ray_fetch_ms": _median_difference(
+            timed["adopt"], bare_fetch, phase="read"
+        ),
         "producer_minus_bare_ray_medians_ms": round(
             per_path["producer"]["median_ms"] - statistics.median(bare), 1
         ),
@@ -313,9 +345,17 @@ def _paired(
     return timed, floors
 
 
-def _median_difference(runs: list[dict[str, Any]], floors: list[float]) -> float:
+def _median_difference(
+    runs: list[dict[str, Any]], floors: list[float], *, phase: str = ""
+) -> float:
+    """Median of the pairs' differences: each run's time (or its ``phase``) less the
+    floor run timed next to it."""
+
+    def timed(run: dict[str, Any]) -> float:
+        return float(run["phases_ms"][phase] if phase else run["ms"])
+
     pairs = zip(runs, floors, strict=True)
-    return round(statistics.median(float(run["ms"]) - floor for run, floor in pairs), 1)
+    return round(statistics.median(timed(run) - floor for run, floor in pairs), 1)
 
 
 def kill_all(actors: list[Any]) -> None:

@@ -16,6 +16,8 @@ from the route store, ``object_store_per_unique_row`` from Ray's raylets, ``segm
 ``payloads``), ``written_per_unique_row``, ``engine_side_per_unique_row``,
 ``compaction`` (``ms``, rows copied, bytes written), ``rows_exact`` and
 ``left_after_release``.
+Each routeplay path's figures carry ``phases_ms`` (``outside_ranks``, ``acquire``,
+``read``: where its steps went), shown by ``phases_table`` next to Ray's own floor.
 
 Example:
     path = write_results(results, config, Path("benchmarks/results"))
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # matplotlib loads only when a plot is drawn
 __all__ = [
     "below_limit",
     "goals",
+    "phases_table",
     "results_stem",
     "scaling_figure",
     "scaling_table",
@@ -110,6 +113,15 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "bare_ray_fetch: the same for the adopt path (the objects already on the "
                 "engine node, as validation at ingest leaves them; each rank ray.get + "
                 "copy), paired with the adopt runs: adopt_beyond_bare_ray_fetch_ms"
+            ),
+            "phases_ms": (
+                "per path, medians over its runs of where a step's time went: acquire and "
+                "read, the most any rank's own method spent on each (rank clock), and "
+                "outside_ranks, the step less the method of its slowest rank (the rollout "
+                "worker's hop: adoption or the producer's write; the calls to the ranks "
+                "and their answers); adopt_read_beyond_bare_ray_fetch_ms: the median of "
+                "the adopt runs' read phase less the bare_ray_fetch run paired with each "
+                "(what routeplay's read adds to Ray's own fetch and copy of the same objects)"
             ),
             "limit": (
                 "per path, best of >= 5 runs: the trainer node pulls the workload's "
@@ -200,6 +212,34 @@ def workload_table(results: dict[str, Any]) -> Table:
             writes,
             f"{peak['eager'] / 1e6:.1f}|{peak['producer'] / 1e6:.1f}",
         )
+    return table
+
+
+def phases_table(results: dict[str, Any]) -> Table:
+    """Where each routeplay path's step went, next to Ray's own floor for its objects
+    (workloads of older result files, which have no phases, are left out).
+
+    Example:
+        console.print(phases_table(results))
+    """
+    table = Table(title="where a step goes (ms, medians): outside the ranks, then the slowest rank")
+    for column in ("workload", "path", "step", "outside ranks", "acquire", "read", "Ray's floor"):
+        table.add_column(column, no_wrap=column == "workload")
+    floors = {"producer": "bare_ray_ms", "adopt": "bare_ray_fetch_ms"}
+    for w in results["workloads"]:
+        for path, floor in floors.items():
+            phases = w[path].get("phases_ms")
+            if phases is None:
+                continue
+            table.add_row(
+                w["name"],
+                path,
+                f"{w[path]['median_ms']:.1f}",
+                f"{phases['outside_ranks']:.1f}",
+                f"{phases['acquire']:.1f}",
+                f"{phases['read']:.1f}",
+                f"{w[floor]:.1f}" + (" (put + fetch)" if path == "producer" else " (fetch)"),
+            )
     return table
 
 
@@ -316,6 +356,9 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         out["producer_minus_bare_ray_medians_ms"] = w["producer_minus_bare_ray_medians_ms"]
         out["bare_ray_fetch_over_limit"] = round(w["bare_ray_fetch_ms"] / limit["adopt"], 2)
         out["adopt_beyond_bare_ray_fetch_ms"] = w["adopt_beyond_bare_ray_fetch_ms"]
+        if "phases_ms" in w["adopt"]:  # absent from older result files
+            out["headline_phases_ms"] = {p: w[p]["phases_ms"] for p in ("producer", "adopt")}
+            out["adopt_read_beyond_bare_ray_fetch_ms"] = w["adopt_read_beyond_bare_ray_fetch_ms"]
         out["headline_cpu"] = {
             "cores": results["host_cores"],
             "producer_core_ms": w["producer"]["core_ms"],

@@ -13,12 +13,15 @@ or decoded in the rollout worker's memory) and ends when every SP rank holds its
   rows are validated and narrowed once on the engine's node); ranks read as above.
 
 Ranks report the routing bytes they held at their peak and a digest of their rows, so
-the benchmark can check that every path delivered the same rows.
+the benchmark can check that every path delivered the same rows, and how long their
+own method spent acquiring and reading (``RankRead``), so it can say where a step's
+time goes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +36,14 @@ from routeplay.store import Lease, RoutesProducer, RouteStore, producer_actor
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
 
-__all__ = ["BenchEngine", "BenchRank", "BenchRollout", "rank_rows", "sample_routing"]
+__all__ = [
+    "BenchEngine",
+    "BenchRank",
+    "BenchRollout",
+    "RankRead",
+    "rank_rows",
+    "sample_routing",
+]
 
 
 def sample_routing(
@@ -52,6 +62,11 @@ def rank_rows(rows: int, sp_rank: int, sp_size: int) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of a sample that SP rank ``sp_rank`` trains on (contiguous split)."""
     bounds = np.linspace(0, rows, sp_size + 1).astype(int)
     return int(bounds[sp_rank]), int(bounds[sp_rank + 1])
+
+
+RankRead = tuple[int, str, float, float]
+"""What a rank reports of one step: its peak routing bytes, a digest of its rows (or
+""), and the seconds its method spent acquiring (0 on the eager path) and reading."""
 
 
 def _digest(arrays: Sequence[npt.NDArray[Any]]) -> str:
@@ -143,9 +158,10 @@ class _BenchRank:
         self._buffers: dict[int, list[npt.NDArray[Any]]] = {}  # reused across steps
         self._held: list[Lease] = []
 
-    def read_eager(self, wrapped: list[list[Any]], check: bool = False) -> tuple[int, str]:
+    def read_eager(self, wrapped: list[list[Any]], check: bool = False) -> RankRead:
         """Whole sample, widened to int64, then sliced (peak: the int64 copy + the slices
         kept so far). ``check`` adds a digest of the rows (outside timed runs)."""
+        start = time.perf_counter()
         peak, mine = 0, list[npt.NDArray[Any]]()
         layers = list(self.spec.moe_layer_indices())
         for ref in wrapped[0]:
@@ -158,20 +174,26 @@ class _BenchRank:
             peak = max(peak, wide.nbytes + rows.nbytes + sum(m.nbytes for m in mine))
             del wide, part
             mine.append(rows)
-        return peak, _digest([m.astype(self.spec.dtype) for m in mine]) if check else ""
+        read_s = time.perf_counter() - start
+        digest = _digest([m.astype(self.spec.dtype) for m in mine]) if check else ""
+        return peak, digest, 0.0, read_s
 
     def read_routeplay(
         self, handles: Sequence[Handle], holder: str, check: bool = False
-    ) -> tuple[int, str]:
+    ) -> RankRead:
         """One acquire per shard for the step, leased reads (no shard call). The leases
         are held until ``flush`` (the step's end, untimed), as a trainer holds them until
         its step is done: a rank that released at once could free a payload another rank
         of the step has not acquired yet (its last lease gone: ``RoutesLost``)."""
+        start = time.perf_counter()
         requests = [(h, *rank_rows(h.rows, self.sp_rank, self.sp_size)) for h in handles]
         leases = self.store.acquire_many([(h, holder) for h in handles])
+        acquired = time.perf_counter()
         self._held.extend(leases)
         outs = self.store.read_many(requests, holder=holder, out=self._out(requests))
-        return sum(o.nbytes for o in outs), _digest(outs) if check else ""
+        read_s = time.perf_counter() - acquired
+        digest = _digest(outs) if check else ""
+        return sum(o.nbytes for o in outs), digest, acquired - start, read_s
 
     def flush(self) -> None:
         """The step is over: release its leases (one call per shard) and settle."""

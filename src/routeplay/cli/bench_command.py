@@ -51,6 +51,7 @@ def bench_command(
     from routeplay.bench.measure import run_bench
     from routeplay.bench.report import (
         below_limit,
+        phases_table,
         scaling_table,
         sessions_table,
         workload_table,
@@ -81,6 +82,7 @@ def bench_command(
         return EXIT_BROKEN
     wide = Console(width=max(console.width, 180))  # the tables have many columns
     wide.print(workload_table(results))
+    wide.print(phases_table(results))
     wide.print(scaling_table(results))
     wide.print(sessions_table(results))
     path = write_results(results, config, out_dir, json_path=json_path)
