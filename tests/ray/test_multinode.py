@@ -135,10 +135,10 @@ def test_each_step_is_split_into_its_phases(results: dict[str, object]) -> None:
         for path in ("eager", "producer", "adopt", "adopt_at_step"):
             phases, step = w[path]["phases_ms"], w[path]["median_ms"]
             assert set(phases) == {"outside_ranks", "acquire", "read"}
-            # One run each here: the phases of one step, the slowest rank's adding up
+            # One run each here: the phases of one step, which add up to it
             assert 0 < phases["read"] < step
             assert 0 < phases["outside_ranks"] < step
-            assert phases["outside_ranks"] + phases["acquire"] + phases["read"] >= step - 0.2
+            assert sum(phases.values()) == pytest.approx(step, abs=0.2)
         assert w["eager"]["phases_ms"]["acquire"] == 0  # the eager path has no leases
         assert w["adopt"]["phases_ms"]["acquire"] > 0
 

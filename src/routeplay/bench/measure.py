@@ -214,20 +214,21 @@ class Bench:
 
 
 def phases_ms(elapsed_s: float, reads: list[RankRead]) -> dict[str, float]:
-    """Where one step's time went (ms): ``acquire`` and ``read``, the slowest rank's own
-    (each the most any rank spent on it), and ``outside_ranks``, the step less the
-    method of the rank that took longest: the rollout worker's hop (adoption, or the
-    producer's write), sending the calls to the ranks and their answers back.
+    """Where one step's time went (ms), as its slowest rank (the longest acquire + read)
+    saw it: its ``acquire`` and its ``read``, and ``outside_ranks``, the rest of the
+    step: the rollout worker's hop (adoption, or the producer's write), sending the
+    calls to the ranks and their answers back. The three add up to the step. (Another
+    rank can wait longer for its grant: its pull joins the one already under way.)
 
     Example:
-        phases_ms(0.25, [(0, "", 0.01, 0.2), (0, "", 0.012, 0.19)])
-        # {'outside_ranks': 40.0, 'acquire': 12.0, 'read': 200.0}
+        phases_ms(0.25, [(0, "", 0.012, 0.19), (0, "", 0.005, 0.2)])
+        # {'outside_ranks': 45.0, 'acquire': 5.0, 'read': 200.0}
     """
-    slowest = max(acquire + read for *_, acquire, read in reads)
+    *_, acquire, read = max(reads, key=lambda rank: rank[2] + rank[3])
     return {
-        "outside_ranks": round(1e3 * (elapsed_s - slowest), 1),
-        "acquire": round(1e3 * max(acquire for *_, acquire, _ in reads), 1),
-        "read": round(1e3 * max(read for *_, read in reads), 1),
+        "outside_ranks": round(1e3 * (elapsed_s - acquire - read), 1),
+        "acquire": round(1e3 * acquire, 1),
+        "read": round(1e3 * read, 1),
     }
 
 

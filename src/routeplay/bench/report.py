@@ -115,9 +115,9 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "copy), paired with the adopt runs: adopt_beyond_bare_ray_fetch_ms"
             ),
             "phases_ms": (
-                "per path, medians over its runs of where a step's time went: acquire and "
-                "read, the most any rank's own method spent on each (rank clock), and "
-                "outside_ranks, the step less the method of its slowest rank (the rollout "
+                "per path, medians over its runs of where a step's time went, as its "
+                "slowest rank (longest acquire + read, rank clock) saw it: that rank's "
+                "acquire and read, and outside_ranks, the rest of the step (the rollout "
                 "worker's hop: adoption or the producer's write; the calls to the ranks "
                 "and their answers); adopt_read_beyond_bare_ray_fetch_ms: the median of "
                 "the adopt runs' read phase less the bare_ray_fetch run paired with each "
@@ -222,7 +222,7 @@ def phases_table(results: dict[str, Any]) -> Table:
     Example:
         console.print(phases_table(results))
     """
-    table = Table(title="where a step goes (ms, medians): outside the ranks, then the slowest rank")
+    table = Table(title="where a step goes (ms, medians): outside the ranks, the slowest rank's")
     for column in ("workload", "path", "step", "outside ranks", "acquire", "read", "Ray's floor"):
         table.add_column(column, no_wrap=column == "workload")
     floors = {"producer": "bare_ray_ms", "adopt": "bare_ray_fetch_ms"}
