@@ -38,7 +38,7 @@ from routeplay.rollout import ADAPTERS, RolloutState, Status, continuation
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang, FakeVllmHttp
 from routeplay.rollout.lifecycle import store_turn
-from routeplay.rollout.sample_routing import sample_holder
+from routeplay.rollout.routing_terms import sample_holder
 from routeplay.rollout.trace_actor import TraceStoreClient
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 

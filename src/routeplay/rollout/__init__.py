@@ -47,15 +47,10 @@ if TYPE_CHECKING:
         sample_holder,
         store_turn,
     )
-    from routeplay.rollout.sample_routing import (
-        Expiry,
-        RoutedSample,
-        RoutingContinuation,
-        RoutingRecord,
-        SampleRouting,
-        StalenessBasis,
-        record_routings,
-    )
+    from routeplay.rollout.routing_continuation import RoutingContinuation
+    from routeplay.rollout.routing_record import RoutingRecord, record_routings
+    from routeplay.rollout.routing_terms import StalenessBasis
+    from routeplay.rollout.sample_routing import Expiry, RoutedSample, SampleRouting
     from routeplay.rollout.session_compaction import CompactionPolicy
     from routeplay.rollout.sessions import SessionLedger
     from routeplay.rollout.state import (
@@ -101,14 +96,14 @@ _HOME = {
     "RolloutState": "state",
     "RoutedSample": "sample_routing",
     "RoutesWriter": "adapters",
-    "RoutingContinuation": "sample_routing",
+    "RoutingContinuation": "routing_continuation",
     "RoutingKind": "state",
-    "RoutingRecord": "sample_routing",
+    "RoutingRecord": "routing_record",
     "SampleCodec": "checkpoint",
     "SampleRouting": "sample_routing",
     "SamplingPolicy": "buffer",
     "SessionLedger": "sessions",
-    "StalenessBasis": "sample_routing",
+    "StalenessBasis": "routing_terms",
     "Status": "state",
     "TokenTrie": "token_trie",
     "TraceStore": "trace_store",
@@ -123,7 +118,7 @@ _HOME = {
     "ingest_group": "lifecycle",
     "ingest_routing_group": "group_ingest",
     "load_buffer": "state_checkpoint",
-    "record_routings": "sample_routing",
+    "record_routings": "routing_record",
     "record_sample": "state_checkpoint",
     "restore_sample": "state_checkpoint",
     "sample_holder": "lifecycle",

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
-from routeplay.rollout.sample_routing import RoutedSample, StalenessBasis
+from routeplay.rollout.routing_terms import StalenessBasis
+from routeplay.rollout.sample_routing import RoutedSample
 from routeplay.rollout.sessions import SessionLedger
 from routeplay.store.lease import Lease
 

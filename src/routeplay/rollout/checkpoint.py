@@ -39,13 +39,9 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import MalformedPayload
 from routeplay.rollout.buffer import BufferConfig, ReplayBuffer, release_samples
 from routeplay.rollout.releasing import attach_notes, attempt_each
-from routeplay.rollout.sample_routing import (
-    Origin,
-    RoutedSample,
-    RoutingRecord,
-    SampleRouting,
-    record_routings,
-)
+from routeplay.rollout.routing_record import RoutingRecord, record_routings
+from routeplay.rollout.routing_terms import Origin
+from routeplay.rollout.sample_routing import RoutedSample, SampleRouting
 
 if TYPE_CHECKING:  # the client loads Ray; a restore only calls it
     from routeplay.store.client import RouteStore

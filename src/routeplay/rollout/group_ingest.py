@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from routeplay.core.routes import Routes
     from routeplay.core.spec import RouteSpec
     from routeplay.core.wires import EngineRouting
-    from routeplay.rollout.sample_routing import RoutingContinuation
+    from routeplay.rollout.routing_continuation import RoutingContinuation
 
 __all__ = ["AsyncBatchWriter", "BatchWriter", "aingest_routing_group", "ingest_routing_group"]
 

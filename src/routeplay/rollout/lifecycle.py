@@ -49,10 +49,10 @@ from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RouteplayError
 from routeplay.rollout.adapters import EngineAdapter, RoutesWriter
 from routeplay.rollout.group_ingest import BatchWriter, ingest_routing_group
-from routeplay.rollout.sample_routing import (
+from routeplay.rollout.routing_continuation import RoutingContinuation
+from routeplay.rollout.routing_terms import (
     LeaseSource,
     PrefixSource,
-    RoutingContinuation,
     SessionSink,
     prefix_holder,
     sample_holder,

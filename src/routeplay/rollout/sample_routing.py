@@ -8,6 +8,10 @@ methods. routeplay's own ``RolloutState`` embeds it the same way (``sample_routi
 and the containers (``ReplayBuffer``, ``TrainingBatch``, ``SessionLedger``, the
 checkpoint) take any ``RoutedSample``: a sample that exposes its ``SampleRouting``, can
 return itself with a new one, and can drop its response for a retry (three members).
+Its parts live next to it: one request between ``continuation()`` and ``finish`` in
+``routeplay.rollout.routing_continuation``, the checkpoint's record in
+``routeplay.rollout.routing_record``, the terms and store protocols both share in
+``routeplay.rollout.routing_terms`` (all importable from here too).
 
 **Immutable.** A ``SampleRouting`` is a frozen value: every step returns the next value
 and never changes the one it was called on. A mutable sample stores the result
@@ -94,25 +98,31 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
 
-import numpy as np
-import numpy.typing as npt
-
-from routeplay.core.handle import Handle, Segment
-from routeplay.core.validate import canonicalize
-from routeplay.errors import HandleError, MalformedPayload, MisuseError, RowCountMismatch
-from routeplay.rollout.adapters import stitch_step
+from routeplay.core.handle import Handle
+from routeplay.errors import MisuseError, RowCountMismatch
 from routeplay.rollout.releasing import attach_notes, first_error
+from routeplay.rollout.routing_continuation import RoutingContinuation
+from routeplay.rollout.routing_record import RoutingRecord, record_routings
+from routeplay.rollout.routing_terms import (
+    AsyncLeaseSource,
+    AsyncPrefixSource,
+    AsyncSessionSink,
+    LeaseSource,
+    Origin,
+    PrefixSource,
+    RowReader,
+    SessionSink,
+    StalenessBasis,
+    acquiring,
+    prefix_holder,
+    sample_holder,
+)
 from routeplay.rollout.steps import Call, Step, arun_step, cloning, releasing, run_step
 from routeplay.store.lease import Lease
 
 if TYPE_CHECKING:
-    from routeplay.core.routes import Routes
-    from routeplay.core.spec import RouteSpec
-    from routeplay.rollout.adapters import AsyncRoutesWriter, EngineAdapter, RoutesWriter
     from routeplay.rollout.trace_store import Exported
 
 __all__ = [
@@ -133,84 +143,6 @@ __all__ = [
     "record_routings",
     "sample_holder",
 ]
-
-
-class Origin(Enum):
-    """Who produced the routing rows a sample points at (informational)."""
-
-    NONE = "none"
-    PRODUCED = "produced"
-    BORROWED = "borrowed"
-    RESTORED = "restored"
-
-
-class StalenessBasis(Enum):
-    """Which weight versions a sample's staleness counts."""
-
-    EVERY_ROW = "every_row"
-    """The response tokens' and every routing row's, prompt rows borrowed from a trace
-    session included (routeplay's default: replayed rows must match the policy)."""
-    RESPONSE_TOKENS = "response_tokens"
-    """The response tokens' only (XTuner's rule): borrowed prompt rows never age a
-    sample."""
-
-
-def sample_holder(sample_id: str) -> str:
-    """The holder name of a sample's own lease (``rollout/<id>``)."""
-    return f"rollout/{sample_id}"
-
-
-def prefix_holder(sample_id: str) -> str:
-    """The holder name of the lease a sample borrows a session prefix under."""
-    return f"rollout/{sample_id}/prefix"
-
-
-class LeaseSource(Protocol):
-    """What ``finish`` and ``claim`` need from a store: ``RouteStore.acquire``."""
-
-    def acquire(self, handle: Handle, holder: str) -> Lease: ...
-
-
-class AsyncLeaseSource(Protocol):
-    """What ``afinish`` and ``aclaim`` need: ``RouteStore.aacquire``."""
-
-    async def aacquire(self, handle: Handle, holder: str) -> Lease: ...
-
-
-class PrefixSource(Protocol):
-    """What ``borrow_prefix`` needs: ``TraceStore.export`` (or ``TraceStoreClient``'s)."""
-
-    def export(self, session: str, token_ids: Iterable[int], holder: str) -> Exported | None: ...
-
-
-class AsyncPrefixSource(Protocol):
-    """What ``aborrow_prefix`` needs: ``TraceStoreClient.aexport`` (the in-process
-    ``TraceStore`` has no awaitable face: it makes no call worth awaiting but the
-    store's, and a process with an event loop reaches its traces through the actor)."""
-
-    async def aexport(
-        self, session: str, token_ids: Iterable[int], holder: str
-    ) -> Exported | None: ...
-
-
-class SessionSink(Protocol):
-    """What ``store_turn`` needs: ``TraceStore.insert`` (or ``TraceStoreClient``'s)."""
-
-    def insert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None: ...
-
-
-class AsyncSessionSink(Protocol):
-    """What ``astore_turn`` needs: ``TraceStoreClient.ainsert`` (see
-    ``AsyncPrefixSource`` for the in-process ``TraceStore``)."""
-
-    async def ainsert(self, session: str, token_ids: Iterable[int], handle: Handle) -> None: ...
-
-
-def acquiring(store: LeaseSource | AsyncLeaseSource, handle: Handle, holder: str) -> Call[Lease]:
-    """``store.acquire`` / ``store.aacquire`` as a step's call (each face calls only its
-    own half: a blocking step's store needs no awaitable method)."""
-    blocking, awaited = cast("LeaseSource", store), cast("AsyncLeaseSource", store)
-    return Call(lambda: blocking.acquire(handle, holder), lambda: awaited.aacquire(handle, holder))
 
 
 def _exporting(
@@ -243,18 +175,6 @@ def _release_each(leases: Sequence[Lease]) -> Step[list[tuple[Lease, Exception]]
         except Exception as exc:  # keep going: the rest must still be released
             failures.append((lease, exc))
     return failures
-
-
-class RowReader(Protocol):
-    """What ``record`` needs: ``RouteStore.read_many``."""
-
-    def read_many(self, requests: Sequence[tuple[Handle, int, int]]) -> list[npt.NDArray[Any]]: ...
-
-
-class RoutesPutter(LeaseSource, Protocol):
-    """What ``RoutingRecord.restore`` needs: ``RouteStore.put`` and ``acquire``."""
-
-    def put(self, routes: Routes, *, weight_version: int = 0) -> Handle: ...
 
 
 _S = TypeVar("_S", bound="RoutedSample")
@@ -764,353 +684,3 @@ class SampleRouting:
                     " rides along): resets never release, releases never guess."
                 ),
             )
-
-
-class RoutingContinuation:
-    """One request of one sample: the history it continues and the lease it borrowed.
-
-    Made by ``SampleRouting.continuation()``. ``ingest`` stores the answer's new rows,
-    ``finish`` swaps the leases in the safe order and returns the next ``SampleRouting``;
-    leaving the ``with`` block without ``finish`` ends the borrowed lease (only that one).
-    """
-
-    __slots__ = ("_done", "borrowed", "history", "prompt_ids", "routing")
-
-    def __init__(
-        self,
-        routing: SampleRouting,
-        *,
-        history: Handle | None,
-        borrowed: Lease | None,
-        prompt_ids: Iterable[int] = (),
-    ) -> None:
-        self.routing = routing
-        """The input (its own lease, if any, ends in ``finish``)."""
-        self.history = history
-        """Rows the request continues (None: none)."""
-        self.borrowed = borrowed
-        """The sample's lease on a borrowed session prefix, ended by ``finish``."""
-        self.prompt_ids = tuple(prompt_ids)
-        """The request's prompt, as given to ``continuation`` (a group ingest shares
-        the rows of one prompt common to its fresh members; empty: none given)."""
-        self._done = False
-
-    @property
-    def rows(self) -> int:
-        """History rows the answer must not store again (the request's start row)."""
-        return self.history.rows if self.history is not None else 0
-
-    @property
-    def origin(self) -> Origin:
-        """A resume keeps its origin, a session turn is ``BORROWED``, a fresh sample
-        ``PRODUCED``."""
-        if self.routing.handle is not None:
-            return self.routing.origin
-        return Origin.BORROWED if self.borrowed is not None else Origin.PRODUCED
-
-    def ingest(
-        self,
-        adapter: EngineAdapter,
-        response: Any,
-        *,
-        spec: RouteSpec,
-        writer: RoutesWriter,
-        weight_version: int,
-        start_row: int = 0,
-        where: str = "",
-    ) -> Handle:
-        """The sample's routing after ``response``: the history rows, then only the rows
-        they lack, adopted (an engine-store key) or put (inline routing) under
-        ``weight_version``. The handle holds no lease yet: ``finish`` takes one.
-
-        Example:
-            >>> handle = cont.ingest(adapter, body, spec=spec, writer=store,  # doctest: +SKIP
-            ...                      weight_version=3, start_row=cont.rows)
-        """
-        return run_step(
-            self._ingest(adapter, response, spec, writer, weight_version, start_row, where)
-        )
-
-    async def aingest(
-        self,
-        adapter: EngineAdapter,
-        response: Any,
-        *,
-        spec: RouteSpec,
-        writer: AsyncRoutesWriter,
-        weight_version: int,
-        start_row: int = 0,
-        where: str = "",
-    ) -> Handle:
-        """Awaitable ``ingest`` (``writer.aadopt_key`` / ``aput``: ``RouteStore``'s).
-
-        Example:
-            >>> handle = await cont.aingest(adapter, body, spec=spec,  # doctest: +SKIP
-            ...     writer=store, weight_version=3, start_row=cont.rows)
-        """
-        step = self._ingest(adapter, response, spec, writer, weight_version, start_row, where)
-        return await arun_step(step)
-
-    def _ingest(
-        self,
-        adapter: EngineAdapter,
-        response: Any,
-        spec: RouteSpec,
-        writer: RoutesWriter | AsyncRoutesWriter,
-        weight_version: int,
-        start_row: int,
-        where: str,
-    ) -> Step[Handle]:
-        self.check_open("ingest an answer")
-        where = where or f"sample {self.routing.sample_id}"
-        routing = adapter.read(response, spec=spec, where=where, start_row=start_row)
-        return (yield from stitch_step(routing, spec, writer, weight_version, self.history))
-
-    def finish(self, store: LeaseSource, handle: Handle) -> SampleRouting:
-        """Lease ``handle`` for the sample (``rollout/<id>``), *then* end the own lease it
-        replaces, *then* the borrowed one; returns the routing holding the new lease.
-
-        If the new lease cannot be taken, the borrowed lease ends and the input's own
-        lease is left to the caller; a replaced lease whose release fails rides along in
-        the result's ``unreleased``.
-
-        Example:
-            >>> routing = cont.finish(store, handle)  # doctest: +SKIP
-            >>> routing.lease.holder
-            'rollout/a'
-        """
-        return run_step(self._finish(store, handle))
-
-    async def afinish(self, store: AsyncLeaseSource, handle: Handle) -> SampleRouting:
-        """Awaitable ``finish``.
-
-        Example:
-            >>> routing = await cont.afinish(store, handle)  # doctest: +SKIP
-        """
-        return await arun_step(self._finish(store, handle))
-
-    def _finish(self, store: LeaseSource | AsyncLeaseSource, handle: Handle) -> Step[SampleRouting]:
-        self.check_open("finish")
-        self._done = True
-        try:
-            lease: Lease = yield acquiring(store, handle, sample_holder(self.routing.sample_id))
-        except BaseException as exc:
-            yield from self._end_borrowed(exc)
-            raise
-        after, _ = yield from self.routing._try_release()  # a failure stays in unreleased
-        if self.borrowed is not None:
-            after, _ = yield from dataclasses.replace(after, lease=self.borrowed)._try_release()
-        return after.attach(handle, lease, self.origin)
-
-    def abandon(self) -> None:
-        """End the borrowed lease without finishing (idempotent; the input's own lease
-        stays with the caller).
-
-        Example:
-            >>> cont.abandon()  # doctest: +SKIP
-        """
-        run_step(self._abandon())
-
-    async def aabandon(self) -> None:
-        """Awaitable ``abandon``.
-
-        Example:
-            >>> await cont.aabandon()  # doctest: +SKIP
-        """
-        await arun_step(self._abandon())
-
-    def _abandon(self) -> Step[None]:
-        if self._done:
-            return
-        self._done = True
-        if self.borrowed is not None:
-            yield releasing(self.borrowed)
-
-    def __enter__(self) -> RoutingContinuation:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        run_step(self._exit(exc))
-
-    async def __aenter__(self) -> RoutingContinuation:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await arun_step(self._exit(exc))
-
-    def _exit(self, exc: BaseException | None) -> Step[None]:
-        if exc is None:
-            yield from self._abandon()
-        elif not self._done:
-            self._done = True
-            yield from self._end_borrowed(exc)
-
-    def check_open(self, action: str) -> None:
-        """Refuse ``action`` once finished or abandoned (``MisuseError``)."""
-        if self._done:
-            raise MisuseError(
-                f"cannot {action}: this continuation is finished or abandoned",
-                where=f"sample {self.routing.sample_id}",
-                hint="Make a new continuation() for the next request of the sample.",
-            )
-
-    def _end_borrowed(self, cause: BaseException) -> Step[None]:
-        """Release the borrowed lease while ``cause`` propagates (a failed release is
-        named in a note on ``cause``, never raised over it)."""
-        if self.borrowed is None:
-            return
-        try:
-            yield releasing(self.borrowed)
-        except Exception as failure:
-            attach_notes(cause, [failure], f"releasing {self.borrowed.holder}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoutingRecord:
-    """A ``SampleRouting`` by value: what a checkpoint keeps (never an object-store
-    reference: it would not survive the process, and a pickled ref has no owner).
-
-    Example:
-        >>> meta, array = record.to_json(), record.array  # doctest: +SKIP
-        >>> again = RoutingRecord.from_json(meta, array)
-    """
-
-    sample_id: str
-    """The sample's id."""
-    session_id: str | None
-    """Its trace session, if any."""
-    origin: Origin
-    """Who produced the rows (restored routing is marked ``RESTORED``)."""
-    retries: int
-    """Regenerations so far."""
-    response_versions: tuple[int, ...]
-    """Per-response-token versions kept on the routing (often empty)."""
-    prompt_tokens: int | None
-    """Prompt length recorded by ``complete()``."""
-    segments: tuple[tuple[int, int], ...]
-    """``(rows, weight_version)`` of each handle segment, in order (empty: no routing)."""
-    array: npt.NDArray[Any] | None = field(default=None, compare=False)
-    """The rows, canonical (None: no routing)."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The record without its array (JSON-safe)."""
-        return {
-            "sample_id": self.sample_id,
-            "session_id": self.session_id,
-            "origin": self.origin.value,
-            "retries": self.retries,
-            "response_versions": list(self.response_versions),
-            "prompt_length": self.prompt_tokens,
-            "segments": [list(seg) for seg in self.segments],
-        }
-
-    @classmethod
-    def from_json(cls, meta: dict[str, Any], array: npt.NDArray[Any] | None) -> RoutingRecord:
-        """A record from ``to_json()`` and its array (a checkpoint is outside data: a
-        record that does not parse raises ``MalformedPayload``)."""
-        try:
-            prompt = meta.get("prompt_length")
-            return cls(
-                sample_id=str(meta["sample_id"]),
-                session_id=meta.get("session_id"),
-                origin=Origin(meta.get("origin", Origin.NONE.value)),
-                retries=int(meta.get("retries", 0)),
-                response_versions=tuple(int(v) for v in meta.get("response_versions", ())),
-                prompt_tokens=None if prompt is None else int(prompt),
-                segments=tuple((int(r), int(v)) for r, v in meta.get("segments", ())),
-                array=array,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MalformedPayload(
-                "a routing record does not parse",
-                expected="the fields RoutingRecord.to_json() writes",
-                found=f"{type(exc).__name__}: {exc}"[:200],
-                where=f"record {str(meta.get('sample_id', '?'))[:80]}",
-            ) from exc
-
-    def restore(
-        self, store: RoutesPutter, spec: RouteSpec, *, holder: str | None = None
-    ) -> SampleRouting:
-        """The routing stored anew and leased (``holder``, default the sample's own),
-        its segments' weight versions as recorded, marked ``RESTORED``; without an array
-        (a queued retry) nothing is stored and the routing comes back empty.
-
-        The array is validated again (``canonicalize``); a lease that cannot be taken
-        leaves the stored payload unleased, for the store's TTL."""
-        base = SampleRouting(
-            sample_id=self.sample_id,
-            session_id=self.session_id,
-            origin=Origin.NONE,
-            retries=self.retries,
-            response_versions=self.response_versions,
-        )
-        if self.array is None:
-            return base
-        where = f"checkpoint sample {self.sample_id}"
-        routes = canonicalize(self.array, spec, where=where)
-        if sum(rows for rows, _ in self.segments if rows >= 0) > routes.rows:
-            raise HandleError(
-                "recorded segments cover more rows than the array",
-                expected=f"at most {routes.rows} rows",
-                found=f"segments {list(self.segments)[:8]}",
-                where=where,
-            )
-        stored = cut_segments(store.put(routes), spec, self.segments)
-        lease = store.acquire(stored, holder or sample_holder(self.sample_id))
-        restored = base.attach(stored, lease, Origin.RESTORED)
-        return dataclasses.replace(restored, prompt_tokens=self.prompt_tokens)
-
-
-def record_routings(routings: Sequence[SampleRouting], store: RowReader) -> list[RoutingRecord]:
-    """Each routing by value, with one batched read for all of them (one metadata call
-    per shard, each block once).
-
-    Example:
-        >>> records = record_routings([s.routing for s in samples], store)  # doctest: +SKIP
-    """
-    routed = [r.handle for r in routings if r.handle is not None]
-    arrays = iter(store.read_many([(handle, 0, handle.rows) for handle in routed]))
-    records = []
-    for routing in routings:
-        handle = routing.handle
-        records.append(
-            RoutingRecord(
-                sample_id=routing.sample_id,
-                session_id=routing.session_id,
-                origin=routing.origin,
-                retries=routing.retries,
-                response_versions=routing.response_versions,
-                prompt_tokens=routing.prompt_tokens,
-                segments=tuple((seg.rows, seg.weight_version) for seg in handle.segments)
-                if handle is not None
-                else (),
-                array=np.asarray(next(arrays)) if handle is not None else None,
-            )
-        )
-    return records
-
-
-def cut_segments(stored: Handle, spec: RouteSpec, segments: Sequence[tuple[int, int]]) -> Handle:
-    """A freshly stored payload cut back into recorded ``(rows, weight_version)``
-    segments (``rows < 0``: up to the end)."""
-    if not stored.segments:  # a sample with no routing rows yet
-        return stored
-    source = stored.segments[0].source
-    parts, start = [], 0
-    for rows, version in segments:
-        stop = stored.rows if rows < 0 else start + rows
-        parts.append(
-            Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
-        )
-        start = stop
-    return Handle(spec, parts)

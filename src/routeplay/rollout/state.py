@@ -52,7 +52,8 @@ from typing import Any
 
 from routeplay.core.handle import Handle
 from routeplay.errors import HandleError, MisuseError
-from routeplay.rollout.sample_routing import Origin, SampleRouting, StalenessBasis
+from routeplay.rollout.routing_terms import Origin, StalenessBasis
+from routeplay.rollout.sample_routing import SampleRouting
 from routeplay.store.lease import Lease
 
 __all__ = [
