@@ -170,8 +170,8 @@ class Bench:
             "validated_at_ingest": prepared,
             "bytes_pulled": created["trainer"],
             "created_by_node": created,
-            "peak_rank_bytes": max(peak for peak, *_ in out),
-            "digests": [digest for _, digest, *_ in out],
+            "peak_rank_bytes": max(rank.peak_bytes for rank in out),
+            "digests": [rank.digest for rank in out],
             "phases_ms": phases_ms(elapsed, out),
         }
 
@@ -221,14 +221,14 @@ def phases_ms(elapsed_s: float, reads: list[RankRead]) -> dict[str, float]:
     rank can wait longer for its grant: its pull joins the one already under way.)
 
     Example:
-        phases_ms(0.25, [(0, "", 0.012, 0.19), (0, "", 0.005, 0.2)])
+        phases_ms(0.25, [RankRead(0, "", 0.012, 0.19), RankRead(0, "", 0.005, 0.2)])
         # {'outside_ranks': 45.0, 'acquire': 5.0, 'read': 200.0}
     """
-    *_, acquire, read = max(reads, key=lambda rank: rank[2] + rank[3])
+    slowest = max(reads, key=lambda rank: rank.acquire_s + rank.read_s)
     return {
-        "outside_ranks": round(1e3 * (elapsed_s - acquire - read), 1),
-        "acquire": round(1e3 * acquire, 1),
-        "read": round(1e3 * read, 1),
+        "outside_ranks": round(1e3 * (elapsed_s - slowest.acquire_s - slowest.read_s), 1),
+        "acquire": round(1e3 * slowest.acquire_s, 1),
+        "read": round(1e3 * slowest.read_s, 1),
     }
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -64,9 +64,17 @@ def rank_rows(rows: int, sp_rank: int, sp_size: int) -> tuple[int, int]:
     return int(bounds[sp_rank]), int(bounds[sp_rank + 1])
 
 
-RankRead = tuple[int, str, float, float]
-"""What a rank reports of one step: its peak routing bytes, a digest of its rows (or
-""), and the seconds its method spent acquiring (0 on the eager path) and reading."""
+class RankRead(NamedTuple):
+    """What a rank reports of one step."""
+
+    peak_bytes: int
+    """The most routing bytes it held at once."""
+    digest: str
+    """A digest of its rows ("" outside checked runs)."""
+    acquire_s: float
+    """Seconds its method spent acquiring leases (0 on the eager path)."""
+    read_s: float
+    """Seconds its method spent reading its rows."""
 
 
 def _digest(arrays: Sequence[npt.NDArray[Any]]) -> str:
@@ -176,7 +184,7 @@ class _BenchRank:
             mine.append(rows)
         read_s = time.perf_counter() - start
         digest = _digest([m.astype(self.spec.dtype) for m in mine]) if check else ""
-        return peak, digest, 0.0, read_s
+        return RankRead(peak, digest, 0.0, read_s)
 
     def read_routeplay(
         self, handles: Sequence[Handle], holder: str, check: bool = False
@@ -193,7 +201,7 @@ class _BenchRank:
         outs = self.store.read_many(requests, holder=holder, out=self._out(requests))
         read_s = time.perf_counter() - acquired
         digest = _digest(outs) if check else ""
-        return sum(o.nbytes for o in outs), digest, acquired - start, read_s
+        return RankRead(sum(o.nbytes for o in outs), digest, acquired - start, read_s)
 
     def flush(self) -> None:
         """The step is over: release its leases (one call per shard) and settle."""
