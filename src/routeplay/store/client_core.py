@@ -1,7 +1,7 @@
 """What every part of the route-store client shares (``StoreCore``): its config and
 backend, the block references it pins for its leases, its releases in flight, its reader,
 the way it sends shard calls and waits for them (``routeplay.store.flow``), and the
-read path (``read_many``: ``routeplay.store.reads``), which a ``Lease`` calls.
+read path (``read``, ``read_many``: ``routeplay.store.reads``; a ``Lease`` calls ``read``).
 
 ``RouteStore`` (``routeplay.store.client``) is this core with its parts: leases
 (``client_leases``), the write path (``client_writes``), adopted engine keys
