@@ -50,7 +50,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import ray
@@ -68,6 +68,7 @@ SOURCE_NODE = {"producer": "rollout", "adopt": "engine"}
 
 __all__ = [
     "SOURCE_NODE",
+    "FloorRun",
     "Probes",
     "beaten",
     "object_sizes",
@@ -136,9 +137,12 @@ class _Sink:
         np.copyto(self._dst, self._src)
         return time.perf_counter() - start
 
-    def fetch_share(self, wrapped: list[list[Any]], shares: list[tuple[int, int, int]]) -> int:
+    def fetch_share(self, wrapped: list[list[Any]], shares: list[tuple[int, int, int]]) -> float:
         """A bare-Ray rank: fetch every object, copy its byte range of each (``(object,
-        lo, hi)``; a shared prompt once per sample) into warm buffers, drop the views."""
+        lo, hi)``; a shared prompt once per sample) into warm buffers, drop the views.
+        Returns the seconds it took, on this rank's clock (as a bench rank times its
+        read)."""
+        start = time.perf_counter()
         values = ray.get(wrapped[0], timeout=_DEADLINE_S)
         sizes = [hi - lo for _, lo, hi in shares]
         if [out.size for out in getattr(self, "_out", [])] != sizes:  # a new workload
@@ -146,7 +150,7 @@ class _Sink:
         for out, (index, lo, hi) in zip(self._out, shares, strict=True):
             np.copyto(out, values[index][lo:hi])
         del values
-        return sum(hi - lo for _, lo, hi in shares)
+        return time.perf_counter() - start
 
 
 def validate_s(w: Workload, runs: int) -> float:
@@ -188,6 +192,17 @@ def rank_byte_ranges(w: Workload, rank: int) -> list[tuple[int, int, int]]:
 
 def _on(role: str) -> dict[str, Any]:
     return {"resources": {role: 0.01}}
+
+
+class FloorRun(NamedTuple):
+    """One run of Ray's own floor for a path's objects (``Probes.bare_ray``,
+    ``bare_ray_fetch``)."""
+
+    ms: float
+    """The whole run, as the driver timed it (what a path's step is compared with)."""
+    rank_ms: float
+    """The slowest rank's own fetch and copy, on its clock (what a rank's ``read``
+    phase is compared with: the same clock, without the calls to the ranks)."""
 
 
 class Probes:
@@ -241,24 +256,24 @@ class Probes:
         }
 
     @contextmanager
-    def bare_ray(self, w: Workload) -> Iterator[Callable[[], float]]:
+    def bare_ray(self, w: Workload) -> Iterator[Callable[[], FloorRun]]:
         """Ray's own floor for the producer path's work (see the module docstring): yields
-        a function that times one run (ms), so runs can alternate with the producer
+        a function that times one run, so runs can alternate with the producer
         path's and each pair sees the same moment of the machine.
 
         Example:
             with probes.bare_ray(w) as bare_run:
-                floor_ms = bare_run()
+                floor_ms = bare_run().ms
         """
         source, fetch = self._sources["rollout"], self._ranks_fetch(w)
         ray.get(source.hold_arrays.remote(object_sizes(w)), timeout=_DEADLINE_S)
 
-        def run() -> float:
+        def run() -> FloorRun:
             start = time.perf_counter()
-            fetch(ray.get(source.put_held.remote(), timeout=_DEADLINE_S))
+            rank_s = fetch(ray.get(source.put_held.remote(), timeout=_DEADLINE_S))
             elapsed = time.perf_counter() - start
             ray.get(source.drop.remote(), timeout=_DEADLINE_S)
-            return 1e3 * elapsed
+            return FloorRun(1e3 * elapsed, 1e3 * rank_s)
 
         try:
             run()  # warms the ranks' buffers
@@ -267,39 +282,40 @@ class Probes:
             ray.get(source.hold_arrays.remote([]), timeout=_DEADLINE_S)
 
     @contextmanager
-    def bare_ray_fetch(self, w: Workload) -> Iterator[Callable[[], float]]:
+    def bare_ray_fetch(self, w: Workload) -> Iterator[Callable[[], FloorRun]]:
         """Ray's own floor for the adopted-key path's work: the same objects already in
         the engine node's store (written untimed, as validation at ingest writes them
         while the engine runs), fetched and copied by the SP ranks with plain
-        ``ray.get``; yields a function that times one run (ms).
+        ``ray.get``; yields a function that times one run.
 
         Example:
             with probes.bare_ray_fetch(w) as bare_run:
-                floor_ms = bare_run()
+                floor_ms = bare_run().ms
         """
         source, fetch = self._sources["engine"], self._ranks_fetch(w)
 
-        def run() -> float:
+        def run() -> FloorRun:
             wrapped = ray.get(source.make.remote(object_sizes(w)), timeout=_DEADLINE_S)
             start = time.perf_counter()
-            fetch(wrapped)
+            rank_s = fetch(wrapped)
             elapsed = time.perf_counter() - start
             ray.get(source.drop.remote(), timeout=_DEADLINE_S)
-            return 1e3 * elapsed
+            return FloorRun(1e3 * elapsed, 1e3 * rank_s)
 
         run()  # warms the ranks' buffers
         yield run
 
-    def _ranks_fetch(self, w: Workload) -> Callable[[list[list[Any]]], None]:
+    def _ranks_fetch(self, w: Workload) -> Callable[[list[list[Any]]], float]:
         """The SP ranks (sinks) fetching the given objects and copying their shares, at
-        once; returns when every rank has (the caller drops the references after)."""
+        once; returns when every rank has (the caller drops the references after), with
+        the slowest rank's own seconds."""
         ranks = self.sinks(w.sp)
         shares = [rank_byte_ranges(w, rank) for rank in range(w.sp)]
 
-        def fetch(wrapped: list[list[Any]]) -> None:
+        def fetch(wrapped: list[list[Any]]) -> float:
             pairs = zip(ranks, shares, strict=True)
             calls = [rank.fetch_share.remote(wrapped, mine) for rank, mine in pairs]
-            ray.get(calls, timeout=_DEADLINE_S)
+            return float(max(ray.get(calls, timeout=_DEADLINE_S)))
 
         return fetch
 

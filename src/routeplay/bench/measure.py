@@ -26,7 +26,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from routeplay.bench.host_cpu import busy_core_ms, cores
-from routeplay.bench.limit import Probes, beaten, tightened
+from routeplay.bench.limit import FloorRun, Probes, beaten, tightened
 from routeplay.bench.roles import (
     BenchEngine,
     BenchRank,
@@ -281,9 +281,10 @@ def measure_workload(
     }
     timed = {"adopt_at_step": [bench.run("adopt", seed=2 + i, ingest=False) for i in range(runs)]}
     with probes.bare_ray_fetch(w) as fetch_run:
-        timed["adopt"], bare_fetch = _paired(bench, "adopt", fetch_run, max(runs, pairs))
+        timed["adopt"], fetch_floors = _paired(bench, "adopt", fetch_run, max(runs, pairs))
     with probes.bare_ray(w) as bare_run:
-        timed["producer"], bare = _paired(bench, "producer", bare_run, max(runs, pairs))
+        timed["producer"], floors = _paired(bench, "producer", bare_run, max(runs, pairs))
+    bare, bare_fetch = [f.ms for f in floors], [f.ms for f in fetch_floors]
     probed = probes.workload_limit(w, runs=max(LIMIT_RUNS, runs))
     limit = tightened(probed, {"producer": bare, "adopt": bare_fetch})
     digests["eager"] = bench.run("eager", seed=1, check=True)["digests"]
@@ -312,8 +313,9 @@ def measure_workload(
         "producer_beyond_bare_ray_ms": _median_difference(producer, bare),
         "bare_ray_fetch_ms": round(statistics.median(bare_fetch), 1),
         "adopt_beyond_bare_ray_fetch_ms": _median_difference(timed["adopt"], bare_fetch),
+        "bare_ray_fetch_rank_ms": round(statistics.median(f.rank_ms for f in fetch_floors), 1),
         "adopt_read_beyond_bare_ray_fetch_ms": _median_difference(
-            timed["adopt"], bare_fetch, phase="read"
+            timed["adopt"], [f.rank_ms for f in fetch_floors], phase="read"
         ),
         "producer_minus_bare_ray_medians_ms": round(
             per_path["producer"]["median_ms"] - statistics.median(bare), 1
@@ -330,8 +332,8 @@ def measure_workload(
 
 
 def _paired(
-    bench: Bench, path: str, floor_run: Callable[[], float], runs: int
-) -> tuple[list[dict[str, Any]], list[float]]:
+    bench: Bench, path: str, floor_run: Callable[[], FloorRun], runs: int
+) -> tuple[list[dict[str, Any]], list[FloorRun]]:
     """``path``'s timed runs, each next to a run of Ray's own floor for the same objects
     (``Probes.bare_ray`` / ``bare_ray_fetch``): pairs taken at the same moment of the
     machine, which goes first alternating (what one run leaves behind, e.g. objects Ray

@@ -119,9 +119,14 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "slowest rank (longest acquire + read, rank clock) saw it: that rank's "
                 "acquire and read, and outside_ranks, the rest of the step (the rollout "
                 "worker's hop: adoption or the producer's write; the calls to the ranks "
-                "and their answers); adopt_read_beyond_bare_ray_fetch_ms: the median of "
-                "the adopt runs' read phase less the bare_ray_fetch run paired with each "
-                "(what routeplay's read adds to Ray's own fetch and copy of the same objects)"
+                "and their answers); bare_ray_fetch_rank_ms: the median over the "
+                "bare_ray_fetch runs of their slowest rank's own fetch and copy (rank "
+                "clock); adopt_read_beyond_bare_ray_fetch_ms: the median of the adopt "
+                "runs' read phase less that rank time of the bare_ray_fetch run paired "
+                "with each, clock for clock (what routeplay's read adds to Ray's own "
+                "fetch and copy of the same objects; before 2026-12-05T15:30Z it was "
+                "taken against the whole bare_ray_fetch run, the calls to its ranks "
+                "included)"
             ),
             "limit": (
                 "per path, best of >= 5 runs: the trainer node pulls the workload's "
