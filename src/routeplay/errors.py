@@ -10,7 +10,8 @@ Three families, kept apart so a caller can tell whose fault it was::
     │   ├── HandleError              a handle sliced or stitched out of its rows
     │   ├── ForeignEngineStore       the engine store's actor name is held by another actor
     │   ├── ProtocolMismatch         a routeplay actor called runs another routeplay protocol
-    │   └── RouteplayNotImportable   a Ray process of the engine store cannot import routeplay
+    │   ├── RouteplayNotImportable   a Ray process of the engine store cannot import routeplay
+    │   └── ReplayNotApplied         a router did not use the experts it was made to replay
     ├── LifetimeError                something happened to data the caller held
     │   ├── RoutesLost               the owner died or the object is gone
     │   ├── RoutesExpired            a TTL ran out before anyone claimed the data
@@ -26,7 +27,8 @@ Three families, kept apart so a caller can tell whose fault it was::
         ├── SpecMismatch             layers or top_k differ from the model's RouteSpec
         ├── RowCountMismatch         rows differ from prompt + completion - 1 - start
         ├── ExpertOutOfRange         an id is negative or >= num_experts
-        └── DuplicateExperts         one (token, layer) row names an expert twice
+        ├── DuplicateExperts         one (token, layer) row names an expert twice
+        └── DegenerateRouting        rows an engine bug produced (fill rows, a frozen layer)
 
 Every error built by routeplay carries ``expected``, ``found`` and ``where`` so that
 a log line alone tells what to fix; ``str(err)`` joins them into one sentence.
@@ -44,6 +46,7 @@ __all__ = [
     "AlreadyConsumed",
     "AlreadyReleased",
     "DtypeError",
+    "DegenerateRouting",
     "DuplicateExperts",
     "EngineStoreLost",
     "EngineUnavailable",
@@ -56,6 +59,7 @@ __all__ = [
     "MisuseError",
     "ProtocolMismatch",
     "ReleaseFailed",
+    "ReplayNotApplied",
     "RouteplayError",
     "RouteplayNotImportable",
     "RoutesDataError",
@@ -261,6 +265,12 @@ class RouteplayNotImportable(MisuseError):
     (Ray rebuilds an actor, and every handle to it, from the actor's class)."""
 
 
+class ReplayNotApplied(MisuseError):
+    """A replay did not happen: a router ran on its own choice (a patched or foreign
+    ``RouterReplay``, a MoE block that bypasses or overrides its router), or no router
+    used the replayed routes at all. Training on would silently train without R3."""
+
+
 class LifetimeError(RouteplayError):
     """The data the caller referred to no longer exists or cannot be reached."""
 
@@ -331,3 +341,9 @@ class ExpertOutOfRange(RoutesDataError):
 
 class DuplicateExperts(RoutesDataError):
     """A (token, layer) row names the same expert twice: zero padding or an engine bug."""
+
+
+class DegenerateRouting(RoutesDataError):
+    """Rows an engine bug produced, not routing: fill rows (every id of a token the same
+    value, e.g. a zero-filled capture of a top-1 model) or a layer frozen on one expert
+    set over a whole sample (a capture buffer that was never written)."""

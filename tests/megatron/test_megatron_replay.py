@@ -37,7 +37,10 @@ with warnings.catch_warnings():
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import (  # noqa: F401 (NativeAlways's enum)
+        RouterReplay,
+        RouterReplayAction,
+    )
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -47,6 +50,7 @@ from routeplay.errors import (  # noqa: E402
     DuplicateExperts,
     ExpertOutOfRange,
     MisuseError,
+    ReplayNotApplied,
     RowCountMismatch,
     SpecMismatch,
 )
@@ -458,6 +462,53 @@ def test_sessions_refuse_routers_without_replay_and_a_second_session() -> None:
     with MegatronReplay(chunk, SPEC), pytest.raises(MisuseError, match="another"):
         MegatronReplay(chunk, SPEC)
     MegatronReplay(chunk, SPEC).close()  # the first one closed: a new one opens
+
+
+class NativeAlways(RouterReplay):
+    """A ``RouterReplay`` (beside megatron-core's action enum) whose replay is a no-op."""
+
+    def get_replay_topk(
+        self,
+        scores: Any,
+        topk: int,
+        num_groups: Any = None,
+        group_topk: Any = None,
+        default_compute_topk: Any = None,
+    ) -> Any:
+        return default_compute_topk(scores, topk, num_groups, group_topk)
+
+
+def _swap_replays(chunk: Chunk, cls: type) -> None:
+    for router in chunk.routers():
+        router.router_replay = cls()
+
+
+def test_a_router_that_ignores_the_replayed_ids_fails_the_first_forward(
+    one_router: tuple[Chunk, Any],
+) -> None:
+    chunk, mb = one_router
+    x = features(64)[:, None, :]
+    with MegatronReplay(chunk, SPEC) as session, session.replay(mb):
+        chunk.routers()[0](x)  # a router that replays: checked once, then not again
+        chunk.routers()[0](x)
+    _swap_replays(chunk, NativeAlways)
+    with (
+        MegatronReplay(chunk, SPEC) as session,
+        session.replay(mb),
+        pytest.raises(ReplayNotApplied, match=r"MoE layer 1 \(decoder.layers.1.mlp.router\)"),
+    ):
+        chunk.routers()[1](x)
+    check_global_state_clear()
+
+
+def test_a_router_replay_without_its_action_enum_is_refused_by_name(
+    one_router: tuple[Chunk, Any],
+) -> None:
+    chunk, _ = one_router
+    foreign = type("RouterReplay", (RouterReplay,), {"__module__": "some_framework.patch"})
+    _swap_replays(chunk, foreign)
+    with pytest.raises(MisuseError, match=r"some_framework\.patch\.RouterReplay"):
+        MegatronReplay(chunk, SPEC)
 
 
 def test_an_error_mid_forward_leaves_no_replay_state_behind(one_router: tuple[Chunk, Any]) -> None:

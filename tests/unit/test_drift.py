@@ -254,14 +254,8 @@ def test_logprob_gaps_match_the_direct_formula() -> None:
 def test_as_metrics_keys_are_stable() -> None:
     spec = RouteSpec(num_layers=2, top_k=2, num_experts=4)
     meter = DriftMeter(spec)
-    assert meter.drift().as_metrics() == {
-        "routing_drift/route_diff_share": 0.0,
-        "routing_drift/overlap": 1.0,
-        "routing_drift/token_diff_share": 0.0,
-        "routing_drift/layers_per_token": 0.0,
-        "routing_drift/tokens": 0.0,
-        "routing_drift/routes": 0.0,
-    }
+    # Nothing measured: counts only, no share that would read as perfect agreement.
+    assert meter.drift().as_metrics() == {"routing_drift/tokens": 0.0, "routing_drift/routes": 0.0}
     routes = np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]]])
     native = routes.copy()
     native[0, 1] = [2, 0]
@@ -323,3 +317,26 @@ def test_figures_merge_as_their_sums_would() -> None:
     assert empty + whole == whole + empty == whole
     with pytest.raises(SpecMismatch):
         whole + RoutingDrift.empty(top_k=3)
+
+
+def test_a_meter_that_saw_nothing_real_reports_no_figure() -> None:
+    """No forward, or a forward of padding only: no share and no overlap (None), never a
+    0.0 / 1.0 that reads as perfect agreement; counts stay honest zeros."""
+    spec = RouteSpec(num_layers=2, top_k=2, num_experts=4)
+    routes = np.array([[[0, 1], [2, 3]], [[1, 2], [3, 0]]])
+    native = np.array([[[2, 3], [0, 1]], [[3, 0], [1, 2]]])  # every route differs
+    for mask in (None, np.zeros(2, dtype=bool)):
+        meter = DriftMeter(spec)
+        if mask is not None:
+            meter.compare(native, routes, mask=mask)  # padding rows only
+        drift = meter.drift()
+        assert (drift.routes, drift.tokens) == (0, 0)
+        assert not drift.measured
+        assert drift.route_share is None
+        assert drift.overlap is None
+        assert drift.token_share is None
+        assert drift.layers_per_token is None
+    meter.compare(native, routes, mask=np.array([True, False]))
+    drift = meter.drift()
+    assert (drift.route_share, drift.overlap, drift.token_share) == (1.0, 0.0, 1.0)
+    assert drift.layers_per_token == 2.0

@@ -22,6 +22,7 @@ from routeplay.core.validate import canonicalize  # noqa: E402
 from routeplay.errors import (  # noqa: E402
     DuplicateExperts,
     ExpertOutOfRange,
+    ReplayNotApplied,
     RowCountMismatch,
     SpecMismatch,
 )
@@ -349,32 +350,44 @@ def checkpointing_disable(model: Any) -> None:
     (disable or model.gradient_checkpointing_disable)()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
-def test_checkpoint_recompute_replays_the_same_experts(model_type: str) -> None:
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_checkpoint_recompute_replays_the_same_experts_with_drift_on(model_type: str) -> None:
+    """Every family, under non-reentrant and reentrant activation checkpointing, with the
+    drift meter on (the default): the recompute replays the forward's experts, the meter
+    saves nothing for backward (torch compares what a forward and its recompute save:
+    Llama 4's top-k on grad-tracked scores broke that), every parameter's gradient equals
+    the run without checkpointing, and the drift figures are the same."""
     model = tiny_model(model_type)
     spec = model_spec(model)
     routes = random_routes(spec, seed=5)
-    gates = [site.module.weight for site in find_routers(model).sites]
+    params = [p for p in model.parameters() if p.requires_grad]
 
-    def gate_grads(checkpointing: bool) -> tuple[list[Any], Any]:
+    def grads(reentrant: bool | None) -> tuple[list[Any], Any, Any]:
         model.zero_grad(set_to_none=True)
         model.train()
-        if checkpointing:
-            checkpointing_enable(model)
+        if reentrant is not None:
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
         try:
             with replay(model, routes) as source:
                 output(model, inputs()).square().mean().backward()
         finally:
             checkpointing_disable(model)
             model.eval()
-        return [g.grad.clone() for g in gates], source.stats()
+        assert source.drift is not None  # drift is on by default
+        found = [None if p.grad is None else p.grad.clone() for p in params]
+        return found, source.stats(), source.drift.drift()
 
-    plain, plain_stats = gate_grads(False)
-    checkpointed, stats = gate_grads(True)
+    plain, plain_stats, plain_drift = grads(None)
     assert plain_stats.recomputes == 0
-    assert stats.recomputes == spec.num_layers  # every MoE layer ran again in the backward
-    for a, b in zip(plain, checkpointed, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert plain_drift.routes == spec.num_layers * TOKENS
+    for reentrant in (False, True):
+        checkpointed, stats, drift = grads(reentrant)
+        assert stats.recomputes == spec.num_layers  # every MoE layer ran again in the backward
+        assert drift == plain_drift  # each forward measured once, recomputes never
+        for a, b in zip(plain, checkpointed, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     model.zero_grad(set_to_none=True)
 
 
@@ -431,6 +444,11 @@ def test_patches_are_removed_on_exit_and_on_error() -> None:
     assert all("forward" not in site.module.__dict__ for site in sites)
     with replay(model, random_routes(spec, seed=6)):
         assert all("forward" in site.module.__dict__ for site in sites)
+        output(model, inputs())
+    assert all("forward" not in site.module.__dict__ for site in sites)
+    # A block no router used is a replay that did not happen: refused, patches removed.
+    with pytest.raises(ReplayNotApplied, match="no MoE router"), replay(model, short):
+        pass
     assert all("forward" not in site.module.__dict__ for site in sites)
 
 
@@ -442,12 +460,60 @@ def test_blocks_nest_and_close_in_any_order() -> None:
     forced, rec = replay(model, routes), record(model)
     forced.__enter__()
     recorder = rec.__enter__()
+    with torch.no_grad():
+        output(model, inputs())  # replayed, and recorded as replayed
+    assert np.array_equal(recorder.routes(), routes)
+    recorder.clear()
     forced.__exit__(None, None, None)  # the outer block closes first
     with torch.no_grad():
         output(model, inputs())  # recorded, no longer replayed
     rec.__exit__(None, None, None)
     assert "forward" not in site.module.__dict__
     assert not np.array_equal(recorder.routes(), routes)
+
+
+def _self_routing_block(block: Any, *, call_gate: bool) -> Any:
+    """A Qwen3-MoE block patched the way a custom or fused MoE block behaves: it takes
+    the experts from the gate's own top-k of its logits, ignoring the ids its router
+    returned (``call_gate``), or never calls the router's forward at all."""
+    top_k = block.gate.top_k
+
+    def forward(hidden_states: Any) -> Any:
+        batch, seq, hidden = hidden_states.shape
+        flat = hidden_states.view(-1, hidden)
+        if call_gate:
+            logits = block.gate(flat)[0]  # the (replayed) ids it returns are dropped
+        else:
+            logits = torch.nn.functional.linear(flat, block.gate.weight)
+        weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        return block.experts(flat, ids, weights).reshape(batch, seq, hidden)
+
+    return forward
+
+
+@pytest.mark.parametrize(("call_gate", "message"), [(True, "did not send"), (False, "never called")])
+def test_a_block_that_routes_by_itself_fails_the_first_forward(
+    call_gate: bool, message: str
+) -> None:
+    """A replay no router used is an error, raised in the first forward, naming the layer:
+    never a quiet no-op with native routing (the drift meter would see nothing)."""
+    config = transformers.AutoConfig.for_model("qwen3_moe", **{**BASE, **CASES["qwen3_moe"]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    spec = model_spec(model)
+    block = model.model.layers[1].mlp
+    routes = random_routes(spec, seed=8)
+    with torch.no_grad(), replay(model, routes):
+        output(model, inputs())  # every block takes its router's output: fine
+    block.forward = _self_routing_block(block, call_gate=call_gate)
+    with (
+        pytest.raises(ReplayNotApplied, match=message) as refused,
+        torch.no_grad(),
+        replay(model, routes),
+    ):
+        output(model, inputs())
+    assert "MoE layer 1 (model.layers.1.mlp.gate)" in str(refused.value)
+    assert "forward" not in block.gate.__dict__  # the patch is gone after the error
 
 
 def test_routes_for_another_geometry_are_refused() -> None:

@@ -157,6 +157,7 @@ NEEDS: dict[str, frozenset[str]] = {
             "routeplay.integrations.megatron.session",
             "routeplay.train.drift",
             "routeplay.train.hf",
+            "routeplay.train.replay_check",
             "routeplay.train.replay_core",
             "routeplay.train.routers",
         ],

@@ -85,6 +85,7 @@ RAY_HOMES = {
 TORCH_HOMES = {
     "train/drift.py",
     "train/hf.py",
+    "train/replay_check.py",
     "train/replay_core.py",
     "train/routers.py",
     "integrations/megatron/drift.py",

@@ -92,9 +92,10 @@ def run_demo(
 
 def _summary(version: int, stats: StepStats, leases: int) -> str:
     without, _, with_r3 = stats.kl_k3
-    drift = "" if stats.drift is None else (
-        f"routes differing {stats.drift.no_replay.route_share:.1%} "
-        f"(live under R3 {stats.drift.live.route_share:.1%}), "
+    native = None if stats.drift is None else stats.drift.no_replay.route_share
+    live = None if stats.drift is None else stats.drift.live.route_share
+    drift = "" if native is None or live is None else (
+        f"routes differing {native:.1%} (live under R3 {live:.1%}), "
     )  # fmt: skip
     return (
         f"v{version}: trained {stats.samples} samples, reward {stats.reward:.3f}, "

@@ -96,19 +96,19 @@ class R3Metrics:
         0
     """
 
-    route_disagreement: float
+    route_disagreement: float | None
     """Fraction of (token, layer) routes where the trainer, without replay, picks other
-    experts than the engine did."""
-    tokens_any_layer: float
+    experts than the engine did (None here and below: no route was compared)."""
+    tokens_any_layer: float | None
     """Fraction of tokens with at least one such layer."""
-    layers_per_token: float
+    layers_per_token: float | None
     """Mean number of differing layers per token."""
-    live_route_disagreement: float
+    live_route_disagreement: float | None
     """The same fraction measured live under R3 (the trainer's routers' own choice in
     the replayed training forward against the engine's ids)."""
-    live_tokens_any_layer: float
+    live_tokens_any_layer: float | None
     """Live under R3: fraction of tokens with at least one differing layer."""
-    live_layers_per_token: float
+    live_layers_per_token: float | None
     """Live under R3: mean number of differing layers per token."""
     kl_k3_without: float
     """Mean k3 estimate of KL(engine || trainer) per token, trainer routing natively."""
@@ -266,10 +266,10 @@ class DemoReport:
     claimed, plus the unclaimed ones when the cluster was not shared."""
     engine_keys_unclaimed: int
     """Live engine-store keys no run had claimed at teardown (cluster-wide)."""
-    route_diff_fraction_no_replay: float
+    route_diff_fraction_no_replay: float | None
     """Fraction of (token, layer) routes where the trainer (float32, no replay) picks other
     experts than the engine (bf16), same weights."""
-    token_diff_fraction_no_replay: float
+    token_diff_fraction_no_replay: float | None
     """Fraction of tokens with at least one such layer."""
     logprob_abs_diff_no_replay: float
     """Mean |trainer - engine| log-prob of generated tokens, trainer routing natively."""
@@ -392,8 +392,8 @@ def build_report(
         leak_holders=teardown.leak_holders,
         engine_keys_left=teardown.engine_keys_left,
         engine_keys_unclaimed=teardown.engine_keys_unclaimed,
-        route_diff_fraction_no_replay=round(total.no_replay.route_share, 6),
-        token_diff_fraction_no_replay=round(total.no_replay.token_share, 6),
+        route_diff_fraction_no_replay=_rounded(total.no_replay.route_share),
+        token_diff_fraction_no_replay=_rounded(total.no_replay.token_share),
         logprob_abs_diff_no_replay=_mean(total.no_replay.logprob_gap),
         logprob_abs_diff_replay=_mean(total.live.logprob_gap),
         logprob_abs_diff_no_replay_affected=_mean(total.no_replay_affected.logprob_gap),
@@ -515,18 +515,18 @@ def _r3_table(r: DemoReport) -> Table:
     table.add_column("k3 KL", justify="right")
     table.add_column("mean |dlogprob|", justify="right")
     replayed = max(1, r.routing_rows_replayed * max(1, r.layers))
-    without = (f"{m.route_disagreement:.2%}", f"{m.tokens_any_layer:.2%}")
+    without = (_shown(m.route_disagreement, ".2%"), _shown(m.tokens_any_layer, ".2%"))
     table.add_row(
-        "no replay", *without, f"{m.layers_per_token:.2f}", _sci(m.kl_k3_without),
+        "no replay", *without, _shown(m.layers_per_token, ".2f"), _sci(m.kl_k3_without),
         _sci(m.abs_dlogprob_without),
     )  # fmt: skip
     table.add_row(
-        "R2 (own routing)", *without, f"{m.layers_per_token:.2f}", _sci(m.kl_k3_r2),
+        "R2 (own routing)", *without, _shown(m.layers_per_token, ".2f"), _sci(m.kl_k3_r2),
         _sci(m.abs_dlogprob_r2),
     )  # fmt: skip
     table.add_row(
-        "R3, routers' own (live)", f"{m.live_route_disagreement:.2%}",
-        f"{m.live_tokens_any_layer:.2%}", f"{m.live_layers_per_token:.2f}", "", "",
+        "R3, routers' own (live)", _shown(m.live_route_disagreement, ".2%"),
+        _shown(m.live_tokens_any_layer, ".2%"), _shown(m.live_layers_per_token, ".2f"), "", "",
     )  # fmt: skip
     table.add_row(
         "R3 (engine's)", f"{m.mismatched_routes_with / replayed:.2%}",
@@ -551,8 +551,10 @@ def _drift_table(r: DemoReport) -> Table:
     for step, drift in enumerate(r.r3.drift_per_step):
         native, live = drift.no_replay, drift.live
         table.add_row(
-            f"{step}", f"{native['route_diff_share']:.2%}", f"{live['route_diff_share']:.2%}",
-            f"{native['layers_per_token']:.2f}", f"{live['layers_per_token']:.2f}",
+            f"{step}", _shown(native.get("route_diff_share"), ".2%"),
+            _shown(live.get("route_diff_share"), ".2%"),
+            _shown(native.get("layers_per_token"), ".2f"),
+            _shown(live.get("layers_per_token"), ".2f"),
         )  # fmt: skip
     table.caption = (
         "routes differing (first two), differing layers per token (last two); live: each "
@@ -565,6 +567,15 @@ def _drift_table(r: DemoReport) -> Table:
 
 def _sci(value: float) -> str:
     return f"{value:.2e}"
+
+
+def _shown(value: float | None, spec: str) -> str:
+    """A figure, or "-" where the meter compared nothing (no figure, never a 0)."""
+    return "-" if value is None else format(value, spec)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 def _mean(value: float | None) -> float:

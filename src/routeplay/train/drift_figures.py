@@ -33,11 +33,12 @@ class LayerDrift:
     differing: int
     """Of those, the routes whose native expert set differs from the replayed one."""
     overlap: float
-    """Mean ``|native ∩ replayed| / K`` over the routes (1.0: none compared)."""
+    """Mean ``|native ∩ replayed| / K`` over the routes (a layer row exists only once a
+    route was compared)."""
 
     @property
     def share(self) -> float:
-        """``differing / routes`` (0.0 when none compared)."""
+        """``differing / routes``."""
         return self.differing / self.routes if self.routes else 0.0
 
 
@@ -76,27 +77,32 @@ class RoutingDrift:
         return sum(layer.differing for layer in self.layers)
 
     @property
-    def route_share(self) -> float:
-        """Share of (token, layer) routes that differ, all layers."""
-        return self.differing / self.routes if self.routes else 0.0
+    def measured(self) -> bool:
+        """Whether any replayed route was compared: without one there is no figure (an
+        empty meter, a forward of padding only), never a ``0.0`` that reads as agreement."""
+        return self.routes > 0 and self.tokens > 0
 
     @property
-    def overlap(self) -> float:
-        """Mean ``|native ∩ replayed| / K`` over every compared route."""
-        routes = self.routes
-        if not routes:
-            return 1.0
-        return sum(layer.overlap * layer.routes for layer in self.layers) / routes
+    def route_share(self) -> float | None:
+        """Share of (token, layer) routes that differ, all layers (None: none compared)."""
+        return self.differing / self.routes if self.measured else None
 
     @property
-    def token_share(self) -> float:
-        """Share of real tokens with at least one differing layer."""
-        return self.tokens_differing / self.tokens if self.tokens else 0.0
+    def overlap(self) -> float | None:
+        """Mean ``|native ∩ replayed| / K`` over every compared route (None: none)."""
+        if not self.measured:
+            return None
+        return sum(layer.overlap * layer.routes for layer in self.layers) / self.routes
 
     @property
-    def layers_per_token(self) -> float:
-        """Mean number of differing layers per real token."""
-        return self.differing / self.tokens if self.tokens else 0.0
+    def token_share(self) -> float | None:
+        """Share of real tokens with at least one differing layer (None: none compared)."""
+        return self.tokens_differing / self.tokens if self.measured else None
+
+    @property
+    def layers_per_token(self) -> float | None:
+        """Mean number of differing layers per real token (None: none compared)."""
+        return self.differing / self.tokens if self.measured else None
 
     def merge(self, other: RoutingDrift) -> RoutingDrift:
         """The figures of both spans together (steps, micro-batches, ranks).
@@ -144,23 +150,25 @@ class RoutingDrift:
     def as_metrics(self, prefix: str = "routing_drift/") -> dict[str, float]:
         """Flat ``{key: float}`` for any logger (wandb, TensorBoard, MLflow).
 
-        Keys, after ``prefix``: ``route_diff_share``, ``overlap``, ``token_diff_share``,
-        ``layers_per_token``, ``tokens``, ``routes``; per MoE layer ``l`` (the layers this
-        rank measured): ``layer_{l}/route_diff_share``, ``layer_{l}/overlap``; with
-        log-probs: ``kl_k3``, ``logprob_abs_gap``, ``logprob_tokens``.
+        Keys, after ``prefix``: ``tokens``, ``routes``; once a route was compared
+        (``measured``), ``route_diff_share``, ``overlap``, ``token_diff_share``,
+        ``layers_per_token`` and per MoE layer ``l`` (the layers this rank measured):
+        ``layer_{l}/route_diff_share``, ``layer_{l}/overlap``; with log-probs: ``kl_k3``,
+        ``logprob_abs_gap``, ``logprob_tokens``. Nothing measured: no share, no overlap.
 
         Example:
             >>> meter.drift().as_metrics()["routing_drift/route_diff_share"]
             0.0125
         """
-        out = {
-            f"{prefix}route_diff_share": self.route_share,
-            f"{prefix}overlap": self.overlap,
-            f"{prefix}token_diff_share": self.token_share,
-            f"{prefix}layers_per_token": self.layers_per_token,
-            f"{prefix}tokens": float(self.tokens),
-            f"{prefix}routes": float(self.routes),
+        shares = {
+            "route_diff_share": self.route_share,
+            "overlap": self.overlap,
+            "token_diff_share": self.token_share,
+            "layers_per_token": self.layers_per_token,
         }
+        out = {f"{prefix}{key}": value for key, value in shares.items() if value is not None}
+        out[f"{prefix}tokens"] = float(self.tokens)
+        out[f"{prefix}routes"] = float(self.routes)
         for layer in self.layers:
             out[f"{prefix}layer_{layer.layer}/route_diff_share"] = layer.share
             out[f"{prefix}layer_{layer.layer}/overlap"] = layer.overlap

@@ -22,6 +22,13 @@ step), or into one of the block's own (``source.drift``). Recomputes are not cou
 Blocks nest and may close in any order: each patched method holds one dispatcher with a
 stack of interceptors (the newest outermost), removed when the last block closes.
 
+Fail closed (``routeplay.train.replay_check``): the first forward of each ``replay`` block
+checks that every MoE layer ran its hooked method and that its experts received the
+replayed ids (``ReplayNotApplied`` otherwise); a block no router used is refused when it
+ends. Diagnostics (drift, recording) run under ``no_grad`` on detached outputs, so they
+never change what autograd saves (activation checkpointing compares the saved tensors of
+a forward and its recompute).
+
 Invariant: the patched method reads layer ``l``'s ids from the routes on every call, so
 activation-checkpoint recompute in the backward pass replays the same experts, provided
 the backward runs inside the ``replay`` block (after it, the native router is back).
@@ -41,6 +48,7 @@ from routeplay.core.hf_config import spec_from_hf_config
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, SpecMismatch
 from routeplay.train.drift import DRIFT_BY_DEFAULT, DriftMeter, DriftPass
+from routeplay.train.replay_check import ReplayCheck
 from routeplay.train.replay_core import ReplaySource, RouteRecorder, RoutesLike, in_backward
 from routeplay.train.routers import FAMILIES, RouterFamily, family_of
 
@@ -164,10 +172,13 @@ def replay(
     meter = _meter(drift, routers.spec, mask)
     source = ReplaySource(routes, routers.spec, check_ids=check_ids, drift=meter)
     drift_pass = meter.open_pass(mask) if meter is not None else None
+    check = ReplayCheck(model, [(site.layer, site.name, site.module) for site in routers.sites])
     try:
-        with _patched(routers, lambda site: _replaying(site, source, drift_pass)):
+        with _patched(routers, lambda site: _replaying(site, source, drift_pass, check)):
             yield source
+        check.finished()
     finally:
+        check.close()
         if drift_pass is not None:
             drift_pass.close()
 
@@ -226,7 +237,7 @@ _Interceptor = Callable[[_Method, tuple[Any, ...], dict[str, Any]], Any]
 
 
 def _replaying(
-    site: RouterSite, source: ReplaySource, drift_pass: DriftPass | None
+    site: RouterSite, source: ReplaySource, drift_pass: DriftPass | None, check: ReplayCheck
 ) -> _Interceptor:
     family, layer, module = site.family, site.layer, site.module
     where = f"MoE layer {layer} ({site.name})"
@@ -236,11 +247,27 @@ def _replaying(
         logits = family.layout.source(out, args)
         logits = logits.reshape(-1, logits.shape[-1])
         ids = source.ids(layer, device=logits.device, rows=logits.shape[0], where=where)
-        if drift_pass is not None and not in_backward():  # a recompute repeats its forward
-            drift_pass.observe(layer, family.layout.chosen(module, out, args), ids)
+        if not in_backward():  # a recompute repeats its forward
+            check.note_replayed(layer, ids)
+            if drift_pass is not None:
+                # Diagnostics save nothing for backward: a top-k on grad-tracked scores
+                # (Llama 4) would save tensors in the forward that a checkpoint's
+                # recompute (where no drift is measured) does not, and torch refuses that.
+                with torch.no_grad():
+                    native = family.layout.chosen(module, _detached(out), args)
+                drift_pass.observe(layer, native, ids)
         return family.layout.replace(out, family.weights(module, logits, ids), ids)
 
     return replayed
+
+
+def _detached(out: Any) -> Any:
+    """A router's output with every tensor detached (for diagnostics only)."""
+    if torch.is_tensor(out):
+        return out.detach()
+    if isinstance(out, tuple):
+        return tuple(_detached(item) for item in out)
+    return out
 
 
 def _recording(site: RouterSite, recorder: RouteRecorder) -> _Interceptor:
@@ -248,7 +275,8 @@ def _recording(site: RouterSite, recorder: RouteRecorder) -> _Interceptor:
 
     def recorded(inner: _Method, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = inner(*args, **kwargs)
-        recorder.capture(layer, family.layout.chosen(module, out, args))
+        with torch.no_grad():  # what the router chose; nothing of it is trained
+            recorder.capture(layer, family.layout.chosen(module, _detached(out), args))
         return out
 
     return recorded

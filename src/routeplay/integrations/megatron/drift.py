@@ -139,9 +139,7 @@ class MegatronDrift:
 
     # -- internals ---------------------------------------------------------------------
     def _install(self, router: MegatronRouter) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        key, replay = id(router), router.replay
+        key, replay, forward = id(router), router.replay, router.actions.REPLAY_FORWARD
         original = replay.get_replay_topk  # bound: Megatron's own, whatever its version
 
         def shape(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -157,7 +155,7 @@ class MegatronDrift:
             group_topk: int | None = None,
             default_compute_topk: Any = None,
         ) -> Any:
-            measured = replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+            measured = replay.router_replay_action == forward
             result = original(scores, topk, num_groups, group_topk, default_compute_topk)
             block = self._blocks.get(router.chunk)
             if measured and block is not None and default_compute_topk is not None:

@@ -11,8 +11,10 @@ model), which is why the adapter fills instances one by one.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, SpecMismatch
 from routeplay.integrations.megatron.layout import MegatronLayout
 
-__all__ = ["MegatronRouter", "find_megatron_routers"]
+__all__ = ["MegatronRouter", "find_megatron_routers", "replay_actions"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -40,6 +42,10 @@ class MegatronRouter:
     """The ``TopKRouter``."""
     replay: Any
     """Its ``RouterReplay`` instance (``router.router_replay``)."""
+    actions: Any
+    """The ``RouterReplayAction`` enum that instance compares its action with: the one of
+    the module defining its class (megatron-core's, or verl's patched ``RouterReplay``,
+    which brings an enum of its own)."""
 
 
 def find_megatron_routers(
@@ -104,6 +110,42 @@ REPLAY_FEATURES = (
 )
 """What ``MegatronReplay`` reads and sets on each router's ``RouterReplay``: checked by
 feature, not by version (``docs/megatron.md``)."""
+
+REPLAY_ACTIONS = ("RECORD", "REPLAY_FORWARD", "REPLAY_BACKWARD")
+"""Members the ``RouterReplayAction`` enum beside a ``RouterReplay`` class must have."""
+
+
+def replay_actions(replay: Any, *, where: str = "") -> type[Enum]:
+    """The ``RouterReplayAction`` enum ``replay`` compares its action with.
+
+    A ``RouterReplay`` tests ``self.router_replay_action == RouterReplayAction.X`` against
+    the enum of its own module, and an enum member only equals itself: megatron-core's
+    ``REPLAY_FORWARD`` set on verl's patched ``RouterReplay`` (``apply_router_replay_patch``)
+    matches none of verl's members, so the router silently routes natively. The enum is
+    therefore taken from the instance's class module; a class with no such enum is refused.
+
+    Example:
+        >>> replay_actions(router.router_replay).REPLAY_FORWARD  # doctest: +SKIP
+        <RouterReplayAction.REPLAY_FORWARD: 'replay_forward'>
+    """
+    cls = type(replay)
+    module = sys.modules.get(cls.__module__)
+    actions = getattr(module, "RouterReplayAction", None)
+    members = getattr(actions, "__members__", {})
+    if isinstance(actions, type) and issubclass(actions, Enum) and set(REPLAY_ACTIONS) <= set(
+        members
+    ):
+        return actions
+    raise MisuseError(
+        "the router's RouterReplay has no RouterReplayAction enum beside its class",
+        expected=f"an Enum RouterReplayAction with {', '.join(REPLAY_ACTIONS)} in "
+        f"{cls.__module__}",
+        found=f"{cls.__module__}.{cls.__qualname__} with "
+        f"{'no RouterReplayAction' if actions is None else sorted(members)}",
+        where=where,
+        hint="routeplay drives megatron-core's RouterReplay and verl's patched one; another "
+        "patch must keep its action enum in the module of its RouterReplay class.",
+    )
 
 
 def _mtp_types() -> tuple[type, ...]:
@@ -170,7 +212,8 @@ def _site(
         decoder_layer=decoder,
         name=name,
         module=router,
-        replay=router.router_replay,
+        replay=replay,
+        actions=replay_actions(replay, where=where),
     )
 
 

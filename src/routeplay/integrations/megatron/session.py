@@ -61,7 +61,7 @@ import torch
 
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import MisuseError, RowCountMismatch
+from routeplay.errors import MisuseError, ReplayNotApplied, RowCountMismatch
 from routeplay.integrations.megatron.drift import MegatronDrift
 from routeplay.integrations.megatron.layout import MegatronLayout
 from routeplay.integrations.megatron.routers import MegatronRouter, find_megatron_routers
@@ -235,6 +235,8 @@ class MegatronReplay:
         self._running: dict[int, _Pending] = {}  # marker of the forward a router is in
         self._trained: set[int] = set()  # routers replayed or recorded with grad at entry
         self._counts = {"replayed": 0, "recomputes": 0, "recorded": 0}
+        self._verified: set[int] = set()  # routers seen using the replayed ids
+        self._checking: dict[int, torch.Tensor] = {}  # ids handed to a first replayed forward
         self._hooks: list[Any] = []
         self._drift: MegatronDrift | None = None
         self._closed = False
@@ -347,10 +349,12 @@ class MegatronReplay:
                 queue.clear()
             self._running.clear()
             self._modes.clear()
-            from megatron.core.transformer.moe.router_replay import RouterReplay
-
-            RouterReplay.clear_global_indices()
-            RouterReplay.clear_global_router_replay_action()
+            self._checking.clear()
+            # Every RouterReplay class in use (megatron-core's, verl's patched one) keeps
+            # its own registry of instances: clear each.
+            for cls in {type(router.replay) for router in self.routers}:
+                cls.clear_global_indices()
+                cls.clear_global_router_replay_action()
         finally:
             with MegatronReplay._open_lock:
                 if MegatronReplay._open is self:
@@ -428,9 +432,7 @@ class MegatronReplay:
 
     # -- hooks -------------------------------------------------------------------------------
     def _before(self, router: MegatronRouter) -> Any:
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        replay, queue = router.replay, self._pending[id(router)]
+        replay, queue, actions = router.replay, self._pending[id(router)], router.actions
 
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             hidden = args[0] if args else kwargs["input"]
@@ -441,10 +443,14 @@ class MegatronReplay:
                 return
             mode = self._modes.get(router.chunk)
             if isinstance(mode, _Replaying):
-                replay.target_topk_idx = self._ids(router, mode, seq, batch, device)
-                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                ids = self._ids(router, mode, seq, batch, device)
+                replay.target_topk_idx = ids
+                _set_if_present(replay, "target_replay_mask", None)  # verl's: every row
+                replay.set_router_replay_action(actions.REPLAY_FORWARD)
+                if id(router) not in self._verified:
+                    self._checking[id(router)] = ids
             elif isinstance(mode, _Recording):
-                replay.set_router_replay_action(RouterReplayAction.RECORD)
+                replay.set_router_replay_action(actions.RECORD)
             else:
                 replay.clear_router_replay_action()
                 return
@@ -461,8 +467,6 @@ class MegatronReplay:
         self, router: MegatronRouter, seq: int, batch: int, device: torch.device
     ) -> None:
         """A backward recompute of ``router``: hand it the ids of the oldest kept forward."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         replay, queue = router.replay, self._pending[id(router)]
         if not queue:
             if id(router) not in self._trained:  # a native forward: so is its recompute
@@ -493,7 +497,8 @@ class MegatronReplay:
             assert pending.recorded is not None  # set when the recorded forward ended
             ids = pending.recorded.to(device=device, dtype=torch.int64)
         replay.replay_backward_list = [ids]
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        _set_if_present(replay, "replay_backward_mask_list", [None])  # verl pops one per ids
+        replay.set_router_replay_action(router.actions.REPLAY_BACKWARD)
         self._counts["recomputes"] += 1
 
     def _after(self, router: MegatronRouter) -> Any:
@@ -510,10 +515,15 @@ class MegatronReplay:
                 self._counts["recorded"] += 1
             elif isinstance(mode, _Replaying):
                 self._counts["replayed"] += 1
+                given = self._checking.pop(id(router), None)
+                if given is not None:  # the first replayed forward of this router
+                    self._verify(router, given, output[1])
             # Megatron keeps the last ids until told otherwise: drop them now.
             replay.recorded_topk_idx = None
             replay.target_topk_idx = None
             replay.replay_backward_list = []
+            _set_if_present(replay, "target_replay_mask", None)
+            _set_if_present(replay, "replay_backward_mask_list", [])
             replay.clear_router_replay_action()
             if pending is not None and torch.is_grad_enabled():
                 # This forward built its graph, so it is recomputed only by a non-reentrant
@@ -527,6 +537,31 @@ class MegatronReplay:
                     _drop(queue, pending)
 
         return hook
+
+    def _verify(self, router: MegatronRouter, ids: torch.Tensor, routing_map: torch.Tensor) -> None:
+        """The router's first replayed forward of the session dispatched exactly the
+        replayed experts (one comparison per router, not per step): else its replay did
+        not happen, e.g. a ``RouterReplay`` patched in by another framework compared the
+        action with an enum of its own and the router routed natively."""
+        wanted = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, ids, True)
+        used = routing_map.bool()
+        config: Any = getattr(router.module, "config", None)
+        if getattr(config, "moe_expert_capacity_factor", None) is not None:
+            off = (used & ~wanted).any(dim=1)  # dropped tokens leave slots empty
+        else:
+            off = (used != wanted).any(dim=1)
+        if bool(off.any()):
+            row = int(off.nonzero()[0, 0])
+            raise ReplayNotApplied(
+                "a router did not use the replayed experts",
+                expected=sorted(ids[row].tolist()),
+                found=used[row].nonzero().flatten().tolist(),
+                where=f"MoE layer {router.moe_layer} ({router.name}), token {row} of "
+                f"{used.shape[0]} ({int(off.sum())} differ)",
+                hint=f"The router's RouterReplay ({_class_name(router.replay)}) ignored the "
+                "replay action, or its routing was patched after the session was built.",
+            )
+        self._verified.add(id(router))
 
     def _ids(
         self, router: MegatronRouter, mode: _Replaying, seq: int, batch: int, device: torch.device
@@ -574,6 +609,16 @@ def _dropper(queue: deque[_Pending], pending: _Pending) -> Any:
         engine.queue_callback(lambda: _drop(queue, pending))
 
     return hook
+
+
+def _set_if_present(replay: Any, attr: str, value: Any) -> None:
+    """Set a field only some ``RouterReplay`` classes have (verl's replay masks)."""
+    if hasattr(replay, attr):
+        setattr(replay, attr, value)
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _device_of(router: torch.nn.Module) -> torch.device:
