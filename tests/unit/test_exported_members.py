@@ -36,6 +36,7 @@ EXPORTS: dict[str, list[str]] = {
         "spec_from_hf_config",
     ],
     "routeplay.core": [
+        "DegenerateCheck",
         "Engine",
         "EngineKey",
         "EngineRouting",

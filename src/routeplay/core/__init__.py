@@ -5,6 +5,7 @@ wire formats of every engine, validation, and the metadata a sample carries inst
 data (``Segment``, ``Handle``).
 """
 
+from routeplay.core.degenerate import DegenerateCheck
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Piece, Segment, Source, StoreRef
 from routeplay.core.hf_config import spec_from_hf_config
 from routeplay.core.presets import PRESETS, preset
@@ -15,6 +16,7 @@ from routeplay.core.wires import Engine, EngineRouting, read_response, read_resp
 
 __all__ = [
     "PRESETS",
+    "DegenerateCheck",
     "Engine",
     "EngineKey",
     "EngineRouting",

@@ -14,6 +14,7 @@ from typing import Final
 
 import numpy as np
 
+from routeplay.core.degenerate import DEFAULT_DEGENERATE, DegenerateCheck
 from routeplay.errors import SpecMismatch
 
 __all__ = ["MAX_EXPERTS", "RouteSpec", "canonical_dtype"]
@@ -48,6 +49,9 @@ class RouteSpec:
     """Decoder layers in the model, dense ones included; None means the last mapped layer + 1."""
     name: str = field(default="", compare=False)
     """Human label (a preset name); not part of equality."""
+    degenerate: DegenerateCheck = field(default=DEFAULT_DEGENERATE, compare=False)
+    """Which engine-bug captures validation refuses (``routeplay.core.degenerate``:
+    fill rows, a frozen layer); a setting, not part of the geometry or of equality."""
 
     def __post_init__(self) -> None:
         for label, value in (("num_layers", self.num_layers), ("top_k", self.top_k)):

@@ -193,7 +193,9 @@ def canonicalize(
     """Validate ``array`` and return it as canonical, read-only, C-contiguous ``Routes``.
 
     Order matters: shape and dtype first (cheap), then rows, range (before the cast, so
-    nothing truncates silently), then the cast, then distinctness on the compact array.
+    nothing truncates silently), then the cast, then distinctness on the compact array,
+    then the degenerate-capture refusals of ``spec.degenerate`` (fill rows, a frozen
+    layer: ``routeplay.core.degenerate``).
     The three run as one sweep over blocks of rows that stay in cache (``_sweep``):
     each byte of the input is read from memory once and each output byte written once.
     ``threads > 1`` sweeps that many contiguous row ranges at once (numpy releases the
@@ -216,6 +218,9 @@ def canonicalize(
     canonical = array if in_place else np.empty((array.shape[0], *spec.row_shape), spec.dtype)
     if not _sweep_all(array, layers, None if in_place else canonical, spec, threads):
         _raise_first_refusal(array, layers, spec, start_row=start_row, where=where)
+    spec.degenerate.refuse(
+        canonical, num_experts=spec.num_experts, start_row=start_row, where=where
+    )
     # A read-only view: Routes are immutable, and the caller's own flags stay untouched.
     canonical = canonical.view()
     canonical.flags.writeable = False

@@ -134,7 +134,8 @@ class RoutingContinuation:
         where: str,
     ) -> Step[Handle]:
         self.check_open("ingest an answer")
-        where = where or f"sample {self.routing.sample_id}"
+        # A refusal names the sample and the engine wire it came over.
+        where = where or f"sample {self.routing.sample_id} ({adapter.name} answer)"
         routing = adapter.read(response, spec=spec, where=where, start_row=start_row)
         return (yield from stitch_step(routing, spec, writer, weight_version, self.history))
 
