@@ -18,7 +18,7 @@ from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, RouteSpec, preset
 from routeplay.errors import AlreadyConsumed, DuplicateExperts, LifetimeError, RoutesLost
 from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
-from routeplay.store.ingest import Prepared, Validated, decide, hand_over, settle
+from routeplay.store.ingest import Prepared, Validated, decide, settle
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -128,19 +128,24 @@ def test_a_trailing_row_and_a_history_are_left_out_of_what_is_read(
     assert _settled(baseline)
 
 
-def test_a_payload_refused_at_ingest_fails_as_it_would_without_it(
-    engine_store: Any, store: RouteStore
+@pytest.mark.parametrize("settled", [True, False], ids=["ended", "still-running"])
+def test_a_payload_refused_at_ingest_is_refused_by_the_adoption(
+    engine_store: Any, store: RouteStore, settled: bool
 ) -> None:
+    """The adoption, not a trainer's read, refuses it: with the refusal known to the
+    engine store before the adoption, or with the validation still running (waited for).
+    The key is consumed and every byte goes."""
     baseline = used_bytes()
     bad = make_routing(SPEC, ROWS, all_layers=True, seed=3)
     bad[7, 3] = 0  # a zero-padded row in MoE layer 2 (decoder layer 3)
-    handle = store.adopt_key(EngineKey(key=_put(engine_store, bad), rows=ROWS, actor=NAME), SPEC)
-    with (
-        store.acquire(handle, "train/bad"),
-        pytest.raises(DuplicateExperts, match="row 7, layer 2"),
-    ):
-        store.read(handle)
+    key = _put(engine_store, bad)
+    if settled:
+        assert wait_until(lambda: ray.get(engine_store.validated.remote(key)) is False)
+    with pytest.raises(DuplicateExperts, match="row 7, layer 2"):
+        store.adopt_key(EngineKey(key=key, rows=ROWS, actor=NAME), SPEC)
+    assert key not in ray.get(engine_store.keys.remote(), timeout=20)
     store.flush()
+    assert store.stats().live_payloads == 0
     assert _settled(baseline)
 
 
@@ -200,14 +205,7 @@ def test_a_killed_engine_store_leaves_exact_rows_or_a_lifetime_error_and_no_byte
     assert _settled(baseline + 1024)
 
 
-CALLS: dict[str, Any] = {
-    "succeeded": lambda status: ray_calls.succeeded(status, 20.0),
-}  # what the shard passes
 SETTLE: dict[str, Any] = {"outcome": ray_calls.outcome_now}  # what the engine store passes
-
-
-def _never_waited(status: Any) -> bool:
-    raise AssertionError("a settled outcome was waited for again")
 
 
 @ray.remote(num_returns=2)
@@ -220,67 +218,11 @@ def _slow_ingest(refuse: bool, rows: int) -> tuple[None, np.ndarray]:
 
 
 @pytest.mark.parametrize("refuse", [False, True])
-def test_a_validation_still_running_is_handed_over_when_it_covers_the_keys_rows(
-    refuse: bool,
-) -> None:
-    status, block = _slow_ingest.remote(refuse, ROWS)
-    ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
-    raw = [ray.put(np.zeros(1))]
-    key = EngineKey(key="ab" * 28, rows=ROWS)
-    started = time.perf_counter()
-    [out] = hand_over([raw], [ready], [key], [0], SPEC, **CALLS)
-    assert time.perf_counter() - started < 1.0  # not waited for: the reader's fetch waits
-    assert isinstance(out, Validated)
-    if refuse:
-        with pytest.raises(DuplicateExperts, match="row 7, layer 2"):
-            ray.get(out.canonical[0], timeout=20)
-    else:
-        assert ray.get(out.canonical[0], timeout=20).shape[0] == ROWS
-
-
-@pytest.mark.parametrize("refuse", [False, True])
-def test_a_validation_of_other_rows_than_the_keys_decides_by_its_outcome(refuse: bool) -> None:
-    status, block = _slow_ingest.remote(refuse, ROWS + 1)
-    ready = Prepared(spec=SPEC, rows=ROWS + 1, status=status, canonical=[block])
-    raw = [ray.put(np.zeros(1))]
-    trailing = EngineKey(key="ab" * 28, rows=ROWS, trailing_rows=1)  # a refusal may lie
-    [out] = hand_over([raw], [ready], [trailing], [0], SPEC, **CALLS)  # in the last row
-    if refuse:
-        assert out is raw  # the raw path validates the key's own rows
-    else:
-        assert isinstance(out, Validated)
-        assert out.rows == ROWS + 1
-
-
-def test_a_validation_that_does_not_end_in_time_sends_the_key_to_the_raw_path() -> None:
-    status, block = _slow_ingest.remote(False, ROWS + 1)
-    ready = Prepared(spec=SPEC, rows=ROWS + 1, status=status, canonical=[block])
-    raw = [ray.put(np.zeros(1))]
-    trailing = EngineKey(key="ab" * 28, rows=ROWS, trailing_rows=1)
-    hasty = {**CALLS, "succeeded": lambda status: ray_calls.succeeded(status, 0.1)}
-    assert hand_over([raw], [ready], [trailing], [0], SPEC, **hasty) == [raw]  # nothing lost
-
-
-def test_a_validation_under_another_spec_or_a_refused_key_is_not_used() -> None:
-    status, block = _slow_ingest.remote(False, ROWS)
-    ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
-    raw = [ray.put(np.zeros(1))]
-    key = EngineKey(key="ab" * 28, rows=ROWS)
-    refused = DuplicateExperts("refused by its metadata")
-    other = preset("qwen3-30b-a3b")
-    assert hand_over([raw], [ready], [key], [0], other, **CALLS) == [raw]
-    assert hand_over([refused], [ready], [key], [0], SPEC, **CALLS) == [refused]
-    assert hand_over([raw], [None], [key], [0], SPEC, **CALLS) == [raw]
-
-
-@pytest.mark.parametrize("refuse", [False, True])
 def test_the_engine_store_settles_ended_validations_without_waiting(refuse: bool) -> None:
     status, block = _slow_ingest.remote(refuse, ROWS)
     ready = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block])
-    started = time.perf_counter()
     [running] = settle([ready], **SETTLE)
-    assert time.perf_counter() - started < 1.0  # not waited for
-    assert running.outcome is None
+    assert running.outcome is None  # not waited for: the validation sleeps 1.5 s
     assert wait_until(lambda: ray_calls.outcome_now(status) is not None)
     # A key named twice (consumed once, then refused) and one without a validation.
     ended, twice, again, none = settle([ready, ready, ready, None], **SETTLE)
@@ -323,10 +265,10 @@ def _prepared(outcome: bool | None, rows: int = ROWS, spec: RouteSpec = SPEC) ->
 @pytest.mark.parametrize(
     ("ready", "start", "decided", "waited"),
     [
-        (_prepared(None), 0, True, False),  # running, covers the rows: the read waits
-        (_prepared(True), 0, True, False),
-        (_prepared(False), 0, False, False),  # refused or lost: the raw path
-        (_prepared(None, rows=ROWS + 1), 0, False, True),  # trailing row: outcome decides
+        (_prepared(None), 0, False, True),  # running: the adopter waits for its status
+        (_prepared(True), 0, True, False),  # ended valid: its block alone
+        (_prepared(False), 0, False, True),  # refused or lost: the status says which
+        (_prepared(None, rows=ROWS + 1), 0, False, True),
         (_prepared(True, rows=ROWS + 1), 0, True, False),
         (_prepared(None), 3, False, True),  # a resume's rows
         (_prepared(True), 3, True, False),
@@ -356,19 +298,3 @@ def test_a_key_adopted_twice_in_one_call_gives_its_rows_once_and_a_refusal(
     with store.acquire(handle, "train/twice"):
         np.testing.assert_array_equal(store.read(handle), _canonical(raw))
     store.flush()
-
-
-@pytest.mark.parametrize("exact", [True, False])
-def test_a_settled_outcome_decides_without_waiting(exact: bool) -> None:
-    """Valid: the block is used, whatever rows the key covers; refused or lost: the raw
-    path, also for a key whose rows it covers exactly (a lost validation left no block;
-    the raw path still has the payload, and a refusal is the raw path's too)."""
-    status, block = ray.put(None), ray.put(np.zeros((ROWS, *SPEC.row_shape), SPEC.dtype))
-    rows = ROWS if exact else ROWS - 1
-    key = EngineKey(key="ab" * 28, rows=rows, trailing_rows=0 if exact else 1)
-    raw = [ray.put(np.zeros(1))]
-    valid = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block], outcome=True)
-    lost = Prepared(spec=SPEC, rows=ROWS, status=status, canonical=[block], outcome=False)
-    out = hand_over([raw, raw], [valid, lost], [key, key], [0, 0], SPEC, succeeded=_never_waited)
-    assert isinstance(out[0], Validated)
-    assert out[1] is raw

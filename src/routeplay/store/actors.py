@@ -12,7 +12,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
@@ -25,16 +24,16 @@ from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
+from routeplay.store.adoption import GroupAnswer, Where, adopt_keys
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
-from routeplay.store.flow import drive
-from routeplay.store.ingest import Prepared, Validated, decide, fits, hand_over, settle
+from routeplay.store.flow import Flow, drive
+from routeplay.store.ingest import Prepared, decide, fits, settle
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
 from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.outbox import PayloadOutbox
 from routeplay.store.protocol import ask_engine_stores
 from routeplay.store.shard import Grant, StoredPayload, StoreShard
 from routeplay.store.shard_api import ShardApi
-from routeplay.store.writes import Part
 
 __all__ = [
     "EngineStoreActor",
@@ -155,155 +154,45 @@ class StoreShardShell(_Reaped):
         starts: list[int] | None = None,
         pack: bool = False,
     ) -> list[Any]:
-        """Consume engine keys and have their rows validated and narrowed once, on the
-        engine store's node; this shard owns the canonical blocks the validator returns,
-        or borrows the engine store's where it validated the payload as it was put
-        (``routeplay.store.ingest``; the raw payload then goes at once).
-        One call to each engine store for all its keys; validations run in parallel.
-        ``starts``: per key, the first row to keep (a resume's or a later turn's
-        history is not stored again; the rows before it go with the raw payload).
+        """Consume engine keys and adopt the rows of each once they are validated, near
+        the engine (``routeplay.store.adoption``: the decisions, the waits, the raw
+        fallback): this shard owns the canonical blocks the validator returns, or borrows
+        the engine store's where it validated the payload at ingest
+        (``routeplay.store.ingest``). ``starts``: per key, the first row to keep (a
+        resume's or a later turn's history is not stored again).
 
-        Returns a StoreRef per key (a tuple of them in a group), or the error that
-        refused it (a refused key is freed by its engine store). Alone, a key's block is
-        not waited for: a reader's fetch of the block does (and gets the validation
-        error, if any). A group (``shared_prefix`` or ``pack``) is validated together
-        and waited for; a member whose rows are refused gets its error, the others are
-        stored. The engine's raw payload stays alive as the validator's argument until
-        it is done, then goes.
-        """
-        begin = starts if starts is not None else [0] * len(keys)
-        out: list[Any] = [None] * len(keys)
-        by_engine: dict[tuple[str, str], list[int]] = {}
-        for index, key in enumerate(keys):
-            by_engine.setdefault((key.actor, key.namespace), []).append(index)
-        # Every engine store is asked before any is taken from: a refused one must not
-        # leave another's keys consumed and adopted with no caller to hand them to.
-        engines = self._engines_asked(list(by_engine))
-        for (name, namespace), indices in by_engine.items():
-            engine = engines[(name, namespace)]
-            picked = [keys[i] for i in indices]
-            grouped = shared_prefix > 0 or pack
-            # Alone, a key validated at ingest comes with its block (a group's layout
-            # needs every member's raw rows).
-            starts_of = [begin[i] for i in indices]
-            take = (
-                engine.take_checked_many.remote(picked, spec, self._shard.run)
-                if grouped
-                else engine.take_offered_many.remote(picked, spec, self._shard.run, starts_of)
-            )
-            taken, node, *offered = ray_calls.get(
-                take,
-                timeout_s=self._timeout_s,
-                what=f"{namespace}/{name}: take {len(picked)} keys",
-            )
-            if offered:
-                taken = self._validated(taken, offered[0], picked, starts_of, spec)
-            validator = self._validator(node)
-            good = [
-                (index, key, wrapped)
-                for index, key, wrapped in zip(indices, picked, taken, strict=True)
-                if not isinstance(wrapped, BaseException)
-            ]
-            for index, wrapped in zip(indices, taken, strict=True):
-                if isinstance(wrapped, BaseException):
-                    out[index] = wrapped  # refused by its metadata, freed by its store
-            if good and grouped:
-                raw = [(index, key, wrapped[0]) for index, key, wrapped in good]
-                group = self._adopt_group(validator, raw, begin, spec, shared_prefix, pack)
-                for (index, _, _), stored in zip(good, group, strict=True):
-                    out[index] = stored
-                continue
-            for index, key, wrapped in good:
-                out[index] = self._adopt_one(validator, key, wrapped, begin[index], spec)
-        return out
-
-    def _validated(
-        self,
-        taken: list[Any],
-        offered: list[Any],
-        keys: list[EngineKey],
-        starts: list[int],
-        spec: RouteSpec,
-    ) -> list[Any]:
-        """``ingest.hand_over`` with this shard's deadline: a validation that does not
-        end within half the timeout sends its key to the raw path (the raw reference is
-        held here, so nothing is lost and the caller's deadline is kept)."""
-        end = time.monotonic() + self._timeout_s / 2
-        return hand_over(
-            taken,
-            offered,
+        Returns a StoreRef per key (a tuple of row ranges in a group, or of a longer
+        block), or the typed error that refused it: its metadata, its rows (validated
+        before this returns, with a deadline), another run's. A refused key is consumed
+        and its payload dropped."""
+        flow = adopt_keys(
             keys,
-            starts,
             spec,
-            succeeded=lambda status: ray_calls.succeeded(status, max(0.0, end - time.monotonic())),
-        )
-
-    def _adopt_one(
-        self, validator: Any, key: EngineKey, taken: Any, start: int, spec: RouteSpec
-    ) -> Any:
-        """One key's rows ``[start, rows)``: its block validated at ingest (rows after a
-        history copied out of it, nothing validated again), else its raw payload
-        validated and narrowed by the engine node's validator."""
-        rows = key.rows - start
-        if not isinstance(taken, Validated):
-            block = validator.canonical.remote(taken[0], key, spec, start)
-            return self._adopt_block(block, rows, spec.nbytes(rows))
-        [canonical] = taken.canonical
-        if start:  # a resume or a later turn: only the new rows are stored
-            block = validator.rows_of.remote(canonical, start, key.rows)
-            return self._adopt_block(block, rows, spec.nbytes(rows))
-        stored = self._adopt_block(canonical, taken.rows, spec.nbytes(taken.rows))
-        return stored if taken.rows == key.rows else ((stored, 0, key.rows),)
-
-    def _adopt_group(
-        self,
-        validator: Any,
-        good: list[tuple[int, EngineKey, Any]],
-        starts: list[int],
-        spec: RouteSpec,
-        shared_prefix: int,
-        pack: bool,
-    ) -> list[Any]:
-        """Keys of one group (a GRPO group's samples): validated together near the
-        engine, their verified-equal prompt rows stored once (``routeplay.store.writes``),
-        one payload when ``pack``. Waited for (the layout depends on the rows); returns
-        each key's rows as (StoreRef, start, stop) ranges, or the error that refused its
-        rows (only that member)."""
-        keys = [key for _, key, _ in good]
-        begin = [starts[index] for index, _, _ in good]
-        raw = [ref for _, _, ref in good]
-        token, outcomes, samples, payloads, saved = ray_calls.get(
-            validator.canonical_group.remote(keys, spec, begin, shared_prefix, pack, *raw),
+            starts if starts is not None else [0] * len(keys),
+            shared_prefix=shared_prefix,
+            pack=pack,
+            steps=_RayAdoption(self),
             timeout_s=self._timeout_s,
-            what=f"validate a group of {len(keys)} engine keys",
         )
-        del raw, good  # the raw payloads go now: only the laid-out rows are kept
-        stored: list[StoreRef] = []
-        count = sum(p.blocks for p in payloads)
-        if count:
-            refs = validator.take.options(num_returns=count).remote(token)
-            blocks = [refs] if count == 1 else list(refs)
-            # Written on the engine's node before we answer (as for a producer's blocks).
-            ray.wait(blocks, num_returns=count, timeout=self._timeout_s, fetch_local=False)
-            stored = self._locked(lambda: self._shard.adopt_many(blocks, payloads, saved))
-        return [
-            outcome
-            if isinstance(outcome, BaseException)
-            else tuple((stored[p.array], p.start, p.stop) for p in samples[outcome])
-            for outcome in outcomes
-        ]
+        return drive(flow, ray_calls.RAY)
 
-    def _adopt_block(self, block: Any, rows: int, nbytes: int) -> StoreRef:
-        return self._locked(lambda: self._shard.adopt([block], rows, nbytes, 0))
+    def _adopt_blocks(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
+        return self._locked(lambda: self._shard.adopt(blocks, rows, nbytes, 0))
 
-    def _engines_asked(self, wheres: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    def _engines_asked(
+        self, wheres: Sequence[Where], fresh: bool = False
+    ) -> Flow[dict[Where, Any]]:
         """The engine stores' handles (``(name, namespace)`` each), those not known yet
-        asked for their protocol first, all at once (a detached store can be older than
-        this shard); looked up and asked outside the lock."""
+        (all with ``fresh``: a store restarted since) asked for their protocol first, all
+        at once (a detached store can be older than this shard); looked up and asked
+        outside the lock."""
         with self._handles_lock:
+            if fresh:
+                for where in wheres:
+                    self._engines.pop(where, None)
             known = {where: self._engines[where] for where in wheres if where in self._engines}
         unknown = [where for where in wheres if where not in known]
-        found = drive(ask_engine_stores(unknown, self._timeout_s), ray_calls.RAY)
+        found = yield from ask_engine_stores(unknown, self._timeout_s)
         with self._handles_lock:
             for where, engine in found.items():
                 known[where] = self._engines.setdefault(where, engine)
@@ -380,6 +269,64 @@ class StoreShardShell(_Reaped):
         return self._locked(self._shard.leaks)
 
 
+class _RayAdoption:
+    """``AdoptionSteps`` on Ray for one ``adopt_keys`` call of a shard: engine stores and
+    the engine node's ``KeyValidator`` are actors; blocks are stored under the shard's
+    lock."""
+
+    def __init__(self, shell: StoreShardShell) -> None:
+        self._shell = shell
+
+    def engines(self, wheres: Sequence[Where], *, fresh: bool = False) -> Flow[dict[Where, Any]]:
+        return (yield from self._shell._engines_asked(wheres, fresh))
+
+    def send_take(
+        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
+    ) -> Any:
+        run = self._shell._shard.run
+        if grouped:  # a group's layout needs every member's raw rows
+            return engine.take_checked_many.remote(keys, spec, run)
+        return engine.take_offered_many.remote(keys, spec, run, starts)
+
+    def send_validate(
+        self, node: str, raw: Any, key: EngineKey, spec: RouteSpec, start: int
+    ) -> tuple[Any, Any]:
+        status, block = self._shell._validator(node).canonical.remote(raw, key, spec, start)
+        return status, block
+
+    def send_rows_of(self, node: str, canonical: Any, start: int, stop: int) -> Any:
+        return self._shell._validator(node).rows_of.remote(canonical, start, stop)
+
+    def send_group(
+        self,
+        node: str,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        starts: list[int],
+        shared_prefix: int,
+        pack: bool,
+        raws: list[Any],
+    ) -> Any:
+        validator = self._shell._validator(node)
+        return validator.canonical_group.remote(keys, spec, starts, shared_prefix, pack, *raws)
+
+    def take_group(self, node: str, token: Any, count: int) -> list[Any]:
+        refs = self._shell._validator(node).take.options(num_returns=count).remote(token)
+        blocks = [refs] if count == 1 else list(refs)
+        # Written on the engine's node before the shard answers (as a producer's blocks).
+        ray.wait(blocks, num_returns=count, timeout=self._shell._timeout_s, fetch_local=False)
+        return blocks
+
+    def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
+        return self._shell._adopt_blocks(blocks, rows, nbytes)
+
+    def adopt_many(
+        self, blocks: list[Any], payloads: list[StoredPayload], saved_bytes: int
+    ) -> list[StoreRef]:
+        shard = self._shell._shard
+        return self._shell._locked(lambda: shard.adopt_many(blocks, payloads, saved_bytes))
+
+
 def _random_key(ref: Any) -> str:
     """A key of LMDeploy's shape (56 lowercase hex, as ``ObjectRef.hex()``), all 224 bits
     from the CSPRNG: a key is a capability to consume a payload, so it is unguessable."""
@@ -424,12 +371,13 @@ class EngineStoreShell(_Reaped):
 
     def take_checked_many(
         self, keys: list[EngineKey], spec: RouteSpec, run: str | None = None
-    ) -> tuple[list[Any], str]:
+    ) -> tuple[list[Any], str, list[object]]:
         """Consume keys whose metadata fits ``spec``; a refused key is freed and its error
         returned in its place (a key of another run is refused and left alone). Also
-        returns this actor's node, where the bytes live."""
+        returns this actor's node, where the bytes live, and no validation to wait for
+        (the shape of ``take_offered_many``'s answer)."""
         taken = self._locked(lambda: take_checked_many(self._store, keys, spec, run))
-        return taken, self._node_id
+        return taken, self._node_id, [None] * len(taken)
 
     def take_offered_many(
         self,
@@ -439,11 +387,10 @@ class EngineStoreShell(_Reaped):
         starts: list[int],
     ) -> tuple[list[Any], str, list[object]]:
         """``take_checked_many`` with each key's validation at ingest applied where it
-        stands for the key's own from its start row (``ingest.decide``, after
-        ``ingest.settle``: this actor owns the statuses, so finding out costs no call):
-        per key its ``Validated`` block, its raw reference or its refusal, and the
-        validations still running that the adopter must wait for (``ingest.hand_over``).
-        Nothing here waits."""
+        ended valid (``ingest.decide``, after ``ingest.settle``: this actor owns the
+        statuses, so finding out costs no call): per key its ``Validated`` block, its raw
+        reference or its refusal, and the validations the adopter must wait for
+        (``routeplay.store.adoption``). Nothing here waits."""
 
         def take() -> tuple[list[Any], list[object]]:
             offered = [self._store.prepared(key.key) for key in keys]
@@ -586,7 +533,7 @@ class KeyValidatorShell:
         shared_prefix: int,
         pack: bool,
         *payloads: Any,
-    ) -> tuple[str, tuple[Any, ...], tuple[tuple[Part, ...], ...], list[StoredPayload], int]:
+    ) -> GroupAnswer:
         """Validate a group's payloads (rows from each start) and lay the accepted ones
         out (``key_check.canonical_group``); the arrays wait here until the shard takes
         them, so the shard owns the blocks. Returns the staging token, each key's
@@ -602,7 +549,13 @@ class KeyValidatorShell:
             StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
             for a in layout.arrays
         ]
-        return token, group.outcomes, layout.samples, stored, layout.saved_bytes
+        return GroupAnswer(
+            token=token,
+            outcomes=group.outcomes,
+            samples=layout.samples,
+            payloads=stored,
+            saved_bytes=layout.saved_bytes,
+        )
 
     def take(self, token: str) -> Any:
         """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
@@ -624,14 +577,15 @@ class KeyValidatorShell:
         Ray writes only these rows as the result; nothing is validated again."""
         return canonical[start:stop]
 
-    @ray.method(concurrency_group=VALIDATE_GROUP)
+    @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2)
     def canonical(
         self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec, start: int = 0
-    ) -> npt.NDArray[np.unsignedinteger]:
-        """The key's rows from ``start``, validated and canonical; Ray resolved
-        ``payload`` from this node's object store (zero copy), so the only write is the
-        compact result (the history rows before ``start`` are never copied)."""
-        return canonical_rows(payload, key, spec, start, threads=self._threads)
+    ) -> tuple[None, npt.NDArray[np.unsignedinteger]]:
+        """None (the status the adopter waits for, a few bytes) and the key's rows from
+        ``start``, validated and canonical; a refusal is raised, so both results hold it.
+        Ray resolved ``payload`` from this node's object store (zero copy), so the only
+        write is the compact result (the history rows before ``start`` are never copied)."""
+        return None, canonical_rows(payload, key, spec, start, threads=self._threads)
 
 
 # The Ray actor classes (typed Any: ray.remote's result has no useful static type).

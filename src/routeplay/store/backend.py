@@ -22,11 +22,12 @@ from typing import Any, Protocol, TypeVar
 
 import ray
 
-from routeplay.core.handle import EngineKey
+from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
+from routeplay.store.adoption import GroupAnswer, Where, adopt_keys
 from routeplay.store.engine_store import EngineStore
 from routeplay.store.flow import Flow, Wait, drive
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
@@ -194,8 +195,13 @@ class RayBackend:
 
     def when_done(self, pending: Any, landed: Callable[[Any], None]) -> Any:
         """Ray completes the reference's future on its own thread and runs the callback
-        there: no thread of ours, no wait. The returned future is done after it."""
+        there: no thread of ours, no wait. The returned future is done after it.
+
+        The marker is shared: every later call of the client that settles releases
+        waits on it. Marked running, it refuses ``cancel()``, so no waiter's
+        cancellation or deadline can end it for the others (issue 38)."""
         marker: concurrent.futures.Future[None] = concurrent.futures.Future()
+        marker.set_running_or_notify_cancel()
 
         def done(future: concurrent.futures.Future[Any], ref: Any = pending) -> None:
             try:
@@ -418,71 +424,91 @@ class LocalBackend:
         starts: Sequence[int] | None,
         pack: bool,
     ) -> list[Any]:
-        """The same steps as the Ray shard, in process: check, consume, validate, adopt."""
-        begin = list(starts) if starts is not None else [0] * len(keys)
-        with self._lock:
-            taken = [
-                take_checked_many(
-                    self.engine_store(key.actor, key.namespace),
-                    [key],
-                    spec,
-                    self._shards[shard].run,
-                )[0]
-                for key in keys
-            ]
-            if shared_prefix > 0 or pack:
-                return self._adopt_group(shard, keys, taken, begin, spec, shared_prefix, pack)
-            out: list[Any] = []
-            for key, wrapped, start in zip(keys, taken, begin, strict=True):
-                if isinstance(wrapped, BaseException):
-                    out.append(wrapped)
-                    continue
-                try:
-                    block = _LocalBlock(canonical_rows(wrapped[0].value(), key, spec, start))
-                except RouteplayError as exc:  # on Ray the reader's fetch raises it
-                    out.append(exc)
-                    continue
-                rows = key.rows - start
-                out.append(self._shards[shard].adopt([block], rows, spec.nbytes(rows), 0))
-        return out
-
-    def _adopt_group(
-        self,
-        shard: int,
-        keys: Sequence[EngineKey],
-        taken: list[Any],
-        starts: list[int],
-        spec: RouteSpec,
-        shared_prefix: int,
-        pack: bool,
-    ) -> list[Any]:
-        good = [i for i, wrapped in enumerate(taken) if not isinstance(wrapped, BaseException)]
-        group = canonical_group(
-            [taken[i][0].value() for i in good],
-            [keys[i] for i in good],
+        """The Ray shard's adoption (``routeplay.store.adoption``), in process."""
+        flow = adopt_keys(
+            keys,
             spec,
-            [starts[i] for i in good],
+            list(starts) if starts is not None else [0] * len(keys),
             shared_prefix=shared_prefix,
             pack=pack,
+            steps=_LocalAdoption(self, self._shards[shard]),
+            timeout_s=60.0,
         )
-        layout = group.layout
-        blocks = [_LocalBlock(array) for array in layout.arrays]
-        payloads = [
-            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
-            for a in layout.arrays
-        ]
-        stored = self._shards[shard].adopt_many(blocks, payloads, layout.saved_bytes)
-        out = list(taken)
-        for i, outcome in zip(good, group.outcomes, strict=True):
-            out[i] = (
-                outcome
-                if isinstance(outcome, BaseException)
-                else tuple((stored[p.array], p.start, p.stop) for p in layout.samples[outcome])
-            )
-        return out
+        with self._lock:
+            return drive(flow, self)
 
     def shutdown(self) -> None:
         self._shards.clear()
+
+
+class _LocalAdoption:
+    """``AdoptionSteps`` in process: engine stores and the shard are plain objects, a
+    validation runs at once (its answer settled), a block reference is the array."""
+
+    def __init__(self, backend: LocalBackend, shard: StoreShard) -> None:
+        self._backend = backend
+        self._shard = shard
+
+    def engines(self, wheres: Sequence[Where], *, fresh: bool = False) -> Flow[dict[Where, Any]]:
+        yield from ()  # in-process engine stores run this very routeplay: nothing to ask
+        return {where: self._backend.engine_store(*where) for where in wheres}
+
+    def send_take(
+        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
+    ) -> Any:
+        taken = take_checked_many(engine, keys, spec, self._shard.run)
+        return Settled(value=(taken, "local", [None] * len(taken)))
+
+    def send_validate(
+        self, node: str, raw: Any, key: EngineKey, spec: RouteSpec, start: int
+    ) -> tuple[Any, Any]:
+        try:
+            block = _LocalBlock(canonical_rows(raw.value(), key, spec, start))
+        except RouteplayError as exc:
+            return Settled(error=exc), None
+        return Settled(), block
+
+    def send_rows_of(self, node: str, canonical: Any, start: int, stop: int) -> Any:
+        return _LocalBlock(canonical.array[start:stop])
+
+    def send_group(
+        self,
+        node: str,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        starts: list[int],
+        shared_prefix: int,
+        pack: bool,
+        raws: list[Any],
+    ) -> Any:
+        payloads = [raw.value() for raw in raws]
+        group = canonical_group(
+            payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack
+        )
+        layout = group.layout
+        stored = [
+            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+            for a in layout.arrays
+        ]
+        answer = GroupAnswer(
+            token=layout.arrays,
+            outcomes=group.outcomes,
+            samples=layout.samples,
+            payloads=stored,
+            saved_bytes=layout.saved_bytes,
+        )
+        return Settled(value=answer)
+
+    def take_group(self, node: str, token: Any, count: int) -> list[Any]:
+        return [_LocalBlock(array) for array in token]
+
+    def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
+        return self._shard.adopt(blocks, rows, nbytes, 0)
+
+    def adopt_many(
+        self, blocks: list[Any], payloads: list[StoredPayload], saved_bytes: int
+    ) -> list[StoreRef]:
+        return self._shard.adopt_many(blocks, payloads, saved_bytes)
 
 
 def _settled(call: Callable[..., Any], *args: Any) -> Settled:

@@ -4,6 +4,11 @@ rows validated and narrowed once on the engine's node (``routeplay.store.ingest`
 the engine store validated them as they were put); ``free_engine_keys`` releases the
 keys of a sample that is dropped unread. A key of another run is refused
 (``StoreCore.scoped``).
+
+Fail closed: every adoption returns a handle only for rows whose validation ended
+accepting them (``routeplay.store.adoption``), waiting for a validation still running,
+so a bad capture is refused here, on the rollout side where its sample can be set aside,
+and never by a trainer's read.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ class KeyAdoptingStore(StoreCore):
         """Take an engine-store key over in one call: the shard consumes the key (a key
         whose metadata does not fit ``spec`` is freed, not leaked, and refused) and has
         its rows validated and narrowed once, on the engine store's node, into a block
-        the shard owns. Readers only copy; the trainer node pulls compact bytes. A
-        payload with up to ``key.trailing_rows`` extra rows keeps ``[0, rows)`` (a slice).
+        the shard owns (or takes the block the engine store validated at ingest). The
+        handle comes back only once the rows are known valid: a bad capture (an id out
+        of range, a repeated id, fill rows) raises its typed error here, the key consumed
+        and its payload dropped; a validation that does not end within the store's
+        timeout raises ``StoreTimeout``. Readers only copy; the trainer node pulls
+        compact bytes. A payload with up to ``key.trailing_rows`` extra rows keeps
+        ``[0, rows)`` (a slice).
 
         ``start_row=S`` (a resume or a later turn: the history's rows) stores only the
         rows ``[S, rows)``: the handle covers those ``rows - S`` rows, to append to the
@@ -74,14 +84,15 @@ class KeyAdoptingStore(StoreCore):
         pack: bool = False,
     ) -> list[Handle]:
         """``adopt_key`` for a batch in one call (one engine-store call per engine store,
-        validations in parallel on the engine's node). A refused key is freed and its
-        error raised; keys of the batch adopted before it expire unleased (TTL).
+        validations pipelined on the engine's node, all waited for). A refused key is
+        freed and its error raised; keys of the batch adopted before it expire unleased
+        (TTL).
 
         ``shared_prefix=P`` (the keys of one GRPO group): validated together, and the
         first ``P`` stored rows that are verified equal across keys are stored once, as
-        in ``put_many``; ``pack`` stores the group as one payload. Either makes this call
-        wait for the validation (the layout depends on it). ``start_rows``: per key, as
-        ``adopt_key``'s ``start_row``. ``adopt_keys_each`` sets refused keys aside.
+        in ``put_many``; ``pack`` stores the group as one payload. ``start_rows``: per
+        key, as ``adopt_key``'s ``start_row``. ``adopt_keys_each`` sets refused keys
+        aside.
 
         Example:
             handles = store.adopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
@@ -137,8 +148,8 @@ class KeyAdoptingStore(StoreCore):
         """``adopt_keys`` that sets a refused key aside: per key, its handle or the typed
         error that refused it (its metadata, another run's, consumed, expired; in a group
         its rows too), so one bad member of a group costs only that member and the
-        others are still written together (one payload with ``pack``). A key adopted
-        alone is validated without waiting: a bad row is raised by its first read.
+        others are still written together (one payload with ``pack``). Every key, alone
+        or in a group, is answered once its rows' validation has ended.
 
         Example:
             out = store.adopt_keys_each(keys, spec, shared_prefix=600, pack=True)

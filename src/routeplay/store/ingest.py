@@ -9,14 +9,16 @@ still generates the step's other samples, and the step itself only moves bytes.
 The engine store's actor (``routeplay.store.actors.EngineStoreShell``) starts one
 ``KeyValidator.ingest`` per put whose metadata fits the spec; the result (a small status
 and the canonical block, both owned by the engine store) waits next to the key
-(``EngineStore.prepare``). The adopting shard takes each key decided, or with its
-validation (``EngineStoreShell.take_offered_many``: nothing waits in the engine store once a key is
-consumed; it ``settle``s the validations that have ended, which it can look up without a
-call, and ``decide``s every key it can, so it sends a decided key's block alone) and
-``hand_over`` turns it into ``Validated`` when the validation stands for the adopter's,
-under the adopter's spec; otherwise the shard validates the key's own rows from the raw
-payload as before (a refused payload fails with the same error,
-naming the same rows, either way). Plain Python: the Ray calls are passed in.
+(``EngineStore.prepare``). The adopting shard takes each key with what the engine store
+knows of its validation (``EngineStoreShell.take_offered_many``: nothing waits in the
+engine store once a key is consumed; it ``settle``s the validations that have ended, which
+it can look up without a call, and ``decide``s: a key whose validation ended valid comes
+as its block alone, any other with its raw payload and the validation to wait for). The
+adopter (``routeplay.store.adoption``) waits for a validation still open, and adopts a key
+only once its rows are known valid: the block where the validation stands for the key's
+own rows, else its raw payload validated on the engine's node; a refused payload fails
+there, on the rollout side, with the same error naming the same rows either way. Plain
+Python: the Ray calls are passed in.
 
 Costs: one canonical block per payload next to the raw one until the key goes; a key
 read with LMDeploy's ``get``, freed, or adopted in a group or under another spec is
@@ -47,7 +49,7 @@ from routeplay.core.validate import check_dtype, check_shape
 from routeplay.errors import RouteplayError
 from routeplay.store.engine_store import PayloadMeta
 
-__all__ = ["Prepared", "Validated", "decide", "fits", "hand_over", "settle"]
+__all__ = ["Prepared", "Validated", "decide", "fits", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -122,54 +124,28 @@ def decide(
     starts: Sequence[int],
     spec: RouteSpec,
 ) -> tuple[list[Any], list[object]]:
-    """``hand_over`` as far as it goes without waiting, run by the engine store on the
-    keys it consumed: per key, a ``Validated`` block in place of its raw reference where
-    the validation stands for the key's own, and the ``Prepared`` the adopter must wait
-    for (a validation still running that does not cover exactly the key's rows; None
-    for every other key). So what the adopter is sent is only what it can use: the
-    block of a key decided here, without the raw payload (which then goes at once) or
-    the status; the raw payload of a key sent the raw way. Each reference a reply
-    carries costs its receiver a registration with the owner, on the step's critical
-    path (with Ray 2.60 here, a reply with 24 references took 3.8 ms, with 8 2.8 ms,
-    with none 1.1 ms)."""
+    """What the engine store hands the adopter for the keys it consumed (``taken``): per
+    key, a ``Validated`` block in place of its raw reference where the validation at
+    ingest ended valid under ``spec`` (the raw payload then goes at once), and the
+    ``Prepared`` the adopter must wait for where it is still running or ended refused
+    under ``spec`` (the raw reference stays: a refusal may lie in rows the key leaves
+    out, and a lost validation leaves only the raw payload); None for every other key.
+    The adopter's side is ``routeplay.store.adoption``.
+
+    Each reference a reply carries costs its receiver a registration with the owner, on
+    the adopter's path (with Ray 2.60 here, a reply with 24 references took 3.8 ms, with
+    8 2.8 ms, with none 1.1 ms), so a decided key's reply carries its block alone.
+
+    Example:
+        >>> decide([["raw"]], [ready], [key], [0], spec)  # doctest: +SKIP
+        ([Validated(canonical=[...], rows=300)], [None])
+    """
     out, waits = list(taken), list[object]([None] * len(taken))
     for index, (one, ready) in enumerate(zip(taken, prepared, strict=True)):
         if not isinstance(ready, Prepared) or ready.spec != spec or isinstance(one, BaseException):
             continue
-        exact = starts[index] == 0 and keys[index].rows == ready.rows
-        if (exact and ready.outcome is not False) or ready.outcome is True:
-            # Running or valid: a reader's fetch of the block gets the outcome.
+        if ready.outcome is True:
             out[index] = ready.as_validated()
-        elif ready.outcome is None:
+        else:  # running, refused or lost: the adopter waits for the status
             waits[index] = ready
     return out, waits
-
-
-def hand_over(
-    taken: Sequence[Any],
-    prepared: Sequence[object],
-    keys: Sequence[EngineKey],
-    starts: Sequence[int],
-    spec: RouteSpec,
-    *,
-    succeeded: Callable[[Any], bool],
-) -> list[Any]:
-    """Per consumed key (``taken``: its wrapped raw reference, its refusal, or its
-    ``Validated`` block where the engine store ``decide``d it already): a ``Validated``
-    block where the key's ingest validation under ``spec`` stands for the key's own, its
-    raw reference otherwise. ``prepared``: as ``decide`` left them (or
-    ``settle``d); ``succeeded``: whether a validation still running accepts its payload
-    (waits for it; False when refused, lost or late).
-
-    A validation that covers exactly the key's rows (from row 0, no trailing row) is
-    handed over unless it ended refused or lost: still running, a reader's fetch of the
-    block waits for it (and raises its refusal, as the raw path's block would), so the
-    last payloads' validations overlap the transfer of the first; a lost one goes the
-    raw way, which still has the payload. Otherwise the outcome decides, waited for if
-    need be: a refusal may lie in rows the key leaves out, so a refused (or unreadable)
-    validation sends the key to the raw path, which validates its own rows."""
-    out, waits = decide(taken, prepared, keys, starts, spec)
-    for index, ready in enumerate(waits):
-        if isinstance(ready, Prepared) and succeeded(ready.status):
-            out[index] = ready.as_validated()
-    return out

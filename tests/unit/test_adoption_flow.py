@@ -1,0 +1,323 @@
+"""The adoption flow's decisions (``routeplay.store.adoption``), without Ray.
+
+Fake steps answer each remote step with a settled value or error (what a Ray task would
+come to) and record what the flow sent; a resolver answers each ``Wait`` from those and
+records it. Every test pins one decision: what is waited for, what is validated again,
+what is adopted, and which keys are refused with which error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from routeplay.core import EngineKey, RouteSpec
+from routeplay.core.handle import StoreRef
+from routeplay.errors import (
+    DuplicateExperts,
+    ExpertOutOfRange,
+    RoutesLost,
+    SpecMismatch,
+    StoreTimeout,
+)
+from routeplay.store.adoption import GroupAnswer, IngestVerdict, adopt_keys, refuse_after_ingest
+from routeplay.store.backend import Settled, settled_answers
+from routeplay.store.flow import Wait, drive
+from routeplay.store.ingest import Prepared, Validated
+from routeplay.store.shard import StoredPayload
+from routeplay.store.writes import Part
+
+SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
+ROWS = 10
+
+
+def key(name: str, rows: int = ROWS, actor: str = "shared_store", trailing: int = 0) -> EngineKey:
+    return EngineKey(key=name * 28, rows=rows, actor=actor, trailing_rows=trailing)
+
+
+def ingest(status: Settled, rows: int = ROWS) -> Prepared:
+    return Prepared(spec=SPEC, rows=rows, status=status, canonical=[f"ingest-block-{rows}"])
+
+
+@dataclass
+class Steps:
+    """``AdoptionSteps`` with every remote answer given up front."""
+
+    taken: dict[str, tuple[list[Any], list[Any]]]
+    """Engine store name -> (per key: [raw] / Validated / error, per key: Prepared or None)."""
+    verdicts: dict[str, Settled] = field(default_factory=dict)
+    """Raw payload -> the status its validation comes to (default: valid)."""
+    dead: set[str] = field(default_factory=set)
+    """Engine stores whose cached handle is of an actor that died (restarted since)."""
+    sent: list[tuple[Any, ...]] = field(default_factory=list)
+    adopted: list[tuple[list[Any], int]] = field(default_factory=list)
+
+    def engines(self, wheres: Any, *, fresh: bool = False) -> Any:
+        self.sent.append(
+            ("engines", tuple(name for name, _ in wheres)) + (("fresh",) if fresh else ())
+        )
+        yield from ()
+        return {where: where[0] for where in wheres}
+
+    def send_take(self, engine: Any, keys: Any, spec: Any, starts: Any, grouped: bool) -> Any:
+        self.sent.append(("take", engine, tuple(starts), grouped))
+        if engine in self.dead:
+            self.dead.discard(engine)  # restarted: the next look-up finds the new actor
+            return Settled(error=RoutesLost("the actor serving this call died"))
+        taken, waits = self.taken[engine]
+        return Settled(value=(taken, "node-1", waits))
+
+    def send_validate(self, node: str, raw: Any, key: Any, spec: Any, start: int) -> Any:
+        self.sent.append(("validate", raw, start))
+        return self.verdicts.get(raw, Settled()), f"block-of-{raw}"
+
+    def send_rows_of(self, node: str, canonical: Any, start: int, stop: int) -> Any:
+        self.sent.append(("rows_of", canonical, start, stop))
+        return f"{canonical}[{start}:{stop}]"
+
+    def send_group(self, node: str, keys: Any, spec: Any, starts: Any, prefix: int, pack: bool,
+                   raws: Any) -> Any:  # fmt: skip
+        self.sent.append(("group", tuple(raws), prefix, pack))
+        outcomes: list[Any] = []
+        samples: list[tuple[Part, ...]] = []
+        for raw in raws:
+            bad = self.verdicts.get(raw, Settled()).error
+            if bad is not None:
+                outcomes.append(bad)
+            else:  # the shared prompt (array 0, rows [0, 4)) then the member's own rows
+                outcomes.append(len(samples))
+                samples.append(
+                    (
+                        Part(array=0, start=0, stop=4),
+                        Part(array=len(samples) + 1, start=0, stop=ROWS - 4),
+                    )
+                )
+        payloads = [StoredPayload(blocks=1, rows=4, nbytes=16, block_rows=0)] * (len(samples) + 1)
+        answer = GroupAnswer(
+            token="token",
+            outcomes=tuple(outcomes),
+            samples=tuple(samples),
+            payloads=payloads,
+            saved_bytes=48,
+        )
+        return Settled(value=answer)
+
+    def take_group(self, node: str, token: Any, count: int) -> list[Any]:
+        return [f"group-block-{i}" for i in range(count)]
+
+    def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
+        self.adopted.append((blocks, rows))
+        return StoreRef(payload_id=f"p{len(self.adopted)}", run="r", rows=rows)
+
+    def adopt_many(self, blocks: list[Any], payloads: Any, saved: int) -> list[StoreRef]:
+        self.adopted.extend((block, p.rows) for block, p in zip(blocks, payloads, strict=True))
+        return [StoreRef(payload_id=f"g{i}", run="r", rows=p.rows) for i, p in enumerate(payloads)]
+
+
+class Resolver:
+    """Answers settled waits and records each ``Wait`` the flow yielded."""
+
+    def __init__(self) -> None:
+        self.waits: list[Wait] = []
+
+    def resolve(self, wait: Wait) -> list[Any]:
+        self.waits.append(wait)
+        return settled_answers(wait)
+
+    async def aresolve(self, wait: Wait) -> list[Any]:
+        return self.resolve(wait)
+
+
+def run(steps: Steps, keys: list[EngineKey], starts: list[int] | None = None,
+        **group: Any) -> tuple[list[Any], Resolver]:  # fmt: skip
+    resolver = Resolver()
+    flow = adopt_keys(
+        keys,
+        SPEC,
+        starts or [0] * len(keys),
+        shared_prefix=group.get("shared_prefix", 0),
+        pack=group.get("pack", False),
+        steps=steps,
+        timeout_s=8.0,
+    )
+    return drive(flow, resolver), resolver
+
+
+# -- the verdict of a validation at ingest -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "ready_rows", "start", "verdict"),
+    [
+        (None, ROWS, 0, IngestVerdict.VALID),
+        (None, ROWS + 1, 3, IngestVerdict.VALID),  # valid rows are valid whatever the key keeps
+        (DuplicateExperts("dup"), ROWS, 0, IngestVerdict.REFUSED),  # exactly the key's rows
+        (ExpertOutOfRange("id 9"), ROWS, 0, IngestVerdict.REFUSED),
+        (DuplicateExperts("dup"), ROWS + 1, 0, IngestVerdict.RAW),  # maybe the trailing row
+        (DuplicateExperts("dup"), ROWS, 4, IngestVerdict.RAW),  # maybe in the history
+        (RoutesLost("validator died"), ROWS, 0, IngestVerdict.RAW),  # proves nothing
+        (StoreTimeout("late"), ROWS, 0, IngestVerdict.RAW),
+    ],
+)
+def test_a_validation_at_ingest_stands_for_the_key_only_where_it_proves_something(
+    answer: Any, ready_rows: int, start: int, verdict: IngestVerdict
+) -> None:
+    ready = ingest(Settled(), rows=ready_rows)
+    assert refuse_after_ingest(answer, ready, key("a"), start) is verdict
+
+
+# -- single keys ---------------------------------------------------------------------------
+
+
+def test_a_raw_payload_is_validated_and_waited_for_before_it_is_adopted() -> None:
+    steps = Steps(taken={"shared_store": ([["raw-a"], ["raw-b"]], [None, None])})
+    out, resolver = run(steps, [key("a"), key("b")])
+    assert out == [StoreRef(payload_id="p1", run="r", rows=ROWS),
+                   StoreRef(payload_id="p2", run="r", rows=ROWS)]  # fmt: skip
+    assert steps.sent == [
+        ("engines", ("shared_store",)),  # every engine store asked before any key is taken
+        ("take", "shared_store", (0, 0), False),
+        ("validate", "raw-a", 0),
+        ("validate", "raw-b", 0),  # both sent before the one wait for both
+    ]
+    assert [w.what for w in resolver.waits] == [
+        "lmdeploy/shared_store: take 2 keys",
+        "validate 2 engine keys",
+    ]
+    verdicts = resolver.waits[1]
+    assert verdicts.each
+    assert verdicts.timeout_s == 4.0  # half the deadline
+    assert steps.adopted == [(["block-of-raw-a"], ROWS), (["block-of-raw-b"], ROWS)]
+
+
+def test_a_refused_or_late_raw_validation_refuses_only_its_key() -> None:
+    steps = Steps(
+        taken={"shared_store": ([["raw-a"], ["raw-b"], ["raw-c"]], [None] * 3)},
+        verdicts={
+            "raw-a": Settled(error=ExpertOutOfRange("id 9 out of range", where="row 3")),
+            "raw-b": Settled(error=StoreTimeout("a store call did not answer in time")),
+        },
+    )
+    out, _ = run(steps, [key("a"), key("b"), key("c")])
+    assert isinstance(out[0], ExpertOutOfRange)
+    assert out[0].where == "row 3"
+    assert isinstance(out[1], StoreTimeout)
+    assert out[1].summary == "the validation of an adopted engine key did not end in time"
+    assert out[1].where == f"engine key {'b' * 28}"
+    assert out[2] == StoreRef(payload_id="p1", run="r", rows=ROWS)
+    assert steps.adopted == [(["block-of-raw-c"], ROWS)]  # refused blocks are never adopted
+
+
+def test_a_key_refused_by_its_metadata_is_neither_validated_nor_adopted() -> None:
+    refusal = SpecMismatch("routing shape does not match the model spec")
+    steps = Steps(taken={"shared_store": ([refusal], [None])})
+    out, resolver = run(steps, [key("a")])
+    assert out == [refusal]
+    assert [s[0] for s in steps.sent] == ["engines", "take"]
+    assert len(resolver.waits) == 1  # the take only
+    assert steps.adopted == []
+
+
+def test_a_validation_that_ended_valid_at_ingest_is_adopted_without_any_wait() -> None:
+    ready = Validated(canonical=["ingest-block"], rows=ROWS)
+    steps = Steps(taken={"shared_store": ([ready], [None])})
+    out, resolver = run(steps, [key("a")])
+    assert out == [StoreRef(payload_id="p1", run="r", rows=ROWS)]
+    assert len(resolver.waits) == 1  # the take: nothing else waited for
+    assert steps.adopted == [(["ingest-block"], ROWS)]
+
+
+def test_a_running_validation_at_ingest_is_waited_for_and_decides() -> None:
+    refusal = DuplicateExperts("an expert appears twice", where="engine key, row 7, layer 1")
+    valid, refused = ingest(Settled()), ingest(Settled(error=refusal))
+    steps = Steps(taken={"shared_store": ([["raw-a"], ["raw-b"]], [valid, refused])})
+    out, resolver = run(steps, [key("a"), key("b")])
+    assert out[0] == StoreRef(payload_id="p1", run="r", rows=ROWS)
+    assert out[1] is refusal  # it covered exactly the key's rows: its refusal stands
+    assert [w.what for w in resolver.waits] == [
+        "lmdeploy/shared_store: take 2 keys",
+        "validations at ingest",
+    ]
+    assert resolver.waits[1].each
+    assert resolver.waits[1].timeout_s == 4.0
+    assert [s[0] for s in steps.sent] == ["engines", "take"]  # no raw validation
+    assert steps.adopted == [(["ingest-block-10"], ROWS)]
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        Settled(error=DuplicateExperts("in the trailing row")),
+        Settled(error=RoutesLost("validator died")),
+        Settled(error=StoreTimeout("late")),
+    ],
+)
+def test_an_ingest_validation_that_proves_nothing_sends_the_key_to_its_raw_payload(
+    status: Settled,
+) -> None:
+    trailing = key("a", trailing=1)
+    steps = Steps(taken={"shared_store": ([["raw-a"]], [ingest(status, rows=ROWS + 1)])})
+    out, _ = run(steps, [trailing])
+    assert out == [StoreRef(payload_id="p1", run="r", rows=ROWS)]
+    assert ("validate", "raw-a", 0) in steps.sent
+    assert steps.adopted == [(["block-of-raw-a"], ROWS)]
+
+
+def test_a_valid_ingest_block_gives_a_resume_its_new_rows_and_leaves_a_trailing_row() -> None:
+    resume = Validated(canonical=["ingest-a"], rows=ROWS)
+    trailing = Validated(canonical=["ingest-b"], rows=ROWS + 1)
+    steps = Steps(taken={"shared_store": ([resume, trailing], [None, None])})
+    out, _ = run(steps, [key("a"), key("b", trailing=1)], starts=[6, 0])
+    assert out[0] == StoreRef(payload_id="p1", run="r", rows=ROWS - 6)
+    assert ("rows_of", "ingest-a", 6, ROWS) in steps.sent  # copied out, not re-validated
+    assert out[1] == ((StoreRef(payload_id="p2", run="r", rows=ROWS + 1), 0, ROWS),)
+    assert steps.adopted == [(["ingest-a[6:10]"], ROWS - 6), (["ingest-b"], ROWS + 1)]
+
+
+def test_keys_of_two_engine_stores_are_taken_from_each_after_asking_both() -> None:
+    steps = Steps(
+        taken={
+            "shared_store": ([["raw-a"]], [None]),
+            "other": ([["raw-b"]], [None]),
+        }
+    )
+    out, _ = run(steps, [key("a"), key("b", actor="other")])
+    assert all(isinstance(one, StoreRef) for one in out)
+    assert steps.sent[0] == ("engines", ("shared_store", "other"))
+    assert [s[1] for s in steps.sent if s[0] == "take"] == ["shared_store", "other"]
+
+
+# -- groups --------------------------------------------------------------------------------
+
+
+def test_a_group_is_validated_together_and_a_bad_member_costs_only_itself() -> None:
+    bad = DuplicateExperts("zero padding", where="row 2")
+    meta = RoutesLost("expired")
+    steps = Steps(
+        taken={"shared_store": ([["raw-a"], meta, ["raw-c"], ["raw-d"]], [None] * 4)},
+        verdicts={"raw-c": Settled(error=bad)},
+    )
+    keys = [key("a"), key("b"), key("c"), key("d")]
+    out, resolver = run(steps, keys, shared_prefix=4)
+    assert ("take", "shared_store", (0, 0, 0, 0), True) in steps.sent
+    assert ("group", ("raw-a", "raw-c", "raw-d"), 4, False) in steps.sent
+    assert out[1] is meta
+    assert out[2] is bad
+    prompt = StoreRef(payload_id="g0", run="r", rows=4)
+    assert out[0] == ((prompt, 0, 4), (StoreRef(payload_id="g1", run="r", rows=4), 0, 6))
+    assert out[3] == ((prompt, 0, 4), (StoreRef(payload_id="g2", run="r", rows=4), 0, 6))
+    assert [w.what for w in resolver.waits][-1] == "validate a group of 3 engine keys"
+
+
+def test_an_engine_store_restarted_since_its_lookup_is_looked_up_again_once() -> None:
+    steps = Steps(taken={"shared_store": ([["raw-a"]], [None])}, dead={"shared_store"})
+    out, _ = run(steps, [key("a")])
+    assert out == [StoreRef(payload_id="p1", run="r", rows=ROWS)]
+    assert [s[:3] for s in steps.sent[:4]] == [
+        ("engines", ("shared_store",)),
+        ("take", "shared_store", (0,)),
+        ("engines", ("shared_store",), "fresh"),
+        ("take", "shared_store", (0,)),
+    ]
