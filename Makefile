@@ -1,6 +1,9 @@
 # Set-up and checks. `make test` and `make demo` work on a fresh clone: they create
 # .venv, install the pinned CPU torch first (a looser pin would pull a multi-GB CUDA
-# build), then the project with every extra (scripts/install-venv: uv, pip as fallback).
+# build), then the project with every extra (scripts/install-venv: uv, pip as fallback),
+# every package at the version of requirements/lock.txt (what the suite last passed with),
+# and the partner frameworks the tests import (requirements/partners.txt, without their
+# CUDA dependencies; what their modules need on a CPU: requirements/partner-deps.txt).
 SHELL := bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
@@ -8,6 +11,11 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.routeplay-installed
 TORCH_PIN := torch==2.13.0
+# Empty LOCK: the newest releases (`make test-latest`).
+LOCK         ?= requirements/lock.txt
+PARTNERS     := requirements/partners.txt
+PARTNER_DEPS := requirements/partner-deps.txt
+LATEST_VENV  ?= .venv-latest
 # pytest workers (pytest-xdist). Whole files go to one worker (--dist loadfile), so a
 # module's Ray job and fixtures are shared as before; most of a Ray test's wall time
 # is waiting on other processes, so two workers use two cores well. Files go out in
@@ -22,13 +30,15 @@ PYTEST_WORKERS ?= 2
 unexport PYTHONDONTWRITEBYTECODE
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup test lint typecheck pytest coverage demo bench clean
+.PHONY: setup test test-latest lock lint typecheck pytest coverage demo bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# A new lock or partner list re-makes the stamp, so an existing venv takes it up.
+$(STAMP): pyproject.toml $(LOCK) $(PARTNERS) $(PARTNER_DEPS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	scripts/install-venv $(VENV) '$(TORCH_PIN)' '.[all,dev]'
+	scripts/install-venv $(if $(LOCK),--lock $(LOCK)) --with $(PARTNER_DEPS) \
+	  --no-deps $(PARTNERS) $(VENV) '$(TORCH_PIN)' '.[all,dev]'
 	$(BIN)/python -c "import routeplay, torch, ray; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
 
@@ -61,6 +71,34 @@ test: lint
 	wait $$typecheck || status=1; \
 	cat build/mypy.log; exit $$status
 
+# The suite on the newest releases of everything (no lock; torch stays TORCH_PIN, the
+# partners their pins), in a venv of its own made anew each run: what users installing
+# today get, before they do. Not in CI. After it passes, `make lock VENV=$(LATEST_VENV)`
+# adopts those versions.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(MAKE) --no-print-directory test VENV=$(LATEST_VENV) LOCK=
+
+# Rewrites requirements/lock.txt from $(VENV) (after a green `make test`): every installed
+# package but routeplay itself, torch (TORCH_PIN), pip and the partners.
+lock:
+	@test -x $(BIN)/python || { echo "no $(VENV): run make test first" >&2; exit 1; }
+	@partners=$$(sed -n 's/^\([A-Za-z0-9._-]*\)==.*/\1/p' $(PARTNERS) | paste -sd'|'); \
+	freeze=$$($(BIN)/python -m pip freeze --all --exclude-editable --disable-pip-version-check); \
+	locked=$$(grep -viE "^(torch|pip|routeplay|$$partners)( |=|@|$$)" <<< "$$freeze"); \
+	if grep -v '==' <<< "$$locked"; then echo "not from an index: cannot be locked" >&2; exit 1; fi; \
+	locked=$$(awk -F'==' '{n = tolower($$1); gsub(/[._]+/, "-", n); print n "==" $$2}' \
+	  <<< "$$locked" | LC_ALL=C sort -t= -k1,1); \
+	where=$$($(BIN)/python -c 'import platform as p; print("Python", p.python_version(), p.system(), p.machine())'); \
+	{ echo "# What the suite last passed with ($$where), written by 'make lock'"; \
+	  echo "# from its venv. scripts/install-venv uses it as constraints, for uv and for pip."; \
+	  echo "# Not here: routeplay, torch (the Makefile's TORCH_PIN, CPU build), pip (the"; \
+	  echo "# venv's own) and the partners ($(PARTNERS), installed with --no-deps)."; \
+	  echo "$$locked"; } > $(LOCK).tmp
+	@if cmp -s $(LOCK).tmp $(LOCK); then rm $(LOCK).tmp; echo "$(LOCK): unchanged"; \
+	else mv $(LOCK).tmp $(LOCK); echo "$(LOCK): $$(grep -vc '^#' $(LOCK)) packages, rewritten"; \
+	  git diff --stat -- $(LOCK) || true; fi
+
 # The end-to-end RL demo on a local Ray instance (the R3 recipe, under two minutes on 2 CPUs);
 # the report, its JSON and the PNG land in build/demo/. ARGS passes flags, e.g.
 # ARGS="--trainer-dtype bf16" or ARGS="--recipe smoke".
@@ -74,4 +112,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer_paths.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .coverage .coverage.*
+	rm -rf $(VENV) $(LATEST_VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .coverage .coverage.*
