@@ -25,8 +25,9 @@ def _inline(rows: int, seed: int) -> InlineSource:
 
 
 @st.composite
-def handles(draw: st.DrawFn, max_segments: int = 8) -> Handle:
-    """Handles over a few inline sources, with arbitrary row ranges and versions."""
+def segment_lists(draw: st.DrawFn, max_segments: int = 8) -> list[Segment]:
+    """Segments over a few inline sources, with arbitrary row ranges and versions (as
+    given: empty, contiguous and of the same version or not)."""
     sources = [_inline(draw(st.integers(1, 12)), seed=i) for i in range(draw(st.integers(1, 3)))]
     segments = []
     for _ in range(draw(st.integers(0, max_segments))):
@@ -37,7 +38,13 @@ def handles(draw: st.DrawFn, max_segments: int = 8) -> Handle:
         segments.append(
             Segment(source=source, start=start, stop=stop, spec=SPEC, weight_version=version)
         )
-    return Handle(SPEC, segments)
+    return segments
+
+
+@st.composite
+def handles(draw: st.DrawFn, max_segments: int = 8) -> Handle:
+    """Handles over a few inline sources, with arbitrary row ranges and versions."""
+    return Handle(SPEC, draw(segment_lists(max_segments)))
 
 
 def materialize(handle: Handle, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -85,12 +92,41 @@ def test_slices_compose(case: tuple[Handle, int, int], data: st.DataObject) -> N
     )
 
 
-@given(handle_and_range())
-def test_weight_versions_follow_rows(case: tuple[Handle, int, int]) -> None:
-    handle, start, stop = case
-    versions = handle.weight_versions()
-    assert versions.shape == (handle.rows,)
-    np.testing.assert_array_equal(handle[start:stop].weight_versions(), versions[start:stop])
+@given(segment_lists(), st.data())
+def test_weight_versions_follow_rows(segments: list[Segment], data: st.DataObject) -> None:
+    """Every row carries the version of the segment it was given in, whatever the handle
+    merged; expected from the segments as given (a plain loop, no handle code)."""
+    expected = [seg.weight_version for seg in segments for _ in range(seg.start, seg.stop)]
+    handle = Handle(SPEC, segments)
+    assert handle.weight_versions().tolist() == expected
+    start = data.draw(st.integers(0, handle.rows))
+    stop = data.draw(st.integers(start, handle.rows))
+    assert handle[start:stop].weight_versions().tolist() == expected[start:stop]
+
+
+def test_only_contiguous_segments_of_one_version_merge() -> None:
+    """Pins ``Segment.continued_by``'s version rule: a contiguous segment of a newer
+    version stays apart (its rows keep their version), one of the same version merges."""
+    a, b = _inline(10, seed=7), _inline(4, seed=8)
+    handle = Handle(
+        SPEC,
+        [
+            Segment(source=a, start=0, stop=3, spec=SPEC, weight_version=0),
+            Segment(source=a, start=3, stop=5, spec=SPEC, weight_version=1),  # newer: apart
+            Segment(source=a, start=5, stop=8, spec=SPEC, weight_version=1),  # same: merged
+            Segment(source=b, start=0, stop=2, spec=SPEC, weight_version=2),
+        ],
+    )
+    assert [(s.start, s.stop, s.weight_version) for s in handle.segments] == [
+        (0, 3, 0),
+        (3, 8, 1),
+        (0, 2, 2),
+    ]
+    assert handle.weight_versions().tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]
+    assert handle[2:9].weight_versions().tolist() == [0, 1, 1, 1, 1, 1, 2]
+    first = Handle.of(Segment(source=a, start=0, stop=3, spec=SPEC, weight_version=0))
+    grown = first.append(Segment(source=a, start=3, stop=5, spec=SPEC, weight_version=1))
+    assert grown.weight_versions().tolist() == [0, 0, 0, 1, 1]
 
 
 @given(handle_and_range())

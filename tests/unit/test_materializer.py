@@ -95,7 +95,9 @@ def put_sample(
 
 
 def reference(plan: PackingPlan, arrays: Arrays, mb: int, coords: RankCoords) -> tuple[Any, Any]:
-    """Build each whole pack (rows at offsets, padding elsewhere), then slice it."""
+    """Build each whole pack (rows at offsets, padding elsewhere), then take the rank's
+    positions by the layout's definition (``brute_force_positions``: ``np.split``), not
+    by ``local_ranges``, which the materializer itself uses."""
     spec = plan.spec
     routes, masks = [], []
     for index in plan.micro_batches[mb]:
@@ -106,9 +108,9 @@ def reference(plan: PackingPlan, arrays: Arrays, mb: int, coords: RankCoords) ->
         for s in pack.samples:
             full[s.offset : s.offset + s.tokens - 1] = arrays[s.sample_id]
             mask[s.offset : s.offset + s.tokens - 1] = True
-        for start, stop in local_ranges(pack, coords):
-            routes.append(full[start:stop])
-            masks.append(mask[start:stop])
+        positions = brute_force_positions(pack, coords)
+        routes.append(full[positions])
+        masks.append(mask[positions])
     return np.concatenate(routes), np.concatenate(masks)
 
 
@@ -280,6 +282,29 @@ def steps(draw: st.DrawFn) -> dict[str, Any]:
         "reverse": draw(st.booleans()),
         "seed": draw(seeds),
     }
+
+
+def test_zigzag_cp_ranks_get_their_rows_written_out() -> None:
+    """One pack of 8 positions holding a 7-row sample, CP=2 zigzag: chunks of 2, rank 0
+    holds chunks 0 and 3 (positions 0, 1, 6, 7: the last one padding), rank 1 chunks 1
+    and 2 (positions 2-5). Expected rows written out from the sample's array."""
+    store = new_store()
+    handle, rows = put_sample(store, SPEC, 7, seed=5)
+    plan = pack_samples([("a", handle, 8)], 8, seq_align=seq_alignment(cp_size=2, sp_size=1))
+    pad = np.arange(SPEC.top_k) % SPEC.num_experts  # the materializer's padding row
+    expected = {
+        0: (np.stack([rows[0], rows[1], rows[6], [pad] * SPEC.num_layers]), [1, 1, 1, 0]),
+        1: (np.stack([rows[2], rows[3], rows[4], rows[5]]), [1, 1, 1, 1]),
+    }
+    with store.acquire(handle, "train/step"):  # the step's batch, while each rank reads
+        for rank, (want_routes, want_mask) in expected.items():
+            coords = RankCoords(cp_size=2, cp_rank=rank, cp_split="pack_zigzag")
+            lease = store.acquire(handle, f"rank {rank}")
+            with Materializer(store, plan, coords, leases={"a": lease}) as m:
+                [item] = list(m)
+            np.testing.assert_array_equal(item.routes, want_routes)
+            np.testing.assert_array_equal(item.mask, np.array(want_mask, bool))
+    assert store.leaks() == []
 
 
 @settings(max_examples=100)

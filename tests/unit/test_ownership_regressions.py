@@ -30,7 +30,7 @@ import pytest
 
 from routeplay.core import Handle, RouteSpec, canonicalize
 from routeplay.core.handle import StoreRef
-from routeplay.errors import LifetimeError, RoutesLost
+from routeplay.errors import DuplicateExperts, LifetimeError, RoutesLost
 from routeplay.rollout import (
     ADAPTERS,
     BufferConfig,
@@ -667,12 +667,14 @@ def test_bug_a_checkpoint_that_fails_to_load_leaves_no_lease(
     arrays["r1"] = arrays["r1"].copy()
     arrays["r1"][2] = 0  # duplicate expert ids in g2's sample: a corrupt checkpoint
     np.savez(tmp_path / "routing.npz", **arrays)
-    with pytest.raises(Exception, match="row 2"):
+    with pytest.raises(DuplicateExperts, match="row 2"):
         load_buffer(tmp_path, store, BufferConfig())
     assert store.leaks() == []
 
 
 def test_bug_a_group_that_fails_to_enter_the_buffer_leaves_no_lease(store: RouteStore) -> None:
+    """Pins ``ReplayBuffer.add``'s rollback: the buffer's lease on the sample it claimed
+    before the failing one is released, the caller's own lease stays with the caller."""
     rows = truth(len(TURN) - 1, seed=20)
     good_handle = store.put(canonicalize(rows, SPEC))
     good = completed("good", TURN).with_routing(
@@ -685,8 +687,12 @@ def test_bug_a_group_that_fails_to_enter_the_buffer_leaves_no_lease(store: Route
     buffer = BufferConfig().build(store)
     with pytest.raises(RoutesLost):
         buffer.add("g", [good, lost])
-    # Either the caller still owns its sample's lease, or nothing is held any more.
-    assert good.holds_lease or store.leaks() == []
+    # The buffer holds nothing (its claim on "good" was rolled back); the caller keeps its own.
+    assert holders(store) == {"rollout/good": 1}
+    assert len(buffer) == 0
+    assert good.holds_lease
+    good.release()
+    assert store.leaks() == []
 
 
 def test_bug_a_zero_row_routing_checkpoint_round_trips(store: RouteStore, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
 from routeplay.errors import AlreadyConsumed, MisuseError, RoutesLost, RunMismatch
 from routeplay.store import LeaseTable, RouteStore, StoreConfig
 from routeplay.store.backend import LocalBackend
+from routeplay.store.key_check import take_checked_many
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
 HEX56 = re.compile(r"[0-9a-f]{56}")
@@ -117,6 +118,42 @@ def test_a_dead_holders_leases_can_be_revoked() -> None:
     np.testing.assert_array_equal(kept.read(0, 8), routing(8, 3).array)
     assert store.revoke([kept]) == 1
     assert kept.released
+
+
+def test_another_runs_lease_is_refused_by_the_shard_itself() -> None:
+    """Pins ``LeaseTable._check_own``: the client sends a ``Lease``'s parts as they are
+    (``revoke``, ``release_lease``), so only the shard's table can refuse a lease id
+    another run granted. Without that check the call ends nothing and reports 0."""
+    a = RouteStore.local(StoreConfig(run="run-a", shards=1))
+    b = RouteStore.local(StoreConfig(run="run-b", shards=1))
+    lease = a.acquire(a.put(routing(8, 5)), "train/a-0")
+    with pytest.raises(RunMismatch, match="another run or shard"):  # the table's words
+        b.revoke([lease])
+    with pytest.raises(RunMismatch, match="another run or shard"):
+        b.release_lease(lease.parts)
+    assert not lease.released
+    assert a.stats().leases_by_holder == (("train/a-0", 1),)
+    assert b.stats().revoked_leases == 0
+    np.testing.assert_array_equal(lease.read(0, 8), routing(8, 5).array)
+    lease.release()
+
+
+def test_take_checked_many_refuses_a_key_issued_to_another_run() -> None:
+    """Pins ``take_checked_many``'s own run check (the client refuses such a key before
+    it gets there): a key issued to run a that no run has claimed in the engine store yet
+    is refused to run b and stays live; without the check run b would consume it."""
+    backend = RouteStore.local(StoreConfig(run="run-b")).backend
+    assert isinstance(backend, LocalBackend)
+    engine = backend.engine_store()
+    raw = engine.put(routing(10, 6).array)  # unclaimed: nobody has read it yet
+    [refused] = take_checked_many(engine, [EngineKey(key=raw, rows=10, run="run-a")], SPEC, "run-b")
+    assert isinstance(refused, RunMismatch)
+    assert "issued to another run" in str(refused)
+    assert engine.keys() == [raw]  # still live, still unclaimed
+    assert engine.stats().consumed == 0
+    [taken] = take_checked_many(engine, [EngineKey(key=raw, rows=10, run="run-a")], SPEC, "run-a")
+    assert not isinstance(taken, BaseException)  # its own run takes it
+    assert engine.keys() == []
 
 
 class Clock:

@@ -118,6 +118,34 @@ def test_buffer_takes_over_leases_and_retries_stale_groups(store: RouteStore) ->
     assert all(s.routing is None and s.status is Status.PENDING for s in again)
 
 
+def test_a_group_max_staleness_behind_is_kept_and_one_more_is_stale(store: RouteStore) -> None:
+    """Pins the staleness bound in ``ReplayBuffer.refresh``: a group exactly
+    ``max_staleness`` versions behind is still fresh (``<=``), one more is stale."""
+    buffer = BufferConfig(max_staleness=2, max_retries=1).build(store)
+    buffer.add("g1", [sample(store, "a", "g1", version=3)])
+    assert buffer.refresh(current_version=5) == ([], [])  # 5 - 3 = 2 = max: kept
+    assert len(buffer) == 1
+    assert dict(store.stats().leases_by_holder) == {"buffer/g1": 1}
+    assert buffer.refresh(current_version=6) == (["a"], [])  # 6 - 3 = 3 > max: retried
+    assert len(buffer) == 0
+    assert [s.sample_id for s in buffer.take_retries()] == ["a"]
+    assert store.leaks() == []
+
+
+def test_sampling_at_exactly_max_staleness_hands_the_group_out(store: RouteStore) -> None:
+    """The same bound through ``sample``: 1 version behind with ``max_staleness=1`` is
+    sampled, 2 behind is retried instead (nothing to sample)."""
+    buffer = BufferConfig(max_staleness=1, max_retries=1).build(store)
+    buffer.add("g1", [sample(store, "a", "g1", version=0)])
+    buffer.add("g2", [sample(store, "b", "g2", version=1)])
+    [picked] = buffer.sample(2, current_version=2)  # g1: 2 behind, retried; g2: 1 behind
+    assert picked.group_id == "g2"
+    assert [s.sample_id for s in buffer.take_retries()] == ["a"]
+    for state in picked.states:
+        state.release()
+    assert store.leaks() == []
+
+
 def test_groups_out_of_retries_are_discarded(store: RouteStore) -> None:
     buffer = BufferConfig(max_staleness=0, max_retries=1).build(store)
     tired = sample(store, "a", "g1", version=0).release().reset_response()

@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from routeplay.core import Handle, RouteSpec, canonicalize
 from routeplay.errors import (
+    DuplicateExperts,
     HandleError,
     MalformedPayload,
     MisuseError,
@@ -480,7 +481,7 @@ def test_one_routing_records_and_restores_by_value(store: RouteStore) -> None:
     back.release()
     bad = np.array(record.array)
     bad[1] = 0  # duplicate experts: a checkpoint is outside data
-    with pytest.raises(Exception, match="row 1"):
+    with pytest.raises(DuplicateExperts, match="row 1"):
         RoutingRecord.from_json(record.to_json(), bad).restore(store, SPEC)
     with pytest.raises(MalformedPayload):
         RoutingRecord.from_json({"segments": [[1, 0]]}, None)
