@@ -154,6 +154,29 @@ def refuse_after_ingest(answer: Any, ready: Prepared, key: EngineKey, start: int
     return IngestVerdict.RAW
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Call:
+    """What one ``adopt_keys`` call holds fixed."""
+
+    spec: RouteSpec
+    steps: AdoptionSteps
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Taken:
+    """One engine store's keys, as its take answered them."""
+
+    keys: list[EngineKey]
+    starts: list[int]
+    taken: list[Any]
+    """Per key: its wrapped raw reference ``[ref]``, its ``Validated`` block or its refusal."""
+    waits: list[Any]
+    """Per key: the ``Prepared`` validation to wait for, or None."""
+    node: str
+    """The node holding the store's bytes."""
+
+
 def adopt_keys(
     keys: Sequence[EngineKey],
     spec: RouteSpec,
@@ -174,71 +197,58 @@ def adopt_keys(
         results = drive(adopt_keys(keys, spec, starts, shared_prefix=0, pack=False,
                                    steps=steps, timeout_s=60.0), ray_calls.RAY)
     """
+    call = _Call(spec=spec, steps=steps, timeout_s=timeout_s)
     out: list[Any] = [None] * len(keys)
     by_engine: dict[Where, list[int]] = {}
     for index, key in enumerate(keys):
         by_engine.setdefault((key.actor, key.namespace), []).append(index)
     engines = yield from steps.engines(list(by_engine))
     grouped = shared_prefix > 0 or pack
-    for (name, namespace), indices in by_engine.items():
+    for where, indices in by_engine.items():
         picked = [keys[i] for i in indices]
         begin = [starts[i] for i in indices]
-        taken, node, waits = yield from _take(
-            steps, engines, (name, namespace), picked, spec, begin, grouped, timeout_s
-        )
+        batch = yield from _take(call, engines, where, picked, begin, grouped)
         if grouped:
-            adopted = yield from _group(picked, taken, begin, node, spec, shared_prefix, pack,
-                                        steps, timeout_s)  # fmt: skip
+            adopted = yield from _group(call, batch, shared_prefix, pack)
         else:
-            adopted = yield from _singles(picked, taken, waits, begin, node, spec, steps,
-                                          timeout_s)  # fmt: skip
+            adopted = yield from _singles(call, batch)
         for index, result in zip(indices, adopted, strict=True):
             out[index] = result
     return out
 
 
 def _take(
-    steps: AdoptionSteps,
+    call: _Call,
     engines: dict[Where, Any],
     where: Where,
     keys: list[EngineKey],
-    spec: RouteSpec,
     starts: list[int],
     grouped: bool,
-    timeout_s: float,
-) -> Flow[tuple[list[Any], str, list[Any]]]:
+) -> Flow[_Taken]:
     """One engine store's take. A store that died since its handle was looked up (it was
     restarted, as ``ENGINE_STORE_HINT`` tells users to) is looked up again and asked once
     more: the dead actor consumed nothing that outlived it."""
     what = f"{where[1]}/{where[0]}: take {len(keys)} keys"
-    sent = steps.send_take(engines[where], keys, spec, starts, grouped)
+    sent = call.steps.send_take(engines[where], keys, call.spec, starts, grouped)
     try:
-        [answer] = yield from awaiting([sent], what, timeout_s=timeout_s)
+        [answer] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
     except RoutesLost:
-        found = yield from steps.engines([where], fresh=True)
-        sent = steps.send_take(found[where], keys, spec, starts, grouped)
-        [answer] = yield from awaiting([sent], what, timeout_s=timeout_s)
+        found = yield from call.steps.engines([where], fresh=True)
+        sent = call.steps.send_take(found[where], keys, call.spec, starts, grouped)
+        [answer] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
     taken, node, waits = answer
-    return taken, node, waits
+    return _Taken(keys=keys, starts=starts, taken=list(taken), waits=list(waits), node=node)
 
 
-def _singles(
-    keys: list[EngineKey],
-    taken: list[Any],
-    waits: list[Any],
-    starts: list[int],
-    node: str,
-    spec: RouteSpec,
-    steps: AdoptionSteps,
-    timeout_s: float,
-) -> Flow[list[Any]]:
+def _singles(call: _Call, batch: _Taken) -> Flow[list[Any]]:
     """Keys adopted one by one (steps 2 and 3): the validations at ingest still open
     decide first, then every key left on the raw path is validated and waited for."""
-    out = list(taken)
-    opened = [(i, ready) for i, ready in enumerate(waits) if isinstance(ready, Prepared)]
+    keys, starts, out = batch.keys, batch.starts, batch.taken
+    half = call.timeout_s / 2
+    opened = [(i, ready) for i, ready in enumerate(batch.waits) if isinstance(ready, Prepared)]
     if opened:
         statuses = tuple(ready.status for _, ready in opened)
-        answers = yield Wait(statuses, "validations at ingest", timeout_s / 2, each=True)
+        answers = yield Wait(statuses, "validations at ingest", half, each=True)
         for (i, ready), answer in zip(opened, answers, strict=True):
             verdict = refuse_after_ingest(answer, ready, keys[i], starts[i])
             if verdict is IngestVerdict.VALID:
@@ -246,98 +256,76 @@ def _singles(
             elif verdict is IngestVerdict.REFUSED:
                 out[i] = answer
     raw = [i for i, one in enumerate(out) if isinstance(one, list)]  # wrapped raw refs
-    sent = [steps.send_validate(node, out[i][0], keys[i], spec, starts[i]) for i in raw]
+    sent = [
+        call.steps.send_validate(batch.node, out[i][0], keys[i], call.spec, starts[i]) for i in raw
+    ]
     if sent:
         what = f"validate {len(sent)} engine keys"
-        answers = yield Wait(tuple(status for status, _ in sent), what, timeout_s / 2, each=True)
+        answers = yield Wait(tuple(status for status, _ in sent), what, half, each=True)
         for i, (_, block), answer in zip(raw, sent, answers, strict=True):
-            out[i] = _verdict(answer, block, keys[i], starts[i], spec, steps, timeout_s)
+            out[i] = _verdict(call, answer, block, keys[i], starts[i])
     return [
-        _adopt_validated(one, keys[i], starts[i], node, spec, steps)
+        _adopt_validated(call, one, keys[i], starts[i], batch.node)
         if isinstance(one, Validated)
         else one
         for i, one in enumerate(out)
     ]
 
 
-def _verdict(
-    answer: Any,
-    block: Any,
-    key: EngineKey,
-    start: int,
-    spec: RouteSpec,
-    steps: AdoptionSteps,
-    timeout_s: float,
-) -> Any:
+def _verdict(call: _Call, answer: Any, block: Any, key: EngineKey, start: int) -> Any:
     """A raw validation's answer: the stored block, or the key's refusal."""
     if isinstance(answer, StoreTimeout):
         return StoreTimeout(
             "the validation of an adopted engine key did not end in time",
             where=f"engine key {key.key}",
-            expected=f"a verdict within {timeout_s / 2}s",
+            expected=f"a verdict within {call.timeout_s / 2}s",
             hint="Its sample is set aside (the key is consumed, its payload dropped). Is "
             "the engine node's validator overloaded or hung?",
         )
     if isinstance(answer, RouteplayError):
         return answer
     rows = key.rows - start
-    return steps.adopt([block], rows, spec.nbytes(rows))
+    return call.steps.adopt([block], rows, call.spec.nbytes(rows))
 
 
-def _adopt_validated(
-    ready: Validated,
-    key: EngineKey,
-    start: int,
-    node: str,
-    spec: RouteSpec,
-    steps: AdoptionSteps,
-) -> Any:
+def _adopt_validated(call: _Call, ready: Validated, key: EngineKey, start: int, node: str) -> Any:
     """A block validated at ingest, for the key's rows ``[start, rows)``: rows past a
     history copied out of it (nothing validated again), a trailing row left unread."""
     [canonical] = ready.canonical
     if start:  # a resume or a later turn: only the new rows are stored
         rows = key.rows - start
-        return steps.adopt([steps.send_rows_of(node, canonical, start, key.rows)], rows,
-                           spec.nbytes(rows))  # fmt: skip
-    stored = steps.adopt([canonical], ready.rows, spec.nbytes(ready.rows))
+        block = call.steps.send_rows_of(node, canonical, start, key.rows)
+        return call.steps.adopt([block], rows, call.spec.nbytes(rows))
+    stored = call.steps.adopt([canonical], ready.rows, call.spec.nbytes(ready.rows))
     return stored if ready.rows == key.rows else ((stored, 0, key.rows),)
 
 
-def _group(
-    keys: list[EngineKey],
-    taken: list[Any],
-    starts: list[int],
-    node: str,
-    spec: RouteSpec,
-    shared_prefix: int,
-    pack: bool,
-    steps: AdoptionSteps,
-    timeout_s: float,
-) -> Flow[list[Any]]:
+def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[list[Any]]:
     """A group's keys (a GRPO group's samples), validated and laid out together near the
     engine, waited for (the layout depends on every member's rows): each member's rows
     as ``(StoreRef, start, stop)`` ranges, or the refusal of that member only."""
-    good = [i for i, one in enumerate(taken) if not isinstance(one, BaseException)]
-    out = list(taken)
+    out = batch.taken
+    good = [i for i, one in enumerate(out) if not isinstance(one, BaseException)]
     if not good:
         return out
-    sent = steps.send_group(
-        node,
-        [keys[i] for i in good],
-        spec,
-        [starts[i] for i in good],
+    sent = call.steps.send_group(
+        batch.node,
+        [batch.keys[i] for i in good],
+        call.spec,
+        [batch.starts[i] for i in good],
         shared_prefix,
         pack,
-        [taken[i][0] for i in good],
+        [out[i][0] for i in good],
     )
-    del taken  # the raw payloads go once the validator is done with them
+    for i in good:
+        out[i] = None  # the raw payloads go once the validator is done with them
     what = f"validate a group of {len(good)} engine keys"
-    [group] = yield from awaiting([sent], what, timeout_s=timeout_s)
+    [group] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
     count = sum(p.blocks for p in group.payloads)
     stored: list[StoreRef] = []
     if count:
-        blocks = steps.take_group(node, group.token, count)
-        stored = steps.adopt_many(blocks, group.payloads, group.saved_bytes)
+        blocks = call.steps.take_group(batch.node, group.token, count)
+        stored = call.steps.adopt_many(blocks, group.payloads, group.saved_bytes)
     for i, outcome in zip(good, group.outcomes, strict=True):
         out[i] = (
             outcome
