@@ -45,8 +45,8 @@ from pathlib import PurePath
 __all__ = [
     "AlreadyConsumed",
     "AlreadyReleased",
-    "DtypeError",
     "DegenerateRouting",
+    "DtypeError",
     "DuplicateExperts",
     "EngineStoreLost",
     "EngineUnavailable",

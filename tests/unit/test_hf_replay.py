@@ -491,7 +491,9 @@ def _self_routing_block(block: Any, *, call_gate: bool) -> Any:
     return forward
 
 
-@pytest.mark.parametrize(("call_gate", "message"), [(True, "did not send"), (False, "never called")])
+@pytest.mark.parametrize(
+    ("call_gate", "message"), [(True, "did not send"), (False, "never called")]
+)
 def test_a_block_that_routes_by_itself_fails_the_first_forward(
     call_gate: bool, message: str
 ) -> None:

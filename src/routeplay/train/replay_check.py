@@ -56,7 +56,9 @@ class ReplayCheck:
                 experts = _experts_of(model, name, module)
                 if experts is not None:
                     self._hooks.append(
-                        experts.register_forward_pre_hook(self._experts_hook(layer), with_kwargs=True)
+                        experts.register_forward_pre_hook(
+                            self._experts_hook(layer), with_kwargs=True
+                        )
                     )
             self._hooks.append(model.register_forward_hook(self._model_done))
         except BaseException:

@@ -132,14 +132,15 @@ def replay_actions(replay: Any, *, where: str = "") -> type[Enum]:
     module = sys.modules.get(cls.__module__)
     actions = getattr(module, "RouterReplayAction", None)
     members = getattr(actions, "__members__", {})
-    if isinstance(actions, type) and issubclass(actions, Enum) and set(REPLAY_ACTIONS) <= set(
-        members
+    if (
+        isinstance(actions, type)
+        and issubclass(actions, Enum)
+        and set(REPLAY_ACTIONS) <= set(members)
     ):
         return actions
     raise MisuseError(
         "the router's RouterReplay has no RouterReplayAction enum beside its class",
-        expected=f"an Enum RouterReplayAction with {', '.join(REPLAY_ACTIONS)} in "
-        f"{cls.__module__}",
+        expected=f"an Enum RouterReplayAction with {', '.join(REPLAY_ACTIONS)} in {cls.__module__}",
         found=f"{cls.__module__}.{cls.__qualname__} with "
         f"{'no RouterReplayAction' if actions is None else sorted(members)}",
         where=where,
