@@ -9,12 +9,14 @@ the payload through the rollout node.
 
 And ``routeplay bench --smoke --address``: the whole benchmark with tiny payloads. It
 checks what the full run reports: every path delivers the same rows, the routeplay
-paths write each payload once, a GRPO group its prompt once, a rank holds only its
-share, and the results file carries the figures under the documented keys.
+paths write each payload once (the adoption's writes counted), a GRPO group its prompt
+once, a rank holds only its share, each sample's adoption is timed apart from the step,
+and the results file carries the figures under the documented keys.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -23,9 +25,11 @@ from typing import Any
 
 import pytest
 import ray
+from rich.console import Console
 
 from routeplay.bench.measure import ROLES, node_roles
 from routeplay.bench.measure import cluster as bench_cluster
+from routeplay.bench.report import adoption_table
 from routeplay.bench.transfer_paths import actors_on
 from routeplay.bench.workloads import BenchConfig
 from routeplay.cli.bench_command import EXIT_BROKEN, EXIT_OK
@@ -56,6 +60,8 @@ KEYS = (
     "routeplay_ms",
     "adopt_ms",
     "adopt_at_step_ms",
+    "adoption_p50_ms",
+    "adoption_p99_ms",
     "limit_ms",
     "bytes_written",
     "bytes_pulled",
@@ -175,6 +181,33 @@ def test_each_step_is_split_into_its_phases(results: dict[str, object]) -> None:
             assert sum(phases.values()) == pytest.approx(step, abs=0.2)
         assert w["eager"]["phases_ms"]["acquire"] == 0  # the eager path has no leases
         assert w["adopt"]["phases_ms"]["acquire"] > 0
+
+
+def test_each_adoption_is_timed_apart_from_the_step_per_sample(
+    results: dict[str, object],
+) -> None:
+    """The adopted-key paths adopt before their steps, one call per sample (per group
+    for GRPO), each timed by the rollout worker; every sample of every timed run counts."""
+    for w in results["workloads"]:  # type: ignore[attr-defined]
+        for path in ("adopt", "adopt_at_step"):
+            adoption, runs = w[path]["adoption_ms"], w[path]["runs"]
+            assert adoption["samples"] == w["samples"] * runs  # the checked run left out
+            # one adopt_key per sample; a GRPO step is one group: one adopt_keys call
+            assert adoption["calls"] == (runs if w["shared_prompt"] else adoption["samples"])
+            assert 0 < adoption["p50"] <= adoption["p99"]
+        assert w["adoption_p50_ms"] == w["adopt"]["adoption_ms"]["p50"]
+        assert w["adoption_p99_ms"] == w["adopt"]["adoption_ms"]["p99"]
+        assert "adoption_ms" not in w["producer"]
+        assert "adoption_ms" not in w["eager"]
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(adoption_table(results))  # type: ignore[arg-type]
+    rows = [line for line in console.export_text().splitlines() if "qwen3-30b-a3b/" in line]
+    plain = results["workloads"][0]  # type: ignore[index]
+    assert len(rows) == 2  # adopt, adopt validated at adoption: the plain workload's
+    assert [cell.strip() for cell in rows[0].split("│")[1:-1]][2:4] == [
+        "at ingest",
+        f"{plain['samples']} ({plain['samples']})",
+    ]
 
 
 def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:

@@ -13,8 +13,9 @@ import matplotlib.pyplot as plt
 import pytest
 from rich.console import Console
 
-from routeplay.bench.measure import phases_ms
+from routeplay.bench.measure import adoption_summary, phases_ms
 from routeplay.bench.report import (
+    adoption_table,
     goals,
     phases_table,
     scaling_figure,
@@ -126,3 +127,75 @@ def test_the_phases_table_and_goals_show_where_the_headline_step_went(
     assert (
         recorded["adopt_read_beyond_bare_ray_fetch_ms"] == w["adopt_read_beyond_bare_ray_fetch_ms"]
     )
+
+
+def test_the_adoption_is_summed_up_over_every_sample_of_every_timed_run() -> None:
+    # two runs of four samples adopted one by one, one run of a group of four (one call)
+    runs = [
+        {"adoption_ms": [3.0, 1.0, 2.0, 40.0], "adoption_calls": 4},
+        {"adoption_ms": [2.0, 2.5, 1.5, 1.0], "adoption_calls": 4},
+        {"adoption_ms": [9.0] * 4, "adoption_calls": 1},
+    ]
+    summary = adoption_summary(runs)
+    assert summary["samples"] == 12
+    assert summary["calls"] == 9
+    assert summary["p50"] == 2.75  # between the 6th and 7th of the 12 sorted samples
+    # the slowest sample (the first of a step, its validation still running) sets p99
+    assert 9.0 < summary["p99"] < 40.0
+    assert summary["p99"] == pytest.approx(9.0 + 0.89 * 31.0, abs=0.01)
+
+
+def _with_adoption(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` as a run since 2026-12-06 writes it: each adopted-key path with its
+    adoption per sample (figures made up) and the floor's rank time."""
+    for w in document["workloads"]:
+        for path, p50 in (("adopt", 4.0), ("adopt_at_step", 31.0)):
+            samples = w["samples"] * w[path]["runs"]
+            calls = w[path]["runs"] if w["shared_prompt"] else samples
+            w[path]["adoption_ms"] = {
+                "p50": p50,
+                "p99": 2 * p50,
+                "samples": samples,
+                "calls": calls,
+            }
+        w["adoption_p50_ms"], w["adoption_p99_ms"] = 4.0, 8.0
+        w.setdefault("bare_ray_fetch_rank_ms", 180.0)
+    return document
+
+
+def test_the_adoption_table_shows_each_adopted_key_path_next_to_its_read(
+    run: dict[str, Any],
+) -> None:
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(adoption_table(run))  # an older file: adopted on the step, no rows
+    assert HEADLINE not in console.export_text()
+    phased = _with_adoption(json.loads(PHASED_RUN.read_text(encoding="utf-8")))
+    console.print(adoption_table(phased))
+    lines = console.export_text().splitlines()
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if "│" in line]
+    w = next(w for w in phased["workloads"] if w["name"] == HEADLINE)
+    at_ingest, at_adoption = [row for row in rows if row[0] == HEADLINE]
+    assert at_ingest == [
+        HEADLINE,
+        "adopt",
+        "at ingest",  # the run counted its ingest validations
+        f"{8 * w['adopt']['runs']} ({8 * w['adopt']['runs']})",
+        "4.0",
+        "8.0",
+        f"{w['adopt_ms']:.1f}",
+        f"{w['adopt']['phases_ms']['read']:.1f}",
+        "180.0",
+        f"{w['adopt_read_beyond_bare_ray_fetch_ms']:.1f}",
+    ]
+    assert at_adoption[1:4] == ["adopt validated at adoption", "at adoption", "40 (40)"]
+    assert at_adoption[-2:] == ["", ""]  # no floor is paired with that path
+    grpo = next(row for row in rows if row[0].startswith("grpo/") and row[1] == "adopt")
+    runs = next(w for w in phased["workloads"] if w["shared_prompt"])["adopt"]["runs"]
+    assert grpo[2:4] == ["at adoption (group)", f"{8 * runs} ({runs})"]  # a call per group
+    recorded = phased.pop("goals")
+    derived = goals(phased)
+    assert derived.pop("headline_adoption_ms") == {
+        "adopt": w["adopt"]["adoption_ms"],
+        "adopt_at_step": w["adopt_at_step"]["adoption_ms"],
+    }
+    assert derived == recorded  # the rest reads back as before

@@ -28,6 +28,7 @@ from ray.cluster_utils import Cluster
 from routeplay.bench.host_cpu import busy_core_ms, cores
 from routeplay.bench.limit import FloorRun, Probes, beaten, tightened
 from routeplay.bench.roles import (
+    Adoption,
     BenchEngine,
     BenchRank,
     BenchRollout,
@@ -45,7 +46,7 @@ from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
 
-__all__ = ["PATHS", "phases_ms", "run_bench"]
+__all__ = ["PATHS", "adoption_summary", "phases_ms", "run_bench"]
 
 ROLES = ("head", "engine", "rollout", "trainer")
 PATHS = ("eager", "producer", "adopt")
@@ -135,10 +136,17 @@ class Bench:
     def run(
         self, path: str, seed: int, *, check: bool = False, ingest: bool = True
     ) -> dict[str, Any]:
-        """One step through ``path``: engine done -> every rank holds its rows. The
-        adopted-key path has the engine store validate each payload as the engine puts
-        it (``routeplay.store.ingest``), unless ``ingest`` is False: then each payload
-        is validated when adopted, on the step."""
+        """One step through ``path``: engine done -> every rank holds its rows.
+
+        The adopted-key path adopts first, apart from the step, as an RL loop adopts
+        each sample when it completes, long before the trainer's step: right after the
+        engine has put the step's keys, the rollout worker adopts the samples one after
+        another (``adopt_each``; a GRPO group in one call), each call timed on its clock
+        (``adoption_ms``, one figure per sample adopted). Its step is then the hop that
+        hands the adopted handles on and every rank's acquire and read. The engine store
+        validates each payload as the engine puts it (``routeplay.store.ingest``; an
+        adoption waits for a validation still running), unless ``ingest`` is False: then
+        each payload is validated near the engine when adopted, and waited for."""
         # A GRPO group's layout is made at adoption from its members' raw rows.
         at_ingest = path == "adopt" and ingest and not self.w.prompt_tokens
         with self._validating_at_ingest(at_ingest):
@@ -149,12 +157,17 @@ class Bench:
                 keys: list[str] = []
             else:
                 keys = ray.get(self.engine.keys.remote(plan), timeout=_DEADLINE_S)
-            # Validated at ingest, the path writes while the engine puts: its bytes count
-            # from there (less the engine's own payloads), its time from the engine's end.
+            # The path's bytes count from before its first write: validated at ingest, the
+            # engine's puts (less the engine's own payloads), else the adoption.
             before = before_engine if at_ingest else self._created()
+            adoptions: list[Adoption] = []
+            if path == "adopt":
+                rows, prompt = [p[0] for p in plan], self.w.prompt_tokens
+                adopting = self.rollout.adopt_each.remote(keys, rows, prompt)
+                adoptions = ray.get(adopting, timeout=_DEADLINE_S)
             cpu_start = busy_core_ms()
             start = time.perf_counter()
-            out = self._step(path, seed, keys, [p[0] for p in plan], check)
+            out = self._step(path, seed, keys, check)
             elapsed = time.perf_counter() - start
             core_ms = busy_core_ms() - cpu_start
             created = {role: n - before[role] for role, n in self._created().items()}
@@ -163,7 +176,7 @@ class Bench:
             prepared = self._prepared() - prepared
         ray.get(self.rollout.drop.remote(), timeout=_DEADLINE_S)
         ray.get([rank.flush.remote() for rank in self.ranks], timeout=_DEADLINE_S)
-        return {
+        figures: dict[str, Any] = {
             "ms": elapsed * 1e3,
             "core_ms": core_ms,
             "bytes_written": sum(n for role, n in created.items() if role != "trainer"),
@@ -174,22 +187,25 @@ class Bench:
             "digests": [rank.digest for rank in out],
             "phases_ms": phases_ms(elapsed, out),
         }
+        if path == "adopt":  # each member of a group is adopted when its group's call returns
+            figures["adoption_ms"] = [a.ms for a in adoptions for _ in range(a.samples)]
+            figures["adoption_calls"] = len(adoptions)
+        return figures
 
-    def _step(
-        self, path: str, seed: int, keys: list[str], rows: list[int], check: bool
-    ) -> list[RankRead]:
-        """The timed part: the rollout worker's hop, then every rank's read. The hop's
-        result goes to the ranks as a reference (Ray sends it on as it is made), as a
-        trainer's controller would pass it, rather than through a ``ray.get`` here."""
+    def _step(self, path: str, seed: int, keys: list[str], check: bool) -> list[RankRead]:
+        """The timed part: the rollout worker's hop (the eager relay, the producer's
+        write, or handing on the handles it adopted before the step), then every rank's
+        read. The hop's result goes to the ranks as a reference (Ray sends it on as it is
+        made), as a trainer's controller would pass it, rather than through a
+        ``ray.get`` here."""
         if path == "eager":
             relayed = self.rollout.eager.remote(keys)
             reads = [rank.read_eager.remote(relayed, check) for rank in self.ranks]
             return list(ray.get(reads, timeout=_DEADLINE_S))
-        prompt = self.w.prompt_tokens
         if path == "producer":
-            hop = self.rollout.produce.remote(prompt)
+            hop = self.rollout.produce.remote(self.w.prompt_tokens)
         else:
-            hop = self.rollout.adopt.remote(keys, rows, prompt)
+            hop = self.rollout.adopted.remote()
         holder = f"train/{path}/{seed}"
         reads = [rank.read_routeplay.remote(hop, holder, check) for rank in self.ranks]
         return list(ray.get(reads, timeout=_DEADLINE_S))
@@ -216,9 +232,10 @@ class Bench:
 def phases_ms(elapsed_s: float, reads: list[RankRead]) -> dict[str, float]:
     """Where one step's time went (ms), as its slowest rank (the longest acquire + read)
     saw it: its ``acquire`` and its ``read``, and ``outside_ranks``, the rest of the
-    step: the rollout worker's hop (adoption, or the producer's write), sending the
-    calls to the ranks and their answers back. The three add up to the step. (Another
-    rank can wait longer for its grant: its pull joins the one already under way.)
+    step: the rollout worker's hop (the producer's write, or handing on the handles
+    adopted before the step), sending the calls to the ranks and their answers back.
+    The three add up to the step. (Another rank can wait longer for its grant: its pull
+    joins the one already under way.)
 
     Example:
         phases_ms(0.25, [RankRead(0, "", 0.012, 0.19), RankRead(0, "", 0.005, 0.2)])
@@ -232,9 +249,29 @@ def phases_ms(elapsed_s: float, reads: list[RankRead]) -> dict[str, float]:
     }
 
 
+def adoption_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The adoption as the rollout saw it, over every sample adopted in ``runs`` (ms, on
+    its clock): ``p50``, ``p99`` (linear between the nearest samples), ``samples``
+    (samples adopted) and ``calls`` (adoption calls: one per sample, one per GRPO group).
+
+    Example:
+        adoption_summary([{"adoption_ms": [2.0, 4.0], "adoption_calls": 2}])
+        # {'p50': 3.0, 'p99': 3.98, 'samples': 2, 'calls': 2}
+    """
+    latencies = [ms for run in runs for ms in run["adoption_ms"]]
+    p50, p99 = np.percentile(latencies, [50, 99])
+    return {
+        "p50": round(float(p50), 2),
+        "p99": round(float(p99), 2),
+        "samples": len(latencies),
+        "calls": sum(run["adoption_calls"] for run in runs),
+    }
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     times = [r["ms"] for r in runs]
     last = runs[-1]
+    adoption = {"adoption_ms": adoption_summary(runs)} if "adoption_ms" in last else {}
     return {
         "median_ms": round(statistics.median(times), 1),
         "min_ms": round(min(times), 1),
@@ -250,6 +287,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             phase: round(statistics.median(r["phases_ms"][phase] for r in runs), 1)
             for phase in runs[0]["phases_ms"]
         },
+        **adoption,
     }
 
 
@@ -267,7 +305,11 @@ def measure_workload(
 ) -> dict[str, Any]:
     """Every path of one workload, its limit, and a check that all paths agree; the
     producer and adopt paths run ``max(runs, pairs)`` times, each run next to a run of
-    Ray's own floor for its objects.
+    Ray's own floor for its objects. The adopted-key paths' adoptions, made before their
+    steps, are summed up per path over the timed runs (``adoption_ms``, the checked run
+    left out); ``adoption_p50_ms`` / ``adoption_p99_ms`` are the adopt path's.
+    ``adopt_at_step`` (a name kept from when that validation ran on the step) is the
+    adopted-key path with each payload validated at adoption.
 
     Order: the routeplay paths, the limit, then the eager path. The eager path leaves
     gigabytes for Ray and its ranks to free (its int64 copies, its relayed objects),
@@ -306,6 +348,8 @@ def measure_workload(
         "routeplay_ms": per_path["producer"]["median_ms"],
         "adopt_ms": per_path["adopt"]["median_ms"],
         "adopt_at_step_ms": per_path["adopt_at_step"]["median_ms"],
+        "adoption_p50_ms": per_path["adopt"]["adoption_ms"]["p50"],
+        "adoption_p99_ms": per_path["adopt"]["adoption_ms"]["p99"],
         "limit_ms": limit["limit_ms"],
         "limit": limit,
         "bare_ray_ms": round(statistics.median(bare), 1),

@@ -4,11 +4,14 @@ The results file is named for what, where and when (``data-path_quick_<host>_<UT
 and holds the configuration and library versions next to the figures. Its ``workloads``
 list has, per workload, ``name``, ``eager_ms``, ``routeplay_ms`` (producer path),
 ``adopt_ms`` (the engine store validating each payload as it is put),
-``adopt_at_step_ms`` (each payload validated when adopted, on the step), ``limit_ms``
-(medians), ``bytes_written``, ``bytes_pulled`` and ``peak_rank_bytes`` (each a mapping
+``adopt_at_step_ms`` (each payload validated when adopted; the name is kept from when
+that adoption ran on the step), ``limit_ms`` (medians of steps), ``adoption_p50_ms`` and
+``adoption_p99_ms`` (the adopt path's adoption per sample as the rollout saw it, before
+the step), ``bytes_written``, ``bytes_pulled`` and ``peak_rank_bytes`` (each a mapping
 eager/producer/adopt -> figure), and each path's full figures under its own key
 (``eager``, ``producer``, ``adopt``, ``adopt_at_step``: median/min/max, runs, core-ms,
-bytes, per-node bytes).
+bytes, per-node bytes; the adopted-key paths' ``adoption_ms``: p50, p99, samples,
+calls; absent from files before 2026-12-06, whose adopted-key steps held the adoption).
 Its ``sessions`` object holds the multi-turn bytes (``routeplay.bench.sessions``):
 ``shape`` (the session and rollout sizes) and ``wires`` -> wire -> ``session`` /
 ``partial`` -> ``unique_rows``, ``before`` / ``after`` compaction (``stored_per_unique_row``
@@ -17,7 +20,8 @@ from the route store, ``object_store_per_unique_row`` from Ray's raylets, ``segm
 ``compaction`` (``ms``, rows copied, bytes written), ``rows_exact`` and
 ``left_after_release``.
 Each routeplay path's figures carry ``phases_ms`` (``outside_ranks``, ``acquire``,
-``read``: where its steps went), shown by ``phases_table`` next to Ray's own floor.
+``read``: where its steps went), shown by ``phases_table`` next to Ray's own floor;
+``adoption_table`` shows the adoptions next to the read that follows them.
 
 Example:
     path = write_results(results, config, Path("benchmarks/results"))
@@ -46,6 +50,7 @@ if TYPE_CHECKING:  # matplotlib loads only when a plot is drawn
     from matplotlib.figure import Figure
 
 __all__ = [
+    "adoption_table",
     "below_limit",
     "goals",
     "phases_table",
@@ -72,31 +77,55 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
         "where": {"host": platform.node(), "cpu_count": os.cpu_count(), "nodes": 4},
         "config": dataclasses.asdict(config),
         "definitions": {
-            "wall": "engine finished -> every SP rank holds its rows (driver clock)",
+            "wall": (
+                "a path's step, engine finished -> every SP rank holds its rows (driver "
+                "clock); on the adopted-key paths the step starts once the rollout worker "
+                "has adopted every sample (adoption_ms, apart), and holds the hop that "
+                "hands the handles on and the ranks' acquire and read"
+            ),
             "bytes_written": (
-                "object-store bytes created on the head, engine and rollout nodes (adopt: "
-                "from the engine's first put, less the engine's own payloads, since the "
-                "engine store validates and narrows each payload as it is put)"
+                "object-store bytes created on the head, engine and rollout nodes from "
+                "before the path's first write to the step's end (adopt: from the engine's "
+                "first put, less the engine's own payloads, since the engine store "
+                "validates and narrows each payload as it is put; adopt_at_step: from "
+                "before the adoption, which writes the validated rows near the engine)"
             ),
             "adopt": (
                 "the adopted-key path with the engine store validating each payload as the "
-                "engine puts it (start_engine_store(spec=...); routeplay.store.ingest): "
-                "timed from the engine's last put, so the last payloads' validation still "
-                "runs in the window; adopt_at_step: the engine store without a spec, each "
-                "payload validated when adopted; a GRPO group's keys are always validated "
-                "at adoption (their layout needs every member's rows); a workload runs the "
-                "routeplay paths, then the limit, then the eager path (whose gigabytes "
-                "Ray frees afterwards)"
+                "engine puts it (start_engine_store(spec=...); routeplay.store.ingest); "
+                "adopt_at_step (the name kept from when this adoption ran on the step; "
+                "shown as 'adopt validated at adoption'): the engine store without a spec, "
+                "each payload validated near the engine when adopted; a GRPO group's keys "
+                "are always validated at adoption (their layout needs every member's "
+                "rows); both adopt before the step (adoption_ms), so their steps are the "
+                "trainer's read of rows already validated; a workload runs the routeplay "
+                "paths, then the limit, then the eager path (whose gigabytes Ray frees "
+                "afterwards)"
+            ),
+            "adoption_ms": (
+                "per adopted-key path: the adoption as the rollout sees it when a sample "
+                "completes, timed by the rollout worker around each call (perf_counter): "
+                "right after the engine has put the step's keys, the samples are adopted "
+                "one after another, one adopt_key each (a GRPO group's keys in one "
+                "adopt_keys(shared_prefix=...), each member counted with its group's "
+                "call), each back once its rows' validation has ended accepting them (a "
+                "validation at ingest still running is waited for; a raw payload is "
+                "validated near the engine and waited for); p50 and p99 over every sample "
+                "adopted in the path's timed runs, samples (adopted) and calls; not in "
+                "the step's time, bytes counted with the path's; adoption_p50_ms and "
+                "adoption_p99_ms: the adopt path's (absent before 2026-12-06, when the "
+                "step held the adoption of all its keys in one call)"
             ),
             "bytes_pulled": "object-store bytes created on the trainer node (pulled there)",
             "peak_rank_bytes": "largest routing bytes one rank held at once",
             "core_ms": (
-                "busy CPU core-ms of the driver's machine during a path's timed window "
-                "(median; every node's when the cluster is local, Ray's daemons included: "
-                "an upper bound of the path's own; routeplay.bench.host_cpu); the table's "
-                "a-pull is the limit's adopt-path pull, timed around the whole call; adopt's "
-                "leaves out the validation done at ingest while the engine put its payloads "
-                "(validate_ms: one core's time for it), adopt_at_step's includes it"
+                "busy CPU core-ms of the driver's machine during a path's step (median; "
+                "every node's when the cluster is local, Ray's daemons included: an upper "
+                "bound of the path's own; routeplay.bench.host_cpu); the table's a-pull is "
+                "the limit's adopt-path pull, timed around the whole call; the adopted-key "
+                "paths' leave out the adoption and its validation (at ingest while the "
+                "engine put its payloads, or at adoption; validate_ms: one core's time for "
+                "it); before 2026-12-06 adopt_at_step's included it"
             ),
             "validate_ms": (
                 "one core validating the step's engine payloads on the engine node (best "
@@ -118,8 +147,9 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "per path, medians over its runs of where a step's time went, as its "
                 "slowest rank (longest acquire + read, rank clock) saw it: that rank's "
                 "acquire and read, and outside_ranks, the rest of the step (the rollout "
-                "worker's hop: adoption or the producer's write; the calls to the ranks "
-                "and their answers); bare_ray_fetch_rank_ms: the median over the "
+                "worker's hop: the producer's write, or handing on the handles adopted "
+                "before the step, adoption in it before 2026-12-06; the calls to the "
+                "ranks and their answers); bare_ray_fetch_rank_ms: the median over the "
                 "bare_ray_fetch runs of their slowest rank's own fetch and copy (rank "
                 "clock); adopt_read_beyond_bare_ray_fetch_ms: the median of the adopt "
                 "runs' read phase less that rank time of the bare_ray_fetch run paired "
@@ -177,14 +207,19 @@ def _ms(figures: dict[str, Any]) -> str:
 
 
 def workload_table(results: dict[str, Any]) -> Table:
-    """One row per workload: each path's median [min-max], ratios, bytes, peak per rank."""
-    table = Table(title="engine done -> every rank holds its rows (ms, median [min-max])")
+    """One row per workload: each path's median [min-max], ratios, bytes, peak per rank.
+    The adopted-key paths' steps start once every sample is adopted (``adoption_table``);
+    ``adopt validated at adoption`` is the results' ``adopt_at_step``."""
+    table = Table(
+        title="a step: engine done (adopt: every sample adopted) -> every rank holds its "
+        "rows (ms, median \\[min-max])"  # escaped: rich would take [min-max] for markup
+    )
     columns = (
         "workload",
         "eager",
         "producer",
         "adopt",
-        "adopt at step",
+        "adopt validated at adoption",
         "limit p|a",
         "bare ray p|a",
         "eager/prod",
@@ -248,6 +283,64 @@ def phases_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def adoption_table(results: dict[str, Any]) -> Table:
+    """Per workload and adopted-key path: the adoption as the rollout saw it, before the
+    step (ms per sample, rollout clock: p50, p99, samples adopted and calls), next to the
+    step that follows it, the slowest rank's read, and, on the adopt path, Ray's own
+    fetch and copy of the same objects (rank clock) and the read beyond it (median of the
+    paired runs' differences). Workloads of older result files, which adopted on the
+    step, are left out.
+
+    Example:
+        console.print(adoption_table(results))
+    """
+    table = Table(
+        title="adoption as the rollout sees it (ms per sample, before the step), then the "
+        "step's read next to Ray's fetch of the same objects"
+    )
+    columns = (
+        "workload",
+        "path",
+        "validated",
+        "adopted (calls)",
+        "p50",
+        "p99",
+        "step",
+        "read",
+        "Ray's fetch, rank",
+        "read beyond it",
+    )
+    for column in columns:
+        table.add_column(column, no_wrap=column == "workload")
+    for w in results["workloads"]:
+        for path, label in (("adopt", "adopt"), ("adopt_at_step", "adopt validated at adoption")):
+            figures = w.get(path, {})
+            adoption = figures.get("adoption_ms")
+            if adoption is None:
+                continue
+            paired = path == "adopt"
+            table.add_row(
+                w["name"],
+                label,
+                _validated(figures, w),
+                f"{adoption['samples']} ({adoption['calls']})",
+                f"{adoption['p50']:.1f}",
+                f"{adoption['p99']:.1f}",
+                f"{figures['median_ms']:.1f}",
+                f"{figures['phases_ms']['read']:.1f}",
+                f"{w['bare_ray_fetch_rank_ms']:.1f}" if paired else "",
+                f"{w['adopt_read_beyond_bare_ray_fetch_ms']:.1f}" if paired else "",
+            )
+    return table
+
+
+def _validated(figures: dict[str, Any], w: dict[str, Any]) -> str:
+    """Where the path's payloads were validated, as its runs counted them."""
+    if figures["validated_at_ingest"]:
+        return "at ingest"
+    return "at adoption (group)" if w["shared_prompt"] else "at adoption"
+
+
 def _bare(w: dict[str, Any]) -> str:
     """Ray's own floor per path (the adopt path's is absent from older result files)."""
     fetch = w.get("bare_ray_fetch_ms")
@@ -255,7 +348,7 @@ def _bare(w: dict[str, Any]) -> str:
 
 
 def _at_step(w: dict[str, Any]) -> str:
-    """The adopted-key path validated on the step (absent from older result files)."""
+    """The adopted-key path validated at adoption (absent from older result files)."""
     return _ms(w["adopt_at_step"]) if "adopt_at_step" in w else ""
 
 
@@ -364,6 +457,10 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         if "phases_ms" in w["adopt"]:  # absent from older result files
             out["headline_phases_ms"] = {p: w[p]["phases_ms"] for p in ("producer", "adopt")}
             out["adopt_read_beyond_bare_ray_fetch_ms"] = w["adopt_read_beyond_bare_ray_fetch_ms"]
+        if "adoption_ms" in w["adopt"]:  # absent from files whose steps held the adoption
+            out["headline_adoption_ms"] = {
+                p: w[p]["adoption_ms"] for p in ("adopt", "adopt_at_step")
+            }
         out["headline_cpu"] = {
             "cores": results["host_cores"],
             "producer_core_ms": w["producer"]["core_ms"],
@@ -467,7 +564,7 @@ def scaling_figure(results: dict[str, Any]) -> Figure:
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel(f"{key} per {'sample' if key == 'tokens' else 'step'}")
-        axis.set_ylabel("ms, engine done -> rows on every rank")
+        axis.set_ylabel("ms, engine done (adopt: adopted) -> rows on every rank")
         axis.set_title(title)
         axis.legend()
     segs = scale["segments_per_handle"]

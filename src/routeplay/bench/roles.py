@@ -1,7 +1,8 @@
 """The actors of the data-path benchmark: an engine, a rollout worker, trainer ranks.
 
-Each path starts when the engine has finished (its routing is in the engine-side store,
-or decoded in the rollout worker's memory) and ends when every SP rank holds its rows:
+Each path's step starts when the engine has finished (its routing is in the engine-side
+store, or decoded in the rollout worker's memory; on the adopted-key path, every sample
+adopted as it completed, before the step) and ends when every SP rank holds its rows:
 
 - **eager** (XTuner + LMDeploy today): the rollout worker ``get``s each key from
   ``shared_store``, ``np.asarray``s it and ``ray.put``s it again; every SP rank
@@ -9,8 +10,11 @@ or decoded in the rollout worker's memory) and ends when every SP rank holds its
 - **producer** (routeplay): the rollout worker hands its decoded canonical arrays to the
   store with one write (``put_routes_many``); ranks acquire the step in one call per
   shard, copy their rows out of the blocks the grant carried, release at the step's end.
-- **adopt** (routeplay, LMDeploy key): the rollout worker adopts each key (one call; the
-  rows are validated and narrowed once on the engine's node); ranks read as above.
+- **adopt** (routeplay, LMDeploy key): the rollout worker adopts each sample's key as it
+  would when the sample completes (``adopt_each``: one ``adopt_key`` per sample, a GRPO
+  group's keys in one call; the rows validated and narrowed once on the engine's node,
+  each call timed here, before the step, as the rollout sees it); the step hands the
+  adopted handles on (``adopted``), and ranks read as above.
 
 Ranks report the routing bytes they held at their peak and a digest of their rows, so
 the benchmark can check that every path delivered the same rows, and how long their
@@ -37,6 +41,7 @@ _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
 
 __all__ = [
+    "Adoption",
     "BenchEngine",
     "BenchRank",
     "BenchRollout",
@@ -62,6 +67,15 @@ def rank_rows(rows: int, sp_rank: int, sp_size: int) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of a sample that SP rank ``sp_rank`` trains on (contiguous split)."""
     bounds = np.linspace(0, rows, sp_size + 1).astype(int)
     return int(bounds[sp_rank]), int(bounds[sp_rank + 1])
+
+
+class Adoption(NamedTuple):
+    """One adoption call of the rollout worker, as it timed it."""
+
+    ms: float
+    """Milliseconds the call took, on the rollout's clock."""
+    samples: int
+    """Samples it adopted: 1, or a GRPO group's members (each adopted when it returns)."""
 
 
 class RankRead(NamedTuple):
@@ -114,6 +128,7 @@ class _BenchRollout(RoutesProducer):
         self.store = store
         self.spec = spec
         self._decoded: list[Any] = []
+        self._adopted: list[Handle] = []
         self._held: list[Any] = []
 
     def decode(self, samples: Sequence[tuple[int, int, int, int]]) -> int:
@@ -132,13 +147,32 @@ class _BenchRollout(RoutesProducer):
         batch, self._decoded = self._decoded, []
         return self.put_routes_many(self.store, batch, shared_prefix=shared_prefix)
 
-    def adopt(
+    def adopt_each(
         self, keys: Sequence[str], rows: Sequence[int], shared_prefix: int = 0
-    ) -> list[Handle]:
-        """Adopted-key path: the step's keys taken over in one call, validated once near
-        the engine (in parallel there; a GRPO group's prompt rows stored once)."""
+    ) -> list[Adoption]:
+        """Adopted-key path, before the step: each sample's key taken over one after
+        another, as the rollout takes a sample over when it completes (``adopt_key``:
+        back once the rows' validation has ended accepting them, at ingest or near the
+        engine), or, with ``shared_prefix``, the GRPO group's keys in one call once the
+        group is done (its prompt rows stored once). Each call is timed here, on the
+        rollout's clock; the handles wait for ``adopted``."""
         engine_keys = [EngineKey(key=key, rows=n) for key, n in zip(keys, rows, strict=True)]
-        return self.store.adopt_keys(engine_keys, self.spec, shared_prefix=shared_prefix)
+        groups = [engine_keys] if shared_prefix else [[key] for key in engine_keys]
+        out = []
+        for group in groups:
+            start = time.perf_counter()
+            if shared_prefix:
+                handles = self.store.adopt_keys(group, self.spec, shared_prefix=shared_prefix)
+            else:
+                handles = [self.store.adopt_key(group[0], self.spec)]
+            out.append(Adoption(1e3 * (time.perf_counter() - start), len(group)))
+            self._adopted.extend(handles)
+        return out
+
+    def adopted(self) -> list[Handle]:
+        """The step's hop on the adopted-key path: the handles adopted so far, handed on."""
+        handles, self._adopted = self._adopted, []
+        return handles
 
     def eager(self, keys: Sequence[str]) -> list[list[Any]]:
         """XTuner's path: get, np.asarray, put again (this worker owns the copies)."""
@@ -152,7 +186,7 @@ class _BenchRollout(RoutesProducer):
         return [refs]
 
     def drop(self) -> None:
-        self._held = []
+        self._held, self._adopted = [], []
 
 
 class _BenchRank:

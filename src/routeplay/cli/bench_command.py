@@ -50,6 +50,7 @@ def bench_command(
 
     from routeplay.bench.measure import run_bench
     from routeplay.bench.report import (
+        adoption_table,
         below_limit,
         phases_table,
         scaling_table,
@@ -83,6 +84,7 @@ def bench_command(
     wide = Console(width=max(console.width, 180))  # the tables have many columns
     wide.print(workload_table(results))
     wide.print(phases_table(results))
+    wide.print(adoption_table(results))
     wide.print(scaling_table(results))
     wide.print(sessions_table(results))
     path = write_results(results, config, out_dir, json_path=json_path)
