@@ -4,7 +4,12 @@ blocks (``ray.get``); ``get_as_created`` blocks too, pulling each object as it c
 to exist and handing them over in batches as they arrive; ``aget`` awaits Ray's
 references on the running event loop (no thread, no ``ray.get``); all translate with
 ``translated``. ``RAY`` resolves a flow's waits (``routeplay.store.flow``) either way,
-for clients of plain actors."""
+for clients of plain actors.
+
+A wait's cancellation or deadline ends that wait only: what it waited on (a Ray
+reference, a rescue marker other calls wait on too) is never cancelled by it, and a
+plain future someone else cancelled is a typed error (``StoreFailure``), never a
+``CancelledError`` for a caller that did not ask for one."""
 
 from __future__ import annotations
 
@@ -172,7 +177,10 @@ def _ended(ref: Any, timeout_s: float) -> bool | None:
 async def aget(refs: Sequence[Any], *, timeout_s: float, what: str) -> list[Any]:
     """The values of ``refs`` (Ray references or ``concurrent.futures`` futures), awaited
     with a deadline, errors translated as ``get``'s. A cancellation is not an error: it
-    propagates as it is (the calls stay in flight; the caller's flow rescues them)."""
+    propagates as it is (the calls stay in flight; the caller's flow rescues them).
+
+    A cancellation or the deadline ends only this wait: each ref is awaited through a
+    future of this wait's own, so nothing another caller waits on is cancelled."""
     gathered = asyncio.gather(*map(_awaitable, refs))
     gathered.add_done_callback(_retrieved)  # abandoned (cancelled, timed out): not an error
     with translated(what, timeout_s):
@@ -186,8 +194,46 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 
 def _awaitable(ref: Any) -> Any:
     if isinstance(ref, concurrent.futures.Future):
-        return asyncio.wrap_future(ref)
-    return ref  # an ObjectRef is awaitable: Ray completes it on this loop
+        return _own_future(ref)
+    # An ObjectRef is awaitable: each await makes a future of its own (Ray's
+    # ``ObjectRef.future``), so cancelling it reaches neither the task nor other waiters.
+    return ref
+
+
+def _own_future(shared: concurrent.futures.Future[Any]) -> asyncio.Future[Any]:
+    """A future of this waiter's own, settled like ``shared`` once it is done.
+
+    Not ``asyncio.wrap_future``: it chains the two both ways, so a waiter cancelled (its
+    task, or ``wait_for`` at the deadline) cancelled ``shared`` too. A rescue marker is
+    shared by every call of the client that settles it: once cancelled, every waiter,
+    and every later call, raised ``CancelledError`` (issue 38). Nothing flows back here."""
+    loop = asyncio.get_running_loop()
+    mine: asyncio.Future[Any] = loop.create_future()
+    if shared.done():  # most markers a settle meets have landed already
+        _settle_like(mine, shared)
+        return mine
+
+    def landed(done: concurrent.futures.Future[Any]) -> None:
+        # On whichever thread completed it (Ray's), or here if it has just completed.
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(_settle_like, mine, done)
+
+    shared.add_done_callback(landed)
+    return mine
+
+
+def _settle_like(mine: asyncio.Future[Any], shared: concurrent.futures.Future[Any]) -> None:
+    """``mine`` as ``shared`` ended, unless this waiter has given up already. A ``shared``
+    cancelled by someone else is an error of this wait (``translated`` names it), never a
+    cancellation of the waiter's task."""
+    if mine.done():
+        return
+    if shared.cancelled():
+        mine.set_exception(concurrent.futures.CancelledError())
+    elif (error := shared.exception()) is not None:
+        mine.set_exception(error)
+    else:
+        mine.set_result(shared.result())
 
 
 @contextlib.contextmanager
@@ -201,6 +247,17 @@ def translated(what: str, timeout_s: float) -> Iterator[None]:
             where=what,
             expected=f"an answer within {timeout_s}s",
             hint="Is the store actor alive and the object store reachable?",
+        ) from exc
+    except concurrent.futures.CancelledError as exc:
+        # A plain future (not the waiter's task: that is asyncio's CancelledError) that
+        # someone cancelled: an error of the calls it stood for, not a cancellation of
+        # whoever waits on it.
+        raise StoreFailure(
+            "a pending store result was cancelled by another caller",
+            where=what,
+            expected="its call's answer",
+            found="a cancelled future",
+            hint="Rescue markers refuse cancel(); a future handed to a wait must too.",
         ) from exc
     except _LOST as exc:
         raise RoutesLost(
