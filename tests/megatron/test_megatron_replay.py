@@ -416,7 +416,7 @@ def test_rows_naming_an_expert_twice_are_refused(one_router: tuple[Chunk, Any]) 
             pass
         with pytest.raises(DuplicateExperts), session.replay(torch.from_numpy(zero)):
             pass
-        with session.replay(lambda layer: zero[:, layer]), pytest.raises(DuplicateExperts):
+        with pytest.raises(DuplicateExperts), session.replay(lambda layer: zero[:, layer]):
             chunk.routers()[0](features(64)[:, None, :])
     check_global_state_clear()
 
@@ -434,8 +434,14 @@ def test_ids_out_of_range_wrong_shapes_and_row_counts_are_refused(
             pass
         with pytest.raises(SpecMismatch, match="shape"), session.replay(mb.routes[:, :, :1]):
             pass
-        with session.replay(mb), pytest.raises(RowCountMismatch):
+        with pytest.raises(RowCountMismatch), session.replay(mb):
             router(x[:40])  # the router sees 40 tokens, the routes have 64 rows
+        # A block no router ran in: a replay that did not happen.
+        with (
+            pytest.raises(ReplayNotApplied, match="no router of the model chunk ran"),
+            session.replay(mb),
+        ):
+            pass
         with pytest.raises(MisuseError, match="no router in that model chunk"):
             session.replay(mb, chunk=1).__enter__()
     check_global_state_clear()

@@ -236,6 +236,7 @@ class MegatronReplay:
         self._trained: set[int] = set()  # routers replayed or recorded with grad at entry
         self._counts = {"replayed": 0, "recomputes": 0, "recorded": 0}
         self._verified: set[int] = set()  # routers seen using the replayed ids
+        self._replayed_in: dict[int, int] = {}  # replayed router forwards per chunk
         self._checking: dict[int, torch.Tensor] = {}  # ids handed to a first replayed forward
         self._hooks: list[Any] = []
         self._drift: MegatronDrift | None = None
@@ -270,7 +271,9 @@ class MegatronReplay:
         sp_scatter: bool = False,
         mask: Any = None,
     ) -> Iterator[None]:
-        """Replay ``routes`` in the forwards of model chunk ``chunk`` inside the block.
+        """Replay ``routes`` in the forwards of model chunk ``chunk`` inside the block; a
+        block in which none of the chunk's routers ran raises ``ReplayNotApplied`` as it
+        ends (a replay that did not happen).
 
         Rows must be the tokens the chunk's routers see, in order: a micro-batch from a
         materializer built with ``layout.coords()``. With ``sp_scatter=True`` the rows are
@@ -287,8 +290,18 @@ class MegatronReplay:
             raise MisuseError(
                 "a recording is already in router order: replay it without sp_scatter"
             )
+        before = self._replayed_in.get(chunk, 0)
         with self._mode(chunk, mode), self._drift_block(chunk, routes, mask, sp_scatter):
             yield
+        if self._replayed_in.get(chunk, 0) == before:  # a replay that did not happen
+            raise ReplayNotApplied(
+                "no router of the model chunk ran in this replay block",
+                expected="the chunk's forward inside `with session.replay(...)`",
+                found="no replayed router call",
+                where=f"model chunk {chunk}",
+                hint="Run the forward of model_chunks[chunk] inside the block (around the "
+                "forward_step's model call), on the model the session was built with.",
+            )
 
     @contextmanager
     def record(self, *, chunk: int = 0) -> Iterator[Recording]:
@@ -515,6 +528,7 @@ class MegatronReplay:
                 self._counts["recorded"] += 1
             elif isinstance(mode, _Replaying):
                 self._counts["replayed"] += 1
+                self._replayed_in[router.chunk] = self._replayed_in.get(router.chunk, 0) + 1
                 given = self._checking.pop(id(router), None)
                 if given is not None:  # the first replayed forward of this router
                     self._verify(router, given, output[1])
