@@ -205,7 +205,7 @@ def test_a_refused_or_late_raw_validation_refuses_only_its_key() -> None:
     assert out[0].where == "row 3"
     assert isinstance(out[1], StoreTimeout)
     assert out[1].summary == "the validation of an adopted engine key did not end in time"
-    assert out[1].where == f"engine key {'b' * 28}"
+    assert out[1].where == f"engine key {'b' * 28} (lmdeploy/shared_store)"
     assert out[2] == StoreRef(payload_id="p1", run="r", rows=ROWS)
     assert steps.adopted == [(["block-of-raw-c"], ROWS)]  # refused blocks are never adopted
 

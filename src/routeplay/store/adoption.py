@@ -40,6 +40,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError, RoutesDataError, RoutesLost, StoreTimeout
 from routeplay.store.flow import Flow, Wait, awaiting
 from routeplay.store.ingest import Prepared, Validated
+from routeplay.store.key_check import key_where
 from routeplay.store.shard import StoredPayload
 
 __all__ = ["AdoptionSteps", "GroupAnswer", "IngestVerdict", "adopt_keys", "refuse_after_ingest"]
@@ -277,7 +278,7 @@ def _verdict(call: _Call, answer: Any, block: Any, key: EngineKey, start: int) -
     if isinstance(answer, StoreTimeout):
         return StoreTimeout(
             "the validation of an adopted engine key did not end in time",
-            where=f"engine key {key.key}",
+            where=key_where(key),
             expected=f"a verdict within {call.timeout_s / 2}s",
             hint="Its sample is set aside (the key is consumed, its payload dropped). Is "
             "the engine node's validator overloaded or hung?",

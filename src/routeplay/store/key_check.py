@@ -50,6 +50,7 @@ __all__ = [
     "check_key_meta",
     "check_key_rows",
     "check_start_rows",
+    "key_where",
     "take_checked_many",
 ]
 
@@ -60,9 +61,19 @@ def check_key_rows(payload_rows: int, key: EngineKey, *, where: str) -> None:
         check_row_count(payload_rows, key.rows, where=where)
 
 
+def key_where(key: EngineKey) -> str:
+    """How a refusal names a key: the key and the engine store (its wire) it came from.
+
+    Example:
+        >>> key_where(EngineKey(key="ab" * 28, rows=3))  # doctest: +ELLIPSIS
+        'engine key abab... (lmdeploy/shared_store)'
+    """
+    return f"engine key {key.key} ({key.namespace}/{key.actor})"
+
+
 def check_key_meta(meta: PayloadMeta, key: EngineKey, spec: RouteSpec) -> None:
     """Shape, dtype and row count of a key's payload, from metadata (nothing is read)."""
-    where = f"engine key {key.key}"
+    where = key_where(key)
     check_dtype(np.dtype(meta.dtype), spec, where=where)
     check_shape(meta.shape, spec, where=where)
     check_key_rows(meta.shape[0], key, where=where)
@@ -136,7 +147,7 @@ def canonical_routes(
 ) -> Routes:
     """``canonical_rows`` as ``Routes`` (what a batch layout takes); errors name the
     sequence's rows (a refused row ``r`` is row ``r`` of the whole sequence)."""
-    where = f"engine key {key.key}"
+    where = key_where(key)
     array = check_key_payload(payload, key, spec, where=where)
     return canonicalize(
         array[start : key.rows],
