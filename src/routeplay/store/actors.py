@@ -543,19 +543,8 @@ class KeyValidatorShell:
             payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack
         )
         del payloads
-        layout = group.layout
-        token = self._outbox.stage_many(tuple(layout.arrays)) if layout.arrays else ""
-        stored = [
-            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
-            for a in layout.arrays
-        ]
-        return GroupAnswer(
-            token=token,
-            outcomes=group.outcomes,
-            samples=layout.samples,
-            payloads=stored,
-            saved_bytes=layout.saved_bytes,
-        )
+        arrays = tuple(group.layout.arrays)
+        return GroupAnswer.of(group, self._outbox.stage_many(arrays) if arrays else "")
 
     def take(self, token: str) -> Any:
         """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""

@@ -40,7 +40,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError, RoutesDataError, RoutesLost, StoreTimeout
 from routeplay.store.flow import Flow, Wait, awaiting
 from routeplay.store.ingest import Prepared, Validated
-from routeplay.store.key_check import key_where
+from routeplay.store.key_check import GroupLayout, key_where
 from routeplay.store.shard import StoredPayload
 
 __all__ = ["AdoptionSteps", "GroupAnswer", "IngestVerdict", "adopt_keys", "refuse_after_ingest"]
@@ -63,6 +63,26 @@ class GroupAnswer:
     """One per laid-out array."""
     saved_bytes: int
     """Bytes the shared prefix saved."""
+
+    @classmethod
+    def of(cls, group: GroupLayout, token: Any) -> GroupAnswer:
+        """The answer for a validated group's layout, its arrays staged under ``token``.
+
+        Example:
+            >>> GroupAnswer.of(canonical_group(raw, keys, spec, starts), token)  # doctest: +SKIP
+        """
+        layout = group.layout
+        stored = [
+            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+            for a in layout.arrays
+        ]
+        return cls(
+            token=token,
+            outcomes=group.outcomes,
+            samples=layout.samples,
+            payloads=stored,
+            saved_bytes=layout.saved_bytes,
+        )
 
 
 class AdoptionSteps(Protocol):

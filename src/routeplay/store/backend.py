@@ -485,19 +485,7 @@ class _LocalAdoption:
         group = canonical_group(
             payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack
         )
-        layout = group.layout
-        stored = [
-            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
-            for a in layout.arrays
-        ]
-        answer = GroupAnswer(
-            token=layout.arrays,
-            outcomes=group.outcomes,
-            samples=layout.samples,
-            payloads=stored,
-            saved_bytes=layout.saved_bytes,
-        )
-        return Settled(value=answer)
+        return Settled(value=GroupAnswer.of(group, group.layout.arrays))
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
         return [_LocalBlock(array) for array in token]
