@@ -249,3 +249,21 @@ def test_a_second_store_for_the_same_run_is_refused_unless_it_joins(store: Route
     handle = ray.get(Worker.remote(store).produce.remote(10, seed=12))
     with joined.acquire(handle, "train/joined"):
         np.testing.assert_array_equal(joined.read(handle), routing(10, 12).array)
+
+
+def test_a_shard_actor_counts_the_calls_it_serves_and_their_cpu(store: RouteStore) -> None:
+    """One acquire of many handles is one ``lease_many`` per shard, and the releases one
+    ``release_many``: the counts a step's control-plane cost is read from."""
+    handles = store.put_many([routing(10, seed) for seed in range(6)])
+    before = store.stats()
+    leases = store.acquire_many([(handle, "train/metered") for handle in handles])
+    store.release_many(leases)
+    store.flush()
+    after = store.stats()
+    served = dict(after.calls_by_op)
+    was = dict(before.calls_by_op)
+    assert served["lease_many"] - was.get("lease_many", 0) == after.shards
+    assert served["release_many"] - was.get("release_many", 0) == after.shards
+    assert after.calls - before.calls == 2 * after.shards  # stats itself is not counted
+    assert after.call_cpu_ms > before.call_cpu_ms
+    assert after.process_cpu_ms > 0

@@ -8,10 +8,14 @@ borrows the engine store's block)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
@@ -263,10 +267,33 @@ class StoreShardShell(_Reaped):
         return self._locked(lambda: self._shard.locate(wanted, run))
 
     def stats(self) -> TableStats:
-        return self._locked(self._shard.stats)
+        table = self._locked(self._shard.stats)
+        return dataclasses.replace(table, process_cpu_ms=time.process_time() * 1e3)
 
     def leaks(self) -> list[LeakRecord]:
         return self._locked(self._shard.leaks)
+
+
+def _metered(cls: type[StoreShardShell]) -> type[StoreShardShell]:
+    """Meter every call the shard actor serves (``routeplay.store.call_meter``): each
+    public method but ``stats`` (reading the meter is not a call it counts) runs inside
+    ``meter.served``. ``functools.wraps`` keeps each signature, which Ray and the
+    protocol check read."""
+    for name, method in inspect.getmembers(cls, inspect.isfunction):
+        if name.startswith("_") or name == "stats":
+            continue
+
+        @functools.wraps(method)
+        def served(self: StoreShardShell, *args: Any, _m: Any = method, _op: str = name,
+                   **kwargs: Any) -> Any:  # fmt: skip
+            with self._shard.meter.served(_op):
+                return _m(self, *args, **kwargs)
+
+        setattr(cls, name, served)
+    return cls
+
+
+_metered(StoreShardShell)
 
 
 class _RayAdoption:

@@ -334,7 +334,14 @@ class LocalBackend:
     def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""
         with self._lock:
-            return [_settled(call.run_on, self._shards[call.shard]) for call in calls]
+            return [self._served(call) for call in calls]
+
+    def _served(self, call: ShardCall[Any]) -> Settled:
+        shard = self._shards[call.shard]
+        if call.method == "stats":  # reading the meter is not a call it counts
+            return _settled(call.run_on, shard)
+        with shard.meter.served(call.method):
+            return _settled(call.run_on, shard)
 
     def resolve(self, wait: Wait) -> list[Any]:
         return settled_answers(wait)
@@ -434,7 +441,7 @@ class LocalBackend:
             steps=_LocalAdoption(self, self._shards[shard]),
             timeout_s=60.0,
         )
-        with self._lock:
+        with self._lock, self._shards[shard].meter.served("adopt_keys"):
             return drive(flow, self)
 
     def shutdown(self) -> None:

@@ -271,7 +271,7 @@ def _merge_stats(parts: Sequence[TableStats], dead: Sequence[str] = ()) -> Store
     totals: dict[str, Any] = {}
     for name in (f.name for f in fields(TableStats)):
         values = [getattr(part, name) for part in parts]
-        if name.endswith("_by_holder"):  # (holder, count) pairs: sum per holder
+        if name.endswith(("_by_holder", "_by_op")):  # (key, count) pairs: sum per key
             per_holder: dict[str, int] = {}
             for pairs in values:
                 for holder, value in pairs:

@@ -92,6 +92,14 @@ class TableStats:
     """Leases ended by the lease TTL (``StoreConfig.lease_ttl_s``): holders that died."""
     revoked_leases: int = 0
     """Leases ended by ``RouteStore.revoke`` / ``revoke_holder`` (a dead holder's)."""
+    calls_by_op: tuple[tuple[str, int], ...] = ()
+    """(operation, calls the shard served), sorted (``routeplay.store.call_meter``)."""
+    calls: int = 0
+    """Calls the shard served, all operations (``stats`` itself not counted)."""
+    call_cpu_ms: float = 0.0
+    """CPU milliseconds of the threads that served those calls."""
+    process_cpu_ms: float = 0.0
+    """CPU milliseconds of the shard's whole process (a Ray shard actor; 0 in process)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

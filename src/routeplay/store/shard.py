@@ -9,6 +9,7 @@ long-lived process handed it references it owns (``adopt``: drivers, engine stor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 from routeplay.core.handle import StoreRef
 from routeplay.errors import HandleError, MisuseError
+from routeplay.store.call_meter import CallMeter
 from routeplay.store.lease_table import LeakRecord, LeaseTable, TableStats
 
 __all__ = ["CallProducer", "Grant", "StoreShard", "StoredPayload", "shard_of"]
@@ -80,6 +82,8 @@ class StoreShard:
         )
         self._ids = itertools.count()
         self._call_producer = call_producer
+        self.meter = CallMeter()
+        """The calls served on this shard (metered by whoever serves them)."""
 
     def adopt(self, refs: Sequence[Any], rows: int, nbytes: int, block_rows: int) -> StoreRef:
         """Keep references to a stored payload's blocks; returns the payload's StoreRef."""
@@ -227,9 +231,15 @@ class StoreShard:
         return self._table.expire()
 
     def stats(self) -> TableStats:
-        """Snapshot of this shard's table."""
+        """Snapshot of this shard's table and of the calls it served."""
         self._table.expire()
-        return self._table.stats()
+        served = self.meter.snapshot()
+        return dataclasses.replace(
+            self._table.stats(),
+            calls_by_op=served.by_op,
+            calls=served.calls,
+            call_cpu_ms=served.cpu_ms,
+        )
 
     def leaks(self) -> list[LeakRecord]:
         """Leases still held on this shard."""
