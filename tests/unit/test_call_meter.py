@@ -17,7 +17,7 @@ def test_a_meter_counts_calls_per_operation_even_when_they_raise() -> None:
     meter = CallMeter()
     with meter.served("lease_many"):
         sum(range(10_000))
-    with pytest.raises(ValueError), meter.served("release_many"):
+    with pytest.raises(ValueError, match="served too"), meter.served("release_many"):
         raise ValueError("refused calls were served too")
     with meter.served("lease_many"):
         pass
