@@ -2,9 +2,10 @@
 
 ``FaultyBackend`` wraps the real backend (the very same shards and lease tables run)
 and answers ``RoutesLost`` where a dead shard would: releasing a chosen lease id, or
-any lease granted to a chosen holder, and cloning a chosen lease id. Every other call,
-and the healthy part of a batched call, goes to the real shards, so the test sees
-exactly what the store holds. ``heal()`` brings the "shard" back.
+any lease granted to a chosen holder, and cloning a chosen lease id. A batched call
+(``release_many``, ``clone_many``) naming one of them reached the dead shard: none of it
+happens. Every other call goes to the real shards, so the test sees exactly what the
+store holds. ``heal()`` brings the "shard" back.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from routeplay.store.backend import LocalBackend, Settled, settled_answers
 from routeplay.store.flow import Flow, Wait
 from routeplay.store.lease import Lease
 from routeplay.store.shard import Grant
-from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
+from routeplay.store.shard_api import ShardApi, ShardCall
 
 __all__ = ["FaultyBackend", "faulty_store"]
 
@@ -70,14 +71,15 @@ class FaultyBackend:
             return Settled(error=RoutesLost("the shard holding the lease died", where=args[0]))
         if _is(call, ShardApi.release_many):
             lost = [lid for lid in args[0] if lid in self.dead]
-            if lost:
+            if lost:  # the call reached a dead shard: none of its releases happened
                 self.failed_releases += len(lost)
-                healthy = [lid for lid in args[0] if lid not in self.dead]
-                self.inner.send([shard_call(call.shard, ShardApi.release_many, healthy)])
                 error = RoutesLost("the shard holding the lease died", where=f"lease {lost[0]}")
                 return Settled(error=error)
         if _is(call, ShardApi.clone) and args[0] in self.unclonable:
             return Settled(error=RoutesLost("the shard holding the lease died", where=args[0]))
+        if _is(call, ShardApi.clone_many) and any(lid in self.unclonable for lid in args[0]):
+            lost = next(lid for lid in args[0] if lid in self.unclonable)
+            return Settled(error=RoutesLost("the shard holding the lease died", where=lost))
         [settled] = self.inner.send([call])
         self._note_dead_grants(call, settled.value)
         return settled
@@ -87,6 +89,8 @@ class FaultyBackend:
         granting = _is(call, ShardApi.acquire) or _is(call, ShardApi.clone)
         if granting and args[1] in self.dead_holders and isinstance(result, str):
             self.dead.add(result)
+        if _is(call, ShardApi.clone_many) and args[1] in self.dead_holders:
+            self.dead.update(result or ())
         if _is(call, ShardApi.lease_many) and isinstance(result, Grant):  # (ids, holder)s
             for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
                 if holder in self.dead_holders:

@@ -5,11 +5,13 @@ type embeds it and becomes a ``RoutedSample``), ``RolloutState`` (routeplay's ow
 sample), engine adapters (``ADAPTERS``, ``stitch`` for partial rollouts), the sample
 lifecycle steps for ``RolloutState`` (``continuation``, ``Continuation``,
 ``store_turn``, ``ingest_group``; ``ingest_routing_group`` writes a GRPO group's answers
-for any sample type), the per-session token-trie ``TraceStore`` (served by the
-``TraceStoreActor`` and called through ``TraceStoreClient``), the ``ReplayBuffer`` with
-staleness retries, the ``TrainingBatch`` hand-off and the ``SessionLedger`` (a session
-lives while one of its samples waits): the containers hold any ``RoutedSample``. Every
-holder releases only its own lease; nothing here ever guesses who owns routing.
+for any sample type and ``finish_all`` leases them, one call per store shard for the
+group), the per-session token-trie ``TraceStore`` (served by the ``TraceStoreActor`` and
+called through ``TraceStoreClient``), the ``ReplayBuffer`` with staleness retries, the
+``TrainingBatch`` hand-off and the ``SessionLedger`` (a session lives while one of its
+samples waits): the containers hold any ``RoutedSample`` and move a group's or a batch's
+leases with one call per shard (``routing_groups``). Every holder releases only its own
+lease; nothing here ever guesses who owns routing.
 
 Names are resolved on first use (PEP 562): everything but the trace-store actor, its
 config and its client is plain Python and imports without Ray.
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         store_turn,
     )
     from routeplay.rollout.routing_continuation import RoutingContinuation
+    from routeplay.rollout.routing_groups import afinish_all, finish_all
     from routeplay.rollout.routing_record import RoutingRecord, record_routings
     from routeplay.rollout.routing_terms import StalenessBasis
     from routeplay.rollout.sample_routing import Expiry, RoutedSample, SampleRouting
@@ -112,9 +115,11 @@ _HOME = {
     "TraceStoreConfig": "trace_actor",
     "TraceStoreStats": "trace_store",
     "TrainingBatch": "batch",
+    "afinish_all": "routing_groups",
     "aingest_routing_group": "group_ingest",
     "borrow_prefix": "lifecycle",
     "continuation": "lifecycle",
+    "finish_all": "routing_groups",
     "ingest_group": "lifecycle",
     "ingest_routing_group": "group_ingest",
     "load_buffer": "state_checkpoint",
@@ -164,9 +169,11 @@ __all__ = [
     "TraceStoreConfig",
     "TraceStoreStats",
     "TrainingBatch",
+    "afinish_all",
     "aingest_routing_group",
     "borrow_prefix",
     "continuation",
+    "finish_all",
     "ingest_group",
     "ingest_routing_group",
     "load_buffer",

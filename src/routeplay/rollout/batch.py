@@ -13,10 +13,11 @@ then tells its trace sessions. With ``sessions`` (a ``SessionLedger``) each samp
 *done*, and a session is released only when its last waiting sample is; with
 ``release_session`` every session the samples consumed is released at once (right only
 when no other waiting sample shares one). The samples are any ``RoutedSample``: the
-take-over is the two halves of ``SampleRouting.take_over`` (``claim`` for every sample,
-then ``hand_over``), the release its ``discard``. Each release runs even if an earlier one
-fails; the first failure is raised after all of them ran, and the samples whose release
-failed stay in ``release_failed()`` (the next ``close()`` retries them).
+take-over is ``take_over_all`` (``routeplay.rollout.routing_groups``: ``claim`` for every
+sample, then ``hand_over``, one call per store shard each), the release ``discard_all``.
+Every release is attempted even if another fails; the first failure is raised after
+all of them ran, and the samples whose release failed stay in ``release_failed()`` (the
+next ``close()`` retries them).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from types import TracebackType
 from typing import Generic
 
 from routeplay.errors import MisuseError
-from routeplay.rollout.buffer import Group, S, release_samples
-from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
+from routeplay.rollout.buffer import Group, S, _taken_over, release_samples
+from routeplay.rollout.releasing import attempt_each, raise_first
 from routeplay.rollout.sessions import SessionLedger
-from routeplay.store.lease import Lease
 
 __all__ = ["TrainingBatch"]
 
@@ -73,22 +73,10 @@ class TrainingBatch(Generic[S]):
         self._closed = False
 
     def _take_all(self, states: Sequence[S]) -> tuple[S, ...]:
-        """Clone every live lease for the batch, then end the originals."""
-        clones: list[Lease | None] = []
-        try:
-            for state in states:
-                clones.append(state.sample_routing.claim(self.holder))
-        except BaseException as exc:  # nothing moved: the caller keeps every lease
-            made = [clone for clone in clones if clone is not None]
-            undo = attempt_each(made, Lease.release)
-            attach_notes(exc, [e for _, e in undo], f"rolling back batch {self.step}")
-            raise
-        return tuple(
-            state
-            if clone is None
-            else state.with_sample_routing(state.sample_routing.hand_over(clone))
-            for state, clone in zip(states, clones, strict=True)
-        )
+        """Clone every live lease for the batch (one call per shard, all or none: on a
+        failure nothing moved and the caller keeps every lease), then end the originals
+        (one call per shard)."""
+        return _taken_over(states, self.holder, None)
 
     def close(self) -> None:
         """Release the batch's leases, then its sessions (idempotent once all released;

@@ -38,11 +38,16 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from routeplay.errors import MisuseError
-from routeplay.rollout.releasing import attach_notes, attempt_each, raise_first
+from routeplay.rollout.releasing import raise_first
+from routeplay.rollout.routing_groups import (
+    ManyLeaseSource,
+    discard_all,
+    expire_all,
+    take_over_all,
+)
 from routeplay.rollout.routing_terms import StalenessBasis
 from routeplay.rollout.sample_routing import RoutedSample
 from routeplay.rollout.sessions import SessionLedger
-from routeplay.store.lease import Lease
 
 if TYPE_CHECKING:  # the client loads Ray; the buffer only calls it
     from routeplay.store.client import RouteStore
@@ -60,16 +65,18 @@ S = TypeVar("S", bound=RoutedSample)
 
 
 def release_samples(samples: Iterable[S]) -> tuple[list[S], list[Exception]]:
-    """``discard`` every sample's routing (all attempted); returns the samples whose
-    release failed, released (their live leases in ``unreleased``), and the errors.
+    """``discard`` every sample's routing (all attempted, one call per store shard for
+    all of them: ``discard_all``); returns the samples whose release failed, released
+    (their live leases in ``unreleased``), and the errors.
 
     Example:
         >>> failed, errors = release_samples(group.states)  # doctest: +SKIP
     """
+    samples = list(samples)
     failed: list[S] = []
     errors: list[Exception] = []
-    for sample in samples:
-        after, error = sample.sample_routing.discard()
+    outcomes = discard_all([sample.sample_routing for sample in samples])
+    for sample, (after, error) in zip(samples, outcomes, strict=True):
         if error is not None:
             failed.append(sample.with_sample_routing(after))
             errors.append(error)
@@ -174,19 +181,13 @@ class ReplayBuffer(Generic[S]):
         return f"buffer/{group_id}"
 
     def add(self, group_id: str, states: Sequence[S]) -> None:
-        """Take over the samples: each sample's lease moves to the buffer (no data moves)."""
+        """Take over the samples: each sample's lease moves to the buffer (no data moves),
+        the whole group with two calls per store shard (``take_over_all``): the buffer's
+        leases first, all or none, then the callers' end (a failed end rides in that
+        sample's ``unreleased``)."""
         if group_id in self._groups:
             raise MisuseError("group already in the buffer", where=f"group {group_id}")
-        holder = self.holder(group_id)
-        claims: list[Lease | None] = []
-        try:  # all or nothing: the buffer's leases first, the callers' end only on success
-            for state in states:
-                claims.append(self._claim(state, holder))
-        except BaseException as exc:
-            rollback = attempt_each([c for c in claims if c is not None], Lease.release)
-            attach_notes(exc, [e for _, e in rollback], "rolling back the buffer's leases")
-            raise
-        taken = tuple(self._move(state, lease) for state, lease in zip(states, claims, strict=True))
+        taken = _taken_over(states, self.holder(group_id), self.store)
         self._groups[group_id] = Group(group_id=group_id, states=taken, added=self._counts.order)
         self._counts.order += 1
 
@@ -196,15 +197,16 @@ class ReplayBuffer(Generic[S]):
         Every stale group is handled even if a release fails; the first failure is then
         raised (the retried and discarded samples are queued and counted all the same).
         """
-        retried, discarded, errors = [], [], []
+        retried: list[str] = []
+        discarded: list[str] = []
+        errors: list[Exception] = []
         for group in list(self._groups.values()):
             if group.staleness(current_version, self.config.staleness) <= self.config.max_staleness:
                 continue
             del self._groups[group.group_id]
             if all(s.sample_routing.retries < self.config.max_retries for s in group.states):
-                for state in group.states:
-                    errors.extend(self._retry(state))
-                    retried.append(state.sample_routing.sample_id)
+                errors.extend(self._retry(group.states))
+                retried.extend(state.sample_routing.sample_id for state in group.states)
             else:
                 errors.extend(self._end(group.states))
                 discarded.append(group.group_id)
@@ -311,21 +313,6 @@ class ReplayBuffer(Generic[S]):
     def __len__(self) -> int:
         return len(self._groups)
 
-    def _claim(self, state: S, holder: str) -> Lease | None:
-        """The buffer's own lease on the sample's routing (a clone of the caller's)."""
-        return state.sample_routing.claim(holder, self.store)
-
-    @staticmethod
-    def _move(state: S, lease: Lease | None) -> S:
-        """Finish the transfer: the caller's lease ends, the buffer's takes its place. A
-        caller's lease whose release fails rides along in ``unreleased`` (the group is in
-        the buffer either way; the buffer retries it when it releases the sample)."""
-        return (
-            state
-            if lease is None
-            else state.with_sample_routing(state.sample_routing.hand_over(lease))
-        )
-
     def _end(self, states: Iterable[S], *, done: bool = True) -> list[Exception]:
         """Release each sample; keep the ones that failed; tell the session ledger."""
         states = list(states)
@@ -338,13 +325,18 @@ class ReplayBuffer(Generic[S]):
                 errors.append(exc)
         return errors
 
-    def _retry(self, state: S) -> list[Exception]:
-        """Queue a stale sample for regeneration; a stuck lease stays with the buffer."""
-        retry, stuck, error = state.sample_routing.expire_retryably()
-        if stuck is not None:
-            self._counts.release_failed.append(state.with_sample_routing(stuck))
-        self._counts.retry_queue.append(state.reset_for_retry(retry))
-        return [] if error is None else [error]
+    def _retry(self, states: Sequence[S]) -> list[Exception]:
+        """Queue a stale group's samples for regeneration (their releases in one call
+        per shard); a stuck lease stays with the buffer."""
+        errors: list[Exception] = []
+        expiries = expire_all([state.sample_routing for state in states])
+        for state, (retry, stuck, error) in zip(states, expiries, strict=True):
+            if stuck is not None:
+                self._counts.release_failed.append(state.with_sample_routing(stuck))
+            self._counts.retry_queue.append(state.reset_for_retry(retry))
+            if error is not None:
+                errors.append(error)
+        return errors
 
     def _everything(self) -> Iterable[S]:
         for group in self._groups.values():
@@ -356,3 +348,13 @@ class ReplayBuffer(Generic[S]):
         if self.config.policy is SamplingPolicy.STALENESS_FIRST:
             return (-group.staleness(current_version, self.config.staleness), group.added)
         return (0, group.added)
+
+
+def _taken_over(states: Sequence[S], holder: str, store: ManyLeaseSource | None) -> tuple[S, ...]:
+    """The samples with ``holder``'s leases in place of their own (``take_over_all``); a
+    sample with nothing to claim is kept as it is."""
+    routings = take_over_all([state.sample_routing for state in states], holder, store)
+    return tuple(
+        state if routing is state.sample_routing else state.with_sample_routing(routing)
+        for state, routing in zip(states, routings, strict=True)
+    )

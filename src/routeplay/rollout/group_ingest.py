@@ -115,12 +115,14 @@ def ingest_routing_group(
     continue its history, or whose key is refused (metadata, rows, run, consumed,
     expired), is set aside with its error; the others are written together.
 
-    Ownership: the handles hold no lease yet; finish each member (a set-aside member's
+    Ownership: the handles hold no lease yet; finish the members together with
+    ``finish_all`` (one call per store shard for the group; a set-aside member's
     continuation is for the caller to abandon).
 
     Example:
         >>> out = ingest_routing_group(conts, answers, writer=w, weight_version=3)  # doctest: +SKIP
-        >>> routed = [c.finish(store, h) for c, h in zip(conts, out) if isinstance(h, Handle)]
+        >>> kept = [(c, h) for c, h in zip(conts, out) if isinstance(h, Handle)]
+        >>> routed = finish_all([c for c, _ in kept], store, [h for _, h in kept])
     """
     return run_step(_group_step(conts, routings, writer, weight_version, spec))
 

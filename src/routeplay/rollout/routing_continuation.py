@@ -175,6 +175,18 @@ class RoutingContinuation:
             after, _ = yield from dataclasses.replace(after, lease=self.borrowed)._try_release()
         return after.attach(handle, lease, self.origin)
 
+    def finishing(self) -> tuple[SampleRouting, Lease | None, Origin]:
+        """Close this continuation for a finish made elsewhere, many at once
+        (``routeplay.rollout.routing_groups.finish_all``): its routing, the borrowed lease
+        the finish must end, and the origin of the routing it finishes with.
+
+        Example:
+            >>> routing, borrowed, origin = cont.finishing()  # doctest: +SKIP
+        """
+        self.check_open("finish")
+        self._done = True
+        return self.routing, self.borrowed, self.origin
+
     def abandon(self) -> None:
         """End the borrowed lease without finishing (idempotent; the input's own lease
         stays with the caller).

@@ -196,6 +196,77 @@ class LeasingStore(StoreCore):
         )
         return moved
 
+    def clone_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> list[dict[int, str]]:
+        """A new lease of ``holder`` for each lease (its parts), one call per shard for
+        all of them, all or none; returns the new parts in order. ``Lease.clone_all``
+        calls it (a group or a batch taken over at once)."""
+        return self.drive(self._clone_leases(leases, holder))
+
+    async def aclone_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> list[dict[int, str]]:
+        """Awaitable ``clone_leases`` (``Lease.aclone_all``; cancelled: every clone is
+        revoked as it lands)."""
+        return await self.adrive(self._clone_leases(leases, holder))
+
+    def _clone_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> Flow[list[dict[int, str]]]:
+        by_shard = _by_shard(leases)
+        shards = sorted(by_shard)
+        calls = [
+            shard_call(i, ShardApi.clone_many, [lid for _, lid in by_shard[i]], holder)
+            for i in shards
+        ]
+        granted = yield from self._grant_all(calls, f"clone {len(leases)} leases for {holder}")
+        parts: list[dict[int, str]] = [{} for _ in leases]
+        for shard, clones in zip(shards, granted, strict=True):
+            for (at, _), clone in zip(by_shard[shard], clones, strict=True):
+                parts[at][shard] = clone
+        return parts
+
+    def release_leases(self, leases: Sequence[Mapping[int, str]]) -> list[BaseException | None]:
+        """End many leases (their parts), one call per shard, waited for: per lease,
+        None once every part ended, or the error of a shard that failed (the lease may
+        still be held there: a retry may end it). ``Lease.release_each`` calls it, for
+        holders that must know which releases failed (a buffer's, a batch's samples)."""
+        return self.drive(self._release_leases(leases))
+
+    async def arelease_leases(
+        self, leases: Sequence[Mapping[int, str]]
+    ) -> list[BaseException | None]:
+        """Awaitable ``release_leases`` (cancelled: the releases still land, tracked)."""
+        return await self.adrive(self._release_leases(leases))
+
+    def _release_leases(
+        self, leases: Sequence[Mapping[int, str]]
+    ) -> Flow[list[BaseException | None]]:
+        by_shard = _by_shard(leases)
+        shards = sorted(by_shard)
+        calls = [
+            shard_call(i, ShardApi.release_many, [lid for _, lid in by_shard[i]]) for i in shards
+        ]
+        answers = yield from self._calls(calls, f"end {len(leases)} leases", each=True, ends=True)
+        # A failed shard call says only that its shard failed: each of its leases is then
+        # released on its own, so exactly the leases still live are reported (a healthy
+        # step never takes this path; a dead shard fails each of them again).
+        retry = [
+            (at, shard, lease_id)
+            for shard, answer in zip(shards, answers, strict=True)
+            if isinstance(answer, BaseException)
+            for at, lease_id in by_shard[shard]
+        ]
+        out: list[BaseException | None] = [None] * len(leases)
+        if retry:
+            singles = [shard_call(shard, ShardApi.release, lid) for _, shard, lid in retry]
+            again = yield from self._calls(singles, "end leases one by one", each=True, ends=True)
+            for (at, _, _), answer in zip(retry, again, strict=True):
+                if isinstance(answer, BaseException):
+                    out[at] = out[at] or answer
+        return out
+
     def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
         """Count one more local lease on block references pinned here (a clone's);
         returns the payloads that were pinned."""
@@ -231,7 +302,18 @@ class LeasingStore(StoreCore):
 
 
 def _lease_ids(result: Any) -> list[str]:
-    return list(result.lease_ids) if isinstance(result, Grant) else [result]
+    if isinstance(result, Grant):
+        return list(result.lease_ids)
+    return list(result) if isinstance(result, list) else [result]  # clone_many's, clone's
+
+
+def _by_shard(leases: Sequence[Mapping[int, str]]) -> dict[int, list[tuple[int, str]]]:
+    """Each shard's ``(position, lease id)`` parts of many leases, in order."""
+    by_shard: dict[int, list[tuple[int, str]]] = {}
+    for at, parts in enumerate(leases):
+        for shard, lease_id in parts.items():
+            by_shard.setdefault(shard, []).append((at, lease_id))
+    return by_shard
 
 
 def lease_shard(item: str | LeakRecord, run: str, shards: int) -> tuple[int, str]:

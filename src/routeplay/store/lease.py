@@ -70,6 +70,28 @@ class LeaseOwner(Protocol):
         """Move a lease to ``holder`` (the payloads never reach zero leases)."""
         ...
 
+    def clone_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> list[dict[int, str]]:
+        """A new lease of ``holder`` for each lease, one call per shard, all or none."""
+        ...
+
+    def release_leases(self, leases: Sequence[Mapping[int, str]]) -> list[BaseException | None]:
+        """End many leases, one call per shard, waited for: per lease None or the error."""
+        ...
+
+    async def aclone_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> list[dict[int, str]]:
+        """Awaitable ``clone_leases``."""
+        ...
+
+    async def arelease_leases(
+        self, leases: Sequence[Mapping[int, str]]
+    ) -> list[BaseException | None]:
+        """Awaitable ``release_leases``."""
+        ...
+
     async def arelease_lease(self, parts: Mapping[int, str]) -> None:
         """Awaitable ``release_lease``."""
         ...
@@ -193,6 +215,73 @@ class Lease:
         for store, group in by_store.values():
             store.release_many(group)
 
+    @staticmethod
+    def clone_all(leases: Sequence[Lease], holder: str) -> list[Lease]:
+        """A new lease of ``holder`` for each lease (one call per shard of each store,
+        all or none: a failure leaves no clone behind); these stay valid.
+
+        Example:
+            mine = Lease.clone_all(group_leases, "buffer/g-7")
+        """
+        out: list[Lease | None] = [None] * len(leases)
+        try:
+            for store, group in _by_store(leases, "clone"):
+                parts = store.clone_leases([lease._parts for _, lease in group], holder)
+                for (at, lease), cloned in zip(group, parts, strict=True):
+                    out[at] = lease._cloned(holder, cloned)
+        except BaseException:  # another store's clones exist already: end them (all or none)
+            Lease.release_each([lease for lease in out if lease is not None])
+            raise
+        return [lease for lease in out if lease is not None]
+
+    @staticmethod
+    async def aclone_all(leases: Sequence[Lease], holder: str) -> list[Lease]:
+        """Awaitable ``clone_all``.
+
+        Example:
+            mine = await Lease.aclone_all(group_leases, "buffer/g-7")
+        """
+        out: list[Lease | None] = [None] * len(leases)
+        try:
+            for store, group in _by_store(leases, "clone"):
+                parts = await store.aclone_leases([lease._parts for _, lease in group], holder)
+                for (at, lease), cloned in zip(group, parts, strict=True):
+                    out[at] = lease._cloned(holder, cloned)
+        except BaseException:  # another store's clones exist already: end them (all or none)
+            await Lease.arelease_each([lease for lease in out if lease is not None])
+            raise
+        return [lease for lease in out if lease is not None]
+
+    @staticmethod
+    def release_each(leases: Sequence[Lease]) -> list[BaseException | None]:
+        """Release many leases (one call per shard of each store), waited for: per lease
+        None, or the error that left it live (it stays unmarked: releasing it again is a
+        retry). Released leases are skipped.
+
+        Example:
+            failures = Lease.release_each(batch_leases)
+        """
+        out: list[BaseException | None] = [None] * len(leases)
+        live = [lease for lease in leases if not lease._released]
+        for store, group in _by_store(live, None):
+            errors = store.release_leases([lease._parts for _, lease in group])
+            _settled_releases(group, errors, out, leases)
+        return out
+
+    @staticmethod
+    async def arelease_each(leases: Sequence[Lease]) -> list[BaseException | None]:
+        """Awaitable ``release_each``.
+
+        Example:
+            failures = await Lease.arelease_each(batch_leases)
+        """
+        out: list[BaseException | None] = [None] * len(leases)
+        live = [lease for lease in leases if not lease._released]
+        for store, group in _by_store(live, None):
+            errors = await store.arelease_leases([lease._parts for _, lease in group])
+            _settled_releases(group, errors, out, leases)
+        return out
+
     def clone(self, holder: str) -> Lease:
         """A new lease over the same payloads for ``holder``; this one stays valid."""
         self._check_live("clone")
@@ -268,6 +357,35 @@ class Lease:
                 where=f"holder {self.holder}",
                 hint="Clone or transfer before releasing.",
             )
+
+
+def _by_store(
+    leases: Sequence[Lease], action: str | None
+) -> list[tuple[LeaseOwner, list[tuple[int, Lease]]]]:
+    """Leases grouped by the client that granted them, with their positions; ``action``
+    (e.g. "clone") refuses a released one first."""
+    by_store: dict[int, tuple[LeaseOwner, list[tuple[int, Lease]]]] = {}
+    for at, lease in enumerate(leases):
+        if action is not None:
+            lease._check_live(action)
+        by_store.setdefault(id(lease._store), (lease._store, []))[1].append((at, lease))
+    return list(by_store.values())
+
+
+def _settled_releases(
+    group: Sequence[tuple[int, Lease]],
+    errors: Sequence[BaseException | None],
+    out: list[BaseException | None],
+    leases: Sequence[Lease],
+) -> None:
+    """Mark the released leases of ``group`` (positions into the live list); put each
+    failure at its lease's position in ``leases``."""
+    position = {id(lease): at for at, lease in enumerate(leases)}
+    for (_, lease), error in zip(group, errors, strict=True):
+        if error is None:
+            lease.mark_released()
+        else:
+            out[position[id(lease)]] = error
 
 
 def _restored(

@@ -208,6 +208,19 @@ class StoreShard:
         """Another lease over the same payloads."""
         return self._table.clone(lease_id, holder)
 
+    def clone_many(self, lease_ids: Sequence[str], holder: str) -> list[str]:
+        """Another lease of ``holder`` over the payloads of each lease, all or none (a
+        group or a batch taken over in one call)."""
+        cloned: list[str] = []
+        try:
+            for lease_id in lease_ids:
+                cloned.append(self._table.clone(lease_id, holder))
+        except BaseException:
+            for lease_id in cloned:
+                self._table.revoke(lease_id)
+            raise
+        return cloned
+
     def transfer(self, lease_id: str, holder: str) -> str:
         """Move a lease to another holder without the payloads ever reaching zero leases."""
         return self._table.transfer(lease_id, holder)

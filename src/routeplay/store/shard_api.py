@@ -106,6 +106,10 @@ class ShardApi(Protocol):
         """Another lease over the same payloads."""
         ...
 
+    def clone_many(self, lease_ids: list[str], holder: str) -> list[str]:
+        """Another lease of ``holder`` over each lease's payloads, all or none."""
+        ...
+
     def transfer(self, lease_id: str, holder: str) -> str:
         """Move a lease to another holder (the payloads never reach zero leases)."""
         ...

@@ -1,0 +1,345 @@
+"""Lifecycle steps over many samples at once: one store call per shard, not per sample.
+
+A step moves thousands of samples: a GRPO group enters the replay buffer, a batch takes
+the sampled groups over, the batch ends them. ``SampleRouting``'s own steps make one
+waited call per sample and lease (``claim`` is a clone, ``hand_over`` a release); these
+make the same moves for a whole group or batch with one call per store shard:
+
+    step                          does, in this order                     on failure
+    ----------------------------  --------------------------------------  --------------------
+    claim_all(rs, holder, store)  clone every live lease (one call per    nothing claimed (a
+                                  shard), acquire the leaseless handles   failure ends the
+                                  (``acquire_many``)                       clones made)
+    hand_over_all(rs, leases)     release every own + unreleased lease    a failed lease rides
+                                  (one waited call per shard), hold the   in its sample's
+                                  new ones                                ``unreleased``
+    take_over_all(rs, h, store)   claim_all, then hand_over_all           claim fails: unchanged
+    finish_all(conts, store, hs)  acquire every ``rollout/<id>`` lease,    acquire fails: the
+                                  then end every replaced own lease and   borrowed leases end,
+                                  every borrowed lease (one call each     the own stay
+                                  per shard)
+    discard_all(rs)               release every lease each names          stuck ones ride along
+    expire_all(rs)                discard_all, then reset (a retry)       ``Expiry`` per sample
+
+The order inside each is ``SampleRouting``'s: a new lease exists before the one it
+replaces ends, so rows shared by the two never reach zero leases. A shard that fails a
+batched release fails every lease it held: each such lease stays live, named in its
+sample's ``unreleased`` (retried by the next release), exactly as a per-sample release
+failing would leave it. Each step is a step generator (``routeplay.rollout.steps``) with
+a blocking and an awaitable face (the ``a``-prefixed twins), as ``SampleRouting``'s.
+
+Example:
+    >>> routings = [s.sample_routing for s in group]
+    >>> taken = take_over_all(routings, "buffer/g", store)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+from routeplay.core.handle import Handle
+from routeplay.rollout.releasing import first_error
+from routeplay.rollout.routing_continuation import RoutingContinuation
+from routeplay.rollout.routing_terms import sample_holder
+from routeplay.rollout.sample_routing import Expiry, SampleRouting
+from routeplay.rollout.steps import Call, Step, arun_step, run_step
+from routeplay.store.lease import Lease
+
+__all__ = [
+    "AsyncManyLeaseSource",
+    "ManyLeaseSource",
+    "aclaim_all",
+    "adiscard_all",
+    "aexpire_all",
+    "afinish_all",
+    "ahand_over_all",
+    "atake_over_all",
+    "claim_all",
+    "discard_all",
+    "expire_all",
+    "finish_all",
+    "hand_over_all",
+    "take_over_all",
+]
+
+
+class ManyLeaseSource(Protocol):
+    """What ``claim_all`` needs for samples without a live lease: ``acquire_many``."""
+
+    def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]: ...
+
+
+class AsyncManyLeaseSource(Protocol):
+    """What ``aclaim_all`` needs: ``RouteStore.aacquire_many``."""
+
+    async def aacquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]: ...
+
+
+Source = ManyLeaseSource | AsyncManyLeaseSource
+
+
+def claim_all(
+    routings: Sequence[SampleRouting], holder: str, store: ManyLeaseSource | None = None
+) -> list[Lease | None]:
+    """``claim`` for every sample: per sample the new lease of ``holder`` (None for one
+    with neither a live lease nor, without ``store``, a handle), all or none.
+
+    Example:
+        >>> mine = claim_all([s.sample_routing for s in group], "buffer/g", store)  # doctest: +SKIP
+    """
+    return run_step(_claim_all(routings, holder, store))
+
+
+async def aclaim_all(
+    routings: Sequence[SampleRouting], holder: str, store: AsyncManyLeaseSource | None = None
+) -> list[Lease | None]:
+    """Awaitable ``claim_all``.
+
+    Example:
+        >>> mine = await aclaim_all(routings, "buffer/g", store)  # doctest: +SKIP
+    """
+    return await arun_step(_claim_all(routings, holder, store))
+
+
+def hand_over_all(
+    routings: Sequence[SampleRouting], leases: Sequence[Lease | None]
+) -> list[SampleRouting]:
+    """``hand_over`` for every sample: its own (and unreleased) leases end, the new one
+    (from ``claim_all``) takes its place; a sample given None is left as it is.
+
+    Example:
+        >>> routings = hand_over_all(routings, mine)  # doctest: +SKIP
+    """
+    return run_step(_hand_over_all(routings, leases))
+
+
+async def ahand_over_all(
+    routings: Sequence[SampleRouting], leases: Sequence[Lease | None]
+) -> list[SampleRouting]:
+    """Awaitable ``hand_over_all``.
+
+    Example:
+        >>> routings = await ahand_over_all(routings, mine)  # doctest: +SKIP
+    """
+    return await arun_step(_hand_over_all(routings, leases))
+
+
+def take_over_all(
+    routings: Sequence[SampleRouting], holder: str, store: ManyLeaseSource | None = None
+) -> list[SampleRouting]:
+    """``holder`` takes every sample over: its leases first (all or none), then the old
+    ones end (two calls per shard for the whole group).
+
+    Example:
+        >>> routings = take_over_all(routings, "train/step-3")  # doctest: +SKIP
+    """
+    return run_step(_take_over_all(routings, holder, store))
+
+
+async def atake_over_all(
+    routings: Sequence[SampleRouting], holder: str, store: AsyncManyLeaseSource | None = None
+) -> list[SampleRouting]:
+    """Awaitable ``take_over_all``.
+
+    Example:
+        >>> routings = await atake_over_all(routings, "train/step-3")  # doctest: +SKIP
+    """
+    return await arun_step(_take_over_all(routings, holder, store))
+
+
+def discard_all(
+    routings: Sequence[SampleRouting],
+) -> list[tuple[SampleRouting, Exception | None]]:
+    """``discard`` for every sample: per sample its next value (no own lease; leases
+    whose release failed in ``unreleased``) and its first error, or None.
+
+    Example:
+        >>> outcomes = discard_all([s.sample_routing for s in batch.states])  # doctest: +SKIP
+    """
+    return run_step(_discard_all(routings))
+
+
+async def adiscard_all(
+    routings: Sequence[SampleRouting],
+) -> list[tuple[SampleRouting, Exception | None]]:
+    """Awaitable ``discard_all``.
+
+    Example:
+        >>> outcomes = await adiscard_all(routings)  # doctest: +SKIP
+    """
+    return await arun_step(_discard_all(routings))
+
+
+def finish_all(
+    conts: Sequence[RoutingContinuation], store: ManyLeaseSource, handles: Sequence[Handle]
+) -> list[SampleRouting]:
+    """``finish`` for many continuations (a group after ``ingest_routing_group``): every
+    new lease (``rollout/<id>``) in one ``acquire_many``, then every replaced own lease
+    and every borrowed lease ended in one call per shard. If the new leases cannot be
+    taken, the borrowed leases end and the inputs' own leases are left to the caller.
+
+    Example:
+        >>> out = ingest_routing_group(conts, answers, writer=store,  # doctest: +SKIP
+        ...                            weight_version=3)
+        >>> routings = finish_all(conts, store, out)  # doctest: +SKIP
+    """
+    return run_step(_finish_all(conts, store, handles))
+
+
+async def afinish_all(
+    conts: Sequence[RoutingContinuation],
+    store: AsyncManyLeaseSource,
+    handles: Sequence[Handle],
+) -> list[SampleRouting]:
+    """Awaitable ``finish_all``.
+
+    Example:
+        >>> routings = await afinish_all(conts, store, handles)  # doctest: +SKIP
+    """
+    return await arun_step(_finish_all(conts, store, handles))
+
+
+def expire_all(routings: Sequence[SampleRouting]) -> list[Expiry]:
+    """``expire_retryably`` for every sample (stale samples back for regeneration).
+
+    Example:
+        >>> expiries = expire_all(routings)  # doctest: +SKIP
+    """
+    return run_step(_expire_all(routings))
+
+
+async def aexpire_all(routings: Sequence[SampleRouting]) -> list[Expiry]:
+    """Awaitable ``expire_all``.
+
+    Example:
+        >>> expiries = await aexpire_all(routings)  # doctest: +SKIP
+    """
+    return await arun_step(_expire_all(routings))
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+def _claim_all(
+    routings: Sequence[SampleRouting], holder: str, store: Source | None
+) -> Step[list[Lease | None]]:
+    out: list[Lease | None] = [None] * len(routings)
+    live = [i for i, r in enumerate(routings) if r.lease is not None and not r.lease.released]
+    bare = [
+        i
+        for i, r in enumerate(routings)
+        if i not in set(live) and r.handle is not None and store is not None
+    ]
+    if live:
+        leases = [cast(Lease, routings[i].lease) for i in live]
+        clones: list[Lease] = yield Call(
+            lambda: Lease.clone_all(leases, holder), lambda: Lease.aclone_all(leases, holder)
+        )
+        for i, clone in zip(live, clones, strict=True):
+            out[i] = clone
+    if bare:
+        items = [(cast(Handle, routings[i].handle), holder) for i in bare]
+        try:
+            acquired: list[Lease] = yield _acquiring_many(cast(Source, store), items)
+        except BaseException:  # nothing claimed: end the clones already made
+            made = [lease for lease in out if lease is not None]
+            yield Call(lambda: Lease.release_each(made), lambda: Lease.arelease_each(made))
+            raise
+        for i, lease in zip(bare, acquired, strict=True):
+            out[i] = lease
+    return out
+
+
+def _hand_over_all(
+    routings: Sequence[SampleRouting], leases: Sequence[Lease | None]
+) -> Step[list[SampleRouting]]:
+    moving = [i for i, lease in enumerate(leases) if lease is not None]
+    released = yield from _released([routings[i] for i in moving])
+    out = list(routings)
+    for i, (after, _) in zip(moving, released, strict=True):
+        out[i] = dataclasses.replace(after, lease=leases[i])
+    return out
+
+
+def _take_over_all(
+    routings: Sequence[SampleRouting], holder: str, store: Source | None
+) -> Step[list[SampleRouting]]:
+    leases = yield from _claim_all(routings, holder, store)
+    return (yield from _hand_over_all(routings, leases))
+
+
+def _discard_all(
+    routings: Sequence[SampleRouting],
+) -> Step[list[tuple[SampleRouting, Exception | None]]]:
+    return (yield from _released(routings))
+
+
+def _expire_all(routings: Sequence[SampleRouting]) -> Step[list[Expiry]]:
+    released = yield from _released(routings)
+    out: list[Expiry] = []
+    for after, error in released:
+        if error is None:
+            out.append(Expiry(retry=after.reset(), stuck=None, error=None))
+        else:
+            clean, _ = after.take_unreleased()
+            out.append(Expiry(retry=clean.reset(), stuck=after, error=error))
+    return out
+
+
+def _finish_all(
+    conts: Sequence[RoutingContinuation], store: Source, handles: Sequence[Handle]
+) -> Step[list[SampleRouting]]:
+    closing = [cont.finishing() for cont in conts]
+    borrowed = [lease for _, lease, _ in closing if lease is not None]
+    items = [(handle, sample_holder(r.sample_id)) for (r, _, _), handle in
+             zip(closing, handles, strict=True)]  # fmt: skip
+    try:
+        leases: list[Lease] = yield _acquiring_many(store, items)
+    except BaseException:  # nothing taken: the borrowed leases end, the own stay
+        yield Call(lambda: Lease.release_each(borrowed), lambda: Lease.arelease_each(borrowed))
+        raise
+    # The replaced own leases and the borrowed ones end together (a failure rides along
+    # in that sample's ``unreleased``): the borrowed lease counts as one more own lease.
+    routings = [
+        r if b is None else dataclasses.replace(r, unreleased=(*r.unreleased, b))
+        for r, b, _ in closing
+    ]
+    released = yield from _released(routings)
+    return [
+        after.attach(handle, lease, origin)
+        for (after, _), (_, _, origin), handle, lease in zip(
+            released, closing, handles, leases, strict=True
+        )
+    ]
+
+
+def _released(
+    routings: Sequence[SampleRouting],
+) -> Step[list[tuple[SampleRouting, Exception | None]]]:
+    """Every lease the samples name (own, then unreleased) released in one call per
+    shard; per sample its value with no own lease and its failed leases in
+    ``unreleased``, and its first error."""
+    named = [[lease for lease in (r.lease, *r.unreleased) if lease is not None] for r in routings]
+    flat = [lease for leases in named for lease in leases]
+    errors: list[BaseException | None] = (
+        (yield Call(lambda: Lease.release_each(flat), lambda: Lease.arelease_each(flat)))
+        if flat
+        else []
+    )
+    out: list[tuple[SampleRouting, Exception | None]] = []
+    at = 0
+    for routing, leases in zip(routings, named, strict=True):
+        mine = errors[at : at + len(leases)]
+        at += len(leases)
+        stuck = tuple(lease for lease, error in zip(leases, mine, strict=True) if error)
+        failures = [cast(Exception, error) for error in mine if error is not None]
+        error = first_error(failures, f"releasing sample {routing.sample_id}")
+        out.append((dataclasses.replace(routing, lease=None, unreleased=stuck), error))
+    return out
+
+
+def _acquiring_many(store: Source, items: list[tuple[Handle, str]]) -> Call[list[Lease]]:
+    blocking, awaited = cast(ManyLeaseSource, store), cast(AsyncManyLeaseSource, store)
+    return Call(lambda: blocking.acquire_many(items), lambda: awaited.aacquire_many(items))

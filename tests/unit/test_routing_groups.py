@@ -1,0 +1,193 @@
+"""Lifecycle steps over many samples (``routeplay.rollout.routing_groups``) and the
+containers that use them: a step's shard calls grow with its groups, not its samples.
+
+The step here is the one a rollout worker and a trainer make with the public API: each
+GRPO group's answers ingested together (``ingest_routing_group``: one write), finished
+together (``finish_all``), added to the replay buffer, sampled, taken over by a
+``TrainingBatch`` and released when it closes. The calls are counted by the shard
+(``stats().calls_by_op``), with the exact numbers written out per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from faults import faulty_store
+
+from routeplay.core import Handle, RouteSpec, read_response
+from routeplay.core.wires import Engine
+from routeplay.errors import RoutesLost
+from routeplay.rollout import (
+    BufferConfig,
+    SampleRouting,
+    TrainingBatch,
+    ingest_routing_group,
+)
+from routeplay.rollout.fake_engines import FakeSglang
+from routeplay.rollout.routing_groups import (
+    adiscard_all,
+    afinish_all,
+    atake_over_all,
+    discard_all,
+    finish_all,
+    take_over_all,
+)
+from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.backend import LocalBackend
+
+SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
+PROMPT, RESPONSE = 6, 4
+
+
+def rows(seed: int) -> npt.NDArray[np.uint8]:
+    """A member's rows: the group's prompt (seed 0), then its own."""
+
+    def draw(n: int, s: int) -> npt.NDArray[np.uint8]:
+        keys = np.random.default_rng(s).random((n, SPEC.num_layers, SPEC.num_experts))
+        return np.argsort(keys, axis=-1)[..., : SPEC.top_k].astype(np.uint8)
+
+    return np.concatenate([draw(PROMPT, 0), draw(RESPONSE - 1, 100 + seed)])
+
+
+def finished_group(store: RouteStore, group: int, size: int) -> list[SampleRouting]:
+    """One GRPO group's samples after their answers: one write, one finish."""
+    conts = [
+        SampleRouting(sample_id=f"g{group}-m{m}").continuation(prompt_ids=range(PROMPT))
+        for m in range(size)
+    ]
+    answers = [
+        read_response(
+            Engine.SGLANG,
+            FakeSglang(spec=SPEC).respond(
+                rows(m), prompt_tokens=PROMPT, completion_tokens=RESPONSE, start_row=0
+            ),
+            SPEC,
+        )
+        for m in range(size)
+    ]
+    handles = ingest_routing_group(conts, answers, writer=store, weight_version=0)
+    assert all(isinstance(h, Handle) for h in handles)
+    return finish_all(conts, store, [h for h in handles if isinstance(h, Handle)])
+
+
+def step_calls(groups: int, size: int) -> dict[str, int]:
+    """The shard calls of one whole step, by operation (one shard)."""
+    store = RouteStore.local(StoreConfig(run=f"calls-{groups}-{size}"))
+    before = dict(store.stats().calls_by_op)
+    buffer = BufferConfig(max_staleness=5).build(store)
+    for group in range(groups):
+        buffer.add(f"g{group}", finished_group(store, group, size))
+    with TrainingBatch(1, buffer.sample(groups, current_version=0)) as batch:
+        assert len(batch) == groups * size
+    after = store.stats()
+    assert after.leases == 0
+    assert after.live_payloads == 0
+    return {op: n - before.get(op, 0) for op, n in after.calls_by_op if n > before.get(op, 0)}
+
+
+def test_a_steps_shard_calls_grow_with_its_groups_not_its_samples() -> None:
+    # A fresh finish has no lease to end; adding to the buffer clones, then ends one each.
+    per_group = {"put_many": 1, "lease_many": 1, "clone_many": 1, "release_many": 1}
+    per_batch = {"clone_many": 1, "release_many": 2}
+    for groups, size in [(2, 4), (2, 16), (5, 8)]:
+        expected = {op: groups * n + per_batch.get(op, 0) for op, n in per_group.items()}
+        # put_many is how the local backend names a batched write (adopt_many on Ray).
+        calls = step_calls(groups, size)
+        calls["put_many"] = calls.pop("adopt_many", 0) + calls.pop("adopt_leased", 0)
+        assert calls == expected, (groups, size)
+
+
+def _recorded(store: RouteStore) -> list[str]:
+    """The shard operations the store sends, in order, from now on."""
+    backend = store.backend
+    assert isinstance(backend, LocalBackend)
+    sent: list[str] = []
+    inner = backend.send
+
+    def send(calls: Any) -> list[Any]:
+        sent.extend(call.method for call in calls)
+        return inner(calls)
+
+    backend.send = send  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_take_over_clones_for_everyone_before_any_old_lease_ends() -> None:
+    store = RouteStore.local(StoreConfig(run="order"))
+    group = finished_group(store, 0, 5)
+    sent = _recorded(store)
+    taken = take_over_all(group, "buffer/g0")
+    assert sent == ["clone_many", "release_many"]
+    assert {r.lease.holder for r in taken if r.lease is not None} == {"buffer/g0"}
+    assert all(r.lease is not None and r.lease.released for r in group)
+    assert dict(store.stats().leases_by_holder) == {"buffer/g0": 5}
+    outcomes = discard_all(taken)
+    assert [error for _, error in outcomes] == [None] * 5
+    assert store.stats().leases == 0
+
+
+def test_finish_all_ends_the_replaced_and_borrowed_leases_after_the_new_ones() -> None:
+    store = RouteStore.local(StoreConfig(run="finish"))
+    first = finished_group(store, 0, 3)
+    # The next request of each sample (a resume): its own lease is replaced by the new one.
+    conts = [routing.continuation() for routing in first]
+    handles = [cont.history for cont in conts]
+    sent = _recorded(store)
+    again = finish_all(conts, store, [h for h in handles if h is not None])
+    assert sent == ["lease_many", "release_many"]
+    assert [r.lease.holder for r in again if r.lease is not None] == [
+        f"rollout/g0-m{m}" for m in range(3)
+    ]
+    assert store.stats().leases == 3  # the replaced ones are gone
+    discard_all(again)
+    assert store.leaks() == []
+
+
+def test_a_dead_lease_stays_with_its_own_sample_only() -> None:
+    store, backend = faulty_store(run="dead-lease")
+    group = finished_group(store, 0, 4)
+    backend.lose_releases(group[2].lease)  # type: ignore[arg-type]
+    outcomes = discard_all(group)
+    assert [error is not None for _, error in outcomes] == [False, False, True, False]
+    stuck, error = outcomes[2]
+    assert isinstance(error, RoutesLost)
+    assert [lease.holder for lease in stuck.unreleased] == ["rollout/g0-m2"]
+    assert dict(store.stats().leases_by_holder) == {"rollout/g0-m2": 1}
+    backend.heal()
+    [(clean, retried)] = discard_all([stuck])
+    assert retried is None
+    assert clean.unreleased == ()
+    assert store.leaks() == []
+
+
+def test_a_failed_take_over_leaves_every_sample_as_it_was() -> None:
+    store, backend = faulty_store(run="no-clone")
+    group = finished_group(store, 0, 3)
+    backend.lose_clones(group[1].lease)  # type: ignore[arg-type]
+    with pytest.raises(RoutesLost):
+        take_over_all(group, "train/step-1")
+    assert dict(store.stats().leases_by_holder) == {f"rollout/g0-m{m}": 1 for m in range(3)}
+    assert all(r.lease is not None and not r.lease.released for r in group)
+    discard_all(group)
+
+
+def test_the_awaitable_steps_make_the_same_calls() -> None:
+    store = RouteStore.local(StoreConfig(run="awaited"))
+    group = finished_group(store, 0, 4)
+
+    async def run() -> list[str]:
+        sent = _recorded(store)
+        conts = [routing.continuation() for routing in group]
+        again = await afinish_all(conts, store, [c.history for c in conts if c.history])
+        taken = await atake_over_all(again, "buffer/g")
+        outcomes = await adiscard_all(taken)
+        assert [error for _, error in outcomes] == [None] * 4
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent == ["lease_many", "release_many", "clone_many", "release_many", "release_many"]
+    assert store.leaks() == []
