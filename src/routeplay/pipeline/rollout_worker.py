@@ -45,7 +45,7 @@ from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
 from routeplay.core.wires.base import Completion
 from routeplay.errors import EngineUnavailable, MalformedPayload, RouteplayError, RowCountMismatch
-from routeplay.rollout import ADAPTERS, RolloutState, Status
+from routeplay.rollout import ADAPTERS, RolloutState, Status, finish_all
 from routeplay.rollout.adapters import ProducerWriter, check_continues
 from routeplay.rollout.lifecycle import Continuation, continuation, ingest_group, store_turn
 from routeplay.rollout.releasing import attach_notes
@@ -190,31 +190,39 @@ class WorkerShell(RoutesProducer):
         handles: dict[int, Handle | RouteplayError],
         version: int,
     ) -> list[RolloutState | Exception]:
-        out: list[RolloutState | Exception] = []
+        out: list[RolloutState | Exception | None] = [None] * len(opened)
+        finishing: list[tuple[int, Continuation, Handle, Completion]] = []
+        for index, (cont, answer) in enumerate(zip(opened, asked, strict=True)):
+            if isinstance(cont, Exception):
+                out[index] = cont
+            elif isinstance(answer, Exception):
+                out[index] = _abandoned(cont, answer)
+            elif isinstance(handle := handles[index], RouteplayError):
+                out[index] = _abandoned(cont, _portable(handle))  # its key was refused
+            else:
+                finishing.append((index, cont, handle, answer.completion))
+        # Every member's new lease in one call per shard, then the replaced ones end; if
+        # they cannot be taken, every such member is set aside with the error (its input
+        # keeps its own lease; the borrowed ones ended).
         try:
-            for index, (cont, answer) in enumerate(zip(opened, asked, strict=True)):
-                if isinstance(cont, Exception):
-                    out.append(cont)
-                elif isinstance(answer, Exception):
-                    out.append(_abandoned(cont, answer))
-                elif isinstance(handle := handles[index], RouteplayError):
-                    out.append(_abandoned(cont, _portable(handle)))  # its key was refused
-                else:
-                    out.append(self._finish(cont, handle, answer.completion, version))
+            routings = finish_all(
+                [cont.routing for _, cont, _, _ in finishing],
+                self._store,
+                [handle for _, _, handle, _ in finishing],
+            )
+        except Exception as exc:
+            for index, _, _, _ in finishing:
+                out[index] = _portable(exc)
+            finishing, routings = [], []
+        try:
+            for (index, cont, _, completion), routing in zip(finishing, routings, strict=True):
+                routed = cont.state.with_sample_routing(routing)
+                out[index] = _finished_or_refused(routed, completion, version)
         except BaseException as exc:
             _, errors = release_states([s for s in out if isinstance(s, RolloutState)])
             attach_notes(exc, errors, "releasing the group's finished members")
             raise
-        return out
-
-    def _finish(
-        self, cont: Continuation, handle: Handle, completion: Completion, version: int
-    ) -> RolloutState | Exception:
-        try:
-            routed = cont.finish(self._store, handle)
-            return _finished(routed, completion, version)
-        except Exception as exc:  # a refused member (e.g. RowCountMismatch) costs itself only
-            return _portable(exc)
+        return [state for state in out if state is not None]
 
     def _request(
         self, state: RolloutState, sampling: Sampling, start: int
@@ -315,6 +323,17 @@ class _Answered:
     """Its tokens, log-probs and finish reason."""
     routing: EngineRouting
     """Its routing rows (checked against the member's history)."""
+
+
+def _finished_or_refused(
+    routed: RolloutState, completion: Completion, version: int
+) -> RolloutState | Exception:
+    """The finished member, or the error refusing it (``_finished`` ended its new lease):
+    a refused member costs itself only."""
+    try:
+        return _finished(routed, completion, version)
+    except Exception as exc:
+        return _portable(exc)
 
 
 def _abandoned(cont: Continuation, error: Exception) -> Exception:
