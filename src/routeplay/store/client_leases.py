@@ -7,12 +7,14 @@ a shard that fails rolls the others back (``_grant_all``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from routeplay.core.handle import Handle
 from routeplay.errors import HandleError, RunMismatch
 from routeplay.store.client_core import StoreCore
+from routeplay.store.coalesce import Coalescer
 from routeplay.store.flow import Flow
 from routeplay.store.lease import Lease
 from routeplay.store.lease_table import LeakRecord
@@ -61,12 +63,28 @@ class LeasingStore(StoreCore):
         return self.drive(self._acquire_many(items))
 
     async def aacquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
-        """Awaitable ``acquire_many`` (cancelled in flight: every grant is revoked).
+        """Awaitable ``acquire_many``. Concurrent awaitable acquires of this process (one
+        coroutine per sample finishing) go out together, one call per shard
+        (``routeplay.store.coalesce``); cancelled in flight: the grants it asked for are
+        released when they land.
 
         Example:
             leases = await store.aacquire_many([(h, "train/step-3") for h in handles])
         """
-        return await self.adrive(self._acquire_many(items))
+        return await self._acquires.submit(items)
+
+    @functools.cached_property
+    def _acquires(self) -> Coalescer[tuple[Handle, str], Lease]:
+        return Coalescer(run=lambda items: self.adrive(self._acquire_many(items)),
+                         undo=self._revoke_granted)  # fmt: skip
+
+    def _revoke_granted(self, leases: Sequence[Lease]) -> None:
+        """Undo grants nobody took (their waiter gave up): revoked, not released, so a
+        payload they first leased goes back to its TTL as if never leased (sent, not
+        waited for)."""
+        self._end_parts([lease.parts for lease in leases])
+        for lease in leases:
+            lease.mark_released()
 
     def _acquire_many(self, items: Sequence[tuple[Handle, str]]) -> Flow[list[Lease]]:
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
@@ -156,8 +174,16 @@ class LeasingStore(StoreCore):
         self.drive(self._release_lease(parts))
 
     async def arelease_lease(self, parts: Mapping[int, str]) -> None:
-        """Awaitable ``release_lease`` (``Lease.arelease`` calls it)."""
-        await self.adrive(self._release_lease(parts))
+        """Awaitable ``release_lease`` (``Lease.arelease`` calls it). Concurrent awaitable
+        releases of this process go out together, one call per shard; each waiter gets
+        its own lease's outcome."""
+        [error] = await self._lease_releases.submit([dict(parts)])
+        if error is not None:
+            raise error
+
+    @functools.cached_property
+    def _lease_releases(self) -> Coalescer[dict[int, str], BaseException | None]:
+        return Coalescer(run=lambda parts: self.adrive(self._release_leases(parts)))
 
     def _release_lease(self, parts: Mapping[int, str]) -> Flow[None]:
         # Cancelled in flight: the release still lands (ending is idempotent), tracked.
@@ -170,8 +196,42 @@ class LeasingStore(StoreCore):
         return self.drive(self._clone_lease(parts, holder))
 
     async def aclone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
-        """Awaitable ``clone_lease`` (``Lease.aclone`` calls it)."""
-        return await self.adrive(self._clone_lease(parts, holder))
+        """Awaitable ``clone_lease`` (``Lease.aclone`` calls it). Concurrent awaitable
+        clones of this process go out together (one call per shard and holder); cancelled
+        in flight: the clone is released when it lands."""
+        [cloned] = await self._clones.submit([(dict(parts), holder)])
+        return cloned
+
+    @functools.cached_property
+    def _clones(self) -> Coalescer[tuple[dict[int, str], str], dict[int, str]]:
+        return Coalescer(run=lambda items: self.adrive(self._clone_by_holder(items)),
+                         undo=self._end_parts)  # fmt: skip
+
+    def _clone_by_holder(
+        self, items: Sequence[tuple[dict[int, str], str]]
+    ) -> Flow[list[dict[int, str]]]:
+        """Clones of many ``(parts, holder)``, one call per shard and holder, in order."""
+        out: list[dict[int, str]] = [{} for _ in items]
+        by_holder: dict[str, list[int]] = {}
+        for at, (_, holder) in enumerate(items):
+            by_holder.setdefault(holder, []).append(at)
+        try:
+            for holder, positions in by_holder.items():
+                clones = yield from self._clone_leases([items[at][0] for at in positions], holder)
+                for at, clone in zip(positions, clones, strict=True):
+                    out[at] = clone
+        except BaseException:  # all or none: another holder's clones exist already
+            self._end_parts([parts for parts in out if parts])
+            raise
+        return out
+
+    def _end_parts(self, leases: Sequence[Mapping[int, str]]) -> None:
+        """Revoke leases nobody will hold (sent, not waited for; as a rescue's undo)."""
+        by_shard = _by_shard(leases)
+        self._releases.submit(
+            [shard_call(i, ShardApi.revoke_many, [lid for _, lid in parts])
+             for i, parts in by_shard.items()]
+        )  # fmt: skip
 
     def _clone_lease(self, parts: Mapping[int, str], holder: str) -> Flow[dict[int, str]]:
         calls = [shard_call(i, ShardApi.clone, lid, holder) for i, lid in parts.items()]

@@ -1,0 +1,132 @@
+"""Concurrent awaitable store calls of one process, sent as one batch.
+
+XTuner's and verl's rollout workers run one coroutine per sample: each finishes its
+sample (``afinish``: an acquire, then releases) when its answer lands, so a step's
+thousands of samples would make thousands of shard calls, one each. A ``Coalescer``
+gathers the requests made on one event loop before it next runs its ready callbacks and
+sends them as one batch (one call per shard): no timer, no added wait beyond one turn
+of the loop, and a lone request goes out alone.
+
+Each waiter gets only its own results. A batch that fails is retried request by
+request, so one bad request (another run's handle, a released lease) fails only its
+caller. The batch runs as a task of its own, so a waiter cancelled (or past its
+deadline) ends only its own wait: when the batch lands, ``undo`` ends what it granted
+that waiter (its leases), as the store's own rescues do.
+
+Example:
+    >>> acquires = Coalescer(run=lambda items: store.aacquire_many(items),
+    ...                      undo=lambda leases: store.release_many(leases))  # doctest: +SKIP
+    >>> [lease] = await acquires.submit([(handle, "rollout/a")])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Coalescer"]
+
+I = TypeVar("I")  # noqa: E741 (an item of a request)
+O = TypeVar("O")  # noqa: E741 (its result)
+
+
+@dataclass(slots=True)
+class _Request(Generic[I, O]):
+    items: list[I]
+    waiter: asyncio.Future[list[O]]
+
+
+@dataclass(slots=True)
+class _Round(Generic[I, O]):
+    """The requests gathered on one loop since its last batch was sent."""
+
+    requests: list[_Request[I, O]] = field(default_factory=list)
+
+
+class Coalescer(Generic[I, O]):
+    """Requests (lists of items) awaited concurrently on one loop, sent as one batch.
+
+    ``run`` sends a batch of items and answers one result per item, in order; ``undo``
+    ends the results of a waiter that gave up before its batch landed (None: nothing to
+    end, e.g. releases).
+    """
+
+    def __init__(
+        self,
+        run: Callable[[list[I]], Awaitable[list[O]]],
+        undo: Callable[[list[O]], object] | None = None,
+    ) -> None:
+        self._run = run
+        self._undo = undo
+        self._rounds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Round[I, O]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._tasks: set[asyncio.Task[None]] = set()  # batches in flight (kept alive)
+
+    async def submit(self, items: Sequence[I]) -> list[O]:
+        """This request's results, sent with every request made on this loop meanwhile."""
+        loop = asyncio.get_running_loop()
+        current = self._rounds.get(loop)
+        if current is None:
+            current = self._rounds[loop] = _Round()
+            loop.call_soon(self._send, loop)  # after every coroutine ready now has run
+        request: _Request[I, O] = _Request(list(items), loop.create_future())
+        current.requests.append(request)
+        return await request.waiter
+
+    def _send(self, loop: asyncio.AbstractEventLoop) -> None:
+        requests = self._rounds.pop(loop).requests
+        task = loop.create_task(self._batch(requests))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _batch(self, requests: list[_Request[I, O]]) -> None:
+        items = [item for request in requests for item in request.items]
+        try:
+            batch = await _outcome(self._run(items))
+        except BaseException:  # the batch itself was cancelled (its flow rescued its calls)
+            for request in requests:
+                request.waiter.cancel()
+            raise
+        if not isinstance(batch, BaseException):
+            at = 0
+            for request in requests:
+                _deliver(request, batch[at : at + len(request.items)], self._undo)
+                at += len(request.items)
+        elif len(requests) == 1:
+            _deliver(requests[0], batch, self._undo)
+        else:  # which request failed? each on its own: only its caller fails
+            for at, request in enumerate(requests):
+                try:
+                    outcome = await _outcome(self._run(request.items))
+                except BaseException:
+                    for left in requests[at:]:
+                        left.waiter.cancel()
+                    raise
+                _deliver(request, outcome, self._undo)
+
+
+async def _outcome(call: Awaitable[list[O]]) -> list[O] | BaseException:
+    try:
+        return await call
+    except Exception as exc:
+        return exc
+
+
+def _deliver(
+    request: _Request[Any, O],
+    outcome: list[O] | BaseException,
+    undo: Callable[[list[O]], object] | None,
+) -> None:
+    """Hand a request its outcome; a waiter that gave up has what it was granted ended."""
+    if request.waiter.done():  # cancelled (or past its deadline): nobody will take them
+        if undo is not None and not isinstance(outcome, BaseException):
+            undo(outcome)
+        return
+    if isinstance(outcome, BaseException):
+        request.waiter.set_exception(outcome)
+    else:
+        request.waiter.set_result(outcome)
