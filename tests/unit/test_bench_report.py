@@ -24,6 +24,7 @@ from routeplay.bench.report import (
     workload_table,
     write_plot,
 )
+from routeplay.bench.rl_report import rl_calls_table, rl_step_table
 from routeplay.bench.roles import RankRead
 
 FULL_RUN = Path(__file__).parents[2] / "benchmarks/results/data-path_full_vm_2026-12-05T0628Z.json"
@@ -199,3 +200,57 @@ def test_the_adoption_table_shows_each_adopted_key_path_next_to_its_read(
         "adopt_at_step": w["adopt_at_step"]["adoption_ms"],
     }
     assert derived == recorded  # the rest reads back as before
+
+
+def _rl_path(ms: float, calls: int, over_floor: float) -> dict[str, Any]:
+    phases = {
+        "writes": ms / 2,
+        "buffer": ms / 8,
+        "batch": ms / 8,
+        "reads": ms / 8,
+        "releases": ms / 8,
+    }
+    return {
+        "median_ms": ms,
+        "min_ms": ms - 1,
+        "max_ms": ms + 1,
+        "per_sample_ms": ms / 64,
+        "phases_ms": phases,
+        "shard_calls": calls,
+        "shard_calls_per_sample": calls / 64,
+        "calls_by_phase": {"writes": {"adopt_from_many": 8, "lease_many": 8}} if calls else {},
+        "shard_call_cpu_ms": 5.0,
+        "shard_process_cpu_ms": 50.0,
+        "over_ray_floor": over_floor,
+    }
+
+
+def test_the_rl_step_tables_show_each_path_and_name_a_skipped_one(run: dict[str, Any]) -> None:
+    point = {
+        "samples": 64,
+        "paths": {
+            "producer": _rl_path(150.0, 47, 5.0),
+            "adopt": _rl_path(200.0, 47, 6.67),
+            "ray_floor": _rl_path(30.0, 0, 1.0),
+        },
+        "skipped": {"verl": "needs ~19.0 GiB of memory at its peak"},
+    }
+    results = {"rl_step": {"shape": {"group": 8, "tokens": 1024}, "points": [point]}}
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(rl_step_table(results))
+    console.print(rl_calls_table(results))
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in console.export_text().splitlines()
+        if line.startswith("│")
+    ]
+    producer = next(row for row in rows if row[1] == "routeplay producer" and "[" in row[2])
+    assert producer[2:5] == ["150 [149-151]", "2.34", "75.0"]  # step, ms/sample, writes
+    assert producer[-4:] == ["47 (0.73)", "5|50", "5.00x", ""]  # no verl: no ratio to it
+    verl = next(row for row in rows if row[1] == "verl")
+    assert verl[2].startswith("skipped: needs ~19.0 GiB")
+    calls = next(row for row in rows if row[1] == "routeplay producer" and "[" not in row[2])
+    assert calls[2] == "adopt_from_many 8, lease_many 8"
+    assert "Ray's floor" not in [row[1] for row in rows[-2:]]  # no calls table row for Ray
+    # a results file from before the RL step: empty tables, no error
+    console.print(rl_step_table(run), rl_calls_table(run))

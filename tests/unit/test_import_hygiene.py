@@ -127,6 +127,8 @@ NEEDS: dict[str, frozenset[str]] = {
                 "limit",
                 "measure",
                 "report",
+                "rl_roles",
+                "rl_step",
                 "roles",
                 "session_roles",
                 "sessions",

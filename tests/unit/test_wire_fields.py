@@ -42,7 +42,12 @@ BODY_FIELDS = frozenset(
         "token_logprobs",
     }
 )
-MODULES = sorted(p for p in PACKAGE.rglob("*.py") if WIRES not in p.parents)
+# verl's path in the bench builds verl's own DataProto, whose batch key for the routes is
+# the engine field's name: a trainer's format, not an engine body.
+TRAINER_FORMATS = {PACKAGE / "bench" / "verl_path.py"}
+MODULES = sorted(
+    p for p in PACKAGE.rglob("*.py") if WIRES not in p.parents and p not in TRAINER_FORMATS
+)
 
 
 def _field_literals(source: str) -> list[tuple[int, str]]:

@@ -168,6 +168,24 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
                 "bare_ray(_fetch)_over_limit is a floor's median over that limit (its best "
                 "run bounds the limit, so at least 1)"
             ),
+            "rl_step": (
+                "the realistic RL step (routeplay.bench.rl_step, on a local cluster of its "
+                "own): per step size and path (producer, adopt: routeplay's public API "
+                "only: group ingest and finish_all, ReplayBuffer, TrainingBatch, each rank's "
+                "acquire_many and Materializer; ray_floor: ray.put per group of the same "
+                "rows, each rank's ray.get and copy; verl: verl 0.9.1's int16 padded "
+                "DataProto, concatenated, chunked, pulled whole by each rank), the step "
+                "from the engine having answered to every DP rank having read its rows and "
+                "nothing held, split into phases timed one after the other on the "
+                "driver's clock (generation: writes, buffer; the trainer's step: batch, "
+                "reads, releases; ms is their sum, wall_ms adds the store meter reads "
+                "between them), the shard calls of each phase by operation and their CPU "
+                "(store.stats() differences: call_cpu_ms, process_cpu_ms), the slowest "
+                "rank's own acquire, read and release; medians of runs after a checked "
+                "run (the same rows on every path, by digest); over_ray_floor and "
+                "verl_over_producer / verl_over_adopt: ratios of medians; a path that "
+                "would not fit in the machine's memory is named in skipped"
+            ),
             "sessions": (
                 "multi-turn bytes: bytes stored (route store payload bytes; Ray's bytes in "
                 "use, settled) over the canonical bytes of the distinct rows the session "

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from routeplay.core import RouteSpec, preset
+from routeplay.errors import MisuseError
 
-__all__ = ["BenchConfig", "SessionShape", "Workload"]
+__all__ = ["BenchConfig", "RLStepShape", "SessionShape", "Workload"]
 
 MiB = 1024 * 1024
 
@@ -122,6 +123,69 @@ class SessionShape:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RLStepShape:
+    """The realistic RL step (``routeplay.bench.rl_step``): GRPO groups of ``group``
+    samples sharing a prompt, written during generation, then one trainer step over
+    ``dp`` data-parallel ranks, at each of ``samples`` samples per step.
+
+    Example:
+        >>> shape = RLStepShape(samples=(64,))
+        >>> shape.groups(64), shape.rows, shape.spec.nbytes(shape.rows)
+        (8, 1023, 392832)
+    """
+
+    model: str = "qwen3-30b-a3b"
+    """Preset name (``routeplay.core.preset``)."""
+    tokens: int = 1024
+    """Tokens per sample (prompt + response): ``tokens - 1`` routing rows."""
+    shared_prompt: int = 512
+    """Prompt tokens a GRPO group's samples share (their first routing rows, routed alike)."""
+    group: int = 8
+    """Samples per GRPO group."""
+    dp: int = 4
+    """Data-parallel trainer ranks (actors on the trainer node), each reading its share."""
+    pack_length: int = 8192
+    """Positions per pack (``pack_samples``); one pack per micro-batch."""
+    samples: tuple[int, ...] = (64, 256, 1024, 4096)
+    """Samples per step, one measured point each."""
+    runs: int = 3
+    """Timed runs per path and point (after one checked warm-up run); medians kept."""
+    store_bytes: int = 4608 * MiB
+    """Object store of each node of the step's own local cluster (verl's path holds
+    every sample at int16, padded to ``tokens``, on the driver's node and the trainer's)."""
+
+    def __post_init__(self) -> None:
+        unit = self.group * self.dp
+        if not 0 < self.shared_prompt < self.tokens - 1 or self.tokens - 1 > self.pack_length:
+            raise MisuseError(
+                "a sample needs a prompt, a response, and a pack it fits in",
+                expected="0 < shared_prompt < tokens - 1 <= pack_length",
+                found=f"prompt {self.shared_prompt}, tokens {self.tokens}, pack {self.pack_length}",
+            )
+        if self.runs < 1 or any(n < unit or n % unit for n in self.samples):
+            raise MisuseError(
+                "each step size must deal whole GRPO groups to every DP rank, and a point "
+                "needs a timed run",
+                expected=f"samples: multiples of group x dp = {unit}; runs >= 1",
+                found=f"samples {self.samples}, runs {self.runs}",
+            )
+
+    @property
+    def spec(self) -> RouteSpec:
+        """The model's routing geometry."""
+        return preset(self.model)
+
+    @property
+    def rows(self) -> int:
+        """Routing rows per sample."""
+        return self.tokens - 1
+
+    def groups(self, samples: int) -> int:
+        """GRPO groups in a step of ``samples`` samples."""
+        return samples // self.group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One benchmark run."""
 
@@ -146,6 +210,8 @@ class BenchConfig:
     """Timed runs per scaling point."""
     sessions: SessionShape = field(default_factory=SessionShape)
     """The multi-turn bytes workloads (a long branching session, a resumed rollout)."""
+    rl_step: RLStepShape = field(default_factory=RLStepShape)
+    """The realistic RL step (``routeplay.bench.rl_step``), on a local cluster of its own."""
     mode: str = "full"
     """Which preset this is: ``full``, ``quick`` or ``smoke``."""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -189,6 +255,7 @@ class BenchConfig:
             scale_segments=(1, 100, 1000),
             small_samples=256,
             scale_runs=3,
+            rl_step=RLStepShape(samples=(64, 256), runs=2, store_bytes=512 * MiB),
             mode="quick",
         )
 
@@ -224,5 +291,6 @@ class BenchConfig:
                 piece_tokens=320,
                 pieces=3,
             ),
+            rl_step=RLStepShape(samples=(64,), runs=1, store_bytes=192 * MiB),
             mode="smoke",
         )

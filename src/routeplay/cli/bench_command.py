@@ -2,10 +2,12 @@
 
 A thin command over ``routeplay.bench`` (``benchmarks/data_path.py`` is the same run as
 a script): eager vs routeplay's producer path vs the adopted-key path vs the physical
-limit, measured in one run; prints the tables, writes the results file (named for what,
-where and when) into ``--out-dir``, a copy to ``--json`` and the scaling PNG.
-Exit status: 0 on success, 2 when the paths delivered different rows or a path beat its
-physical limit (a lower bound: its measurement is off), 1 on usage errors.
+limit, measured in one run, then the realistic RL step (``routeplay.bench.rl_step``:
+routeplay vs Ray's floor vs verl's path at several step sizes, on a cluster of its own);
+prints the tables, writes the results file (named for what, where and when) into
+``--out-dir``, a copy to ``--json`` and the scaling PNG.
+Exit status: 0 on success, 2 when the paths delivered different rows, a step leaked or a
+path beat its physical limit (a lower bound: its measurement is off), 1 on usage errors.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def bench_command(
     ] = False,
     smoke: Annotated[bool, typer.Option("--smoke", help="Seconds: tiny payloads (tests).")] = False,
     runs: Annotated[
-        int | None, typer.Option(min=1, help="Timed runs per path (default 5).")
+        int | None,
+        typer.Option(min=1, help="Timed runs per path (default 5; the RL step's: 3)."),
     ] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the results here.")
@@ -59,6 +62,8 @@ def bench_command(
         write_plot,
         write_results,
     )
+    from routeplay.bench.rl_report import rl_calls_table, rl_step_table
+    from routeplay.bench.rl_step import rl_steps
     from routeplay.bench.workloads import BenchConfig
     from routeplay.errors import MisuseError
 
@@ -70,15 +75,19 @@ def bench_command(
         return EXIT_USAGE
     config = BenchConfig.smoke() if smoke else BenchConfig.quick() if quick else BenchConfig.full()
     if runs is not None:
-        config = dataclasses.replace(config, runs=runs)
+        rl_step = dataclasses.replace(config.rl_step, runs=runs)
+        config = dataclasses.replace(config, runs=runs, rl_step=rl_step)
+
+    def progress(line: str) -> None:
+        console.print(line, markup=False)
+
     try:
-        results = run_bench(
-            config, address=address, progress=lambda line: console.print(line, markup=False)
-        )
+        results = run_bench(config, address=address, progress=progress)
+        results["rl_step"] = rl_steps(config.rl_step, address=address, progress=progress)
     except MisuseError as exc:  # --address: a cluster without a node per role
         Console(stderr=True).print(f"usage error: {exc}", markup=False)
         return EXIT_USAGE
-    except RuntimeError as exc:  # the paths disagreed on the rows they delivered
+    except RuntimeError as exc:  # the paths disagreed on the rows they delivered, or leaked
         Console(stderr=True).print(f"broken: {exc}", markup=False)
         return EXIT_BROKEN
     wide = Console(width=max(console.width, 180))  # the tables have many columns
@@ -87,6 +96,8 @@ def bench_command(
     wide.print(adoption_table(results))
     wide.print(scaling_table(results))
     wide.print(sessions_table(results))
+    wide.print(rl_step_table(results))
+    wide.print(rl_calls_table(results))
     path = write_results(results, config, out_dir, json_path=json_path)
     console.print(f"results: {path}", markup=False)
     if plot:

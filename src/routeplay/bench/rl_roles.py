@@ -1,0 +1,349 @@
+"""The actors of the realistic RL step (``routeplay.bench.rl_step``): an engine, one
+rollout worker, the data-parallel trainer ranks.
+
+Each step has GRPO groups whose members share their prompt's routing rows (routed alike,
+as an engine with prefix caching routes them). The rollout worker starts every step
+holding its answers decoded (``prepare``, untimed: what it holds once the engine has
+answered), or, on the LMDeploy-key path, the keys the engine put (``StepEngine``, one
+put per sample into routeplay's engine store, as LMDeploy's engine puts them). It then
+hands each group on one of four ways:
+
+- **producer** (routeplay): each group's answers through ``ingest_routing_group`` with
+  the worker's ``ProducerWriter`` (one write of one payload, the prompt's rows once),
+  then ``finish_all`` (each member's own lease, one call for the group) and each
+  member's ``complete``; the driver gets each member's ``SampleRouting`` (a handle and
+  a lease: small).
+- **adopt** (routeplay, LMDeploy keys): the same, each group's keys adopted together
+  (``adopt_keys_each(..., shared_prefix=..., pack=True)`` underneath).
+- **ray_floor** (Ray's own floor for the same objects): each group's canonical rows laid
+  out as routeplay lays them (the prompt once, then each member's own rows) and
+  ``ray.put`` once; the driver gets the references.
+- **verl** (``routeplay.bench.verl_path``): each sample widened to int16 and padded to the
+  full prompt + response width, the worker's samples concatenated into one batch and
+  returned to the driver whole.
+
+The ranks (``StepRank``) read their share: through the ``Materializer`` over their own
+leases (routeplay), by ``ray.get`` of their groups' objects and a copy of each sample's
+rows into its pack (Ray), or from the chunk their call carried (verl). Each reports how
+long it spent acquiring, reading and releasing, and, on a checked run, a digest of every
+sample's rows, so the step can check that all four paths delivered the same rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import ray
+
+from routeplay.bench import verl_path
+from routeplay.bench.workloads import RLStepShape
+from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize
+from routeplay.core.wires import Engine, EngineRouting
+from routeplay.rollout import ProducerWriter, SampleRouting, finish_all, ingest_routing_group
+from routeplay.store import RoutesProducer, RouteStore, producer_actor
+from routeplay.train import Materializer, PackingPlan, RankCoords
+
+_DEADLINE_S = 600.0
+"""Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
+
+VERSION = 1
+"""The weight version every sample is generated at (the buffer sees nothing stale)."""
+
+__all__ = [
+    "VERSION",
+    "RankShare",
+    "StepEngine",
+    "StepRank",
+    "StepRollout",
+    "engine_routing",
+    "rows_digest",
+    "sample_id",
+]
+
+
+def sample_id(group: int, member: int) -> str:
+    """A sample's id, the same on every path (digests are compared by it)."""
+    return f"{group}.{member}"
+
+
+@functools.cache
+def _valid_rows(spec: RouteSpec) -> npt.NDArray[np.uint16]:
+    """1,024 top-k rows of distinct experts to draw a step's routing from."""
+    rng = np.random.default_rng(0)
+    order = np.argsort(rng.random((1024, spec.num_experts)), axis=1)
+    return order[:, : spec.top_k].astype(np.uint16)
+
+
+def engine_routing(shape: RLStepShape, group: int, seed: int) -> list[npt.NDArray[np.uint16]]:
+    """A group's routing as the engine returns it (uint16, every decoder layer, one
+    array per member), its first ``shared_prompt`` rows the same in every member; the
+    same arrays for the same ``(group, seed)`` in every process."""
+    spec = shape.spec
+    valid = _valid_rows(spec)
+    rng = np.random.default_rng([seed, group])
+    layers, prompt = spec.decoder_layers, shape.shared_prompt
+    prompt_rows = valid[rng.integers(0, len(valid), size=(prompt, layers))]
+    out = []
+    for _ in range(shape.group):
+        rows = np.empty((shape.rows, layers, spec.top_k), dtype=np.uint16)
+        rows[:prompt] = prompt_rows
+        rows[prompt:] = valid[rng.integers(0, len(valid), size=(shape.rows - prompt, layers))]
+        out.append(rows)
+    return out
+
+
+class RankShare(NamedTuple):
+    """What a rank reports of one step."""
+
+    samples: int
+    """Samples whose rows it read."""
+    acquire_s: float
+    """Seconds its method spent acquiring leases (0 off routeplay)."""
+    read_s: float
+    """Seconds its method spent reading its rows (verl: copying the chunk its call
+    carried, already pulled and unpickled before the method ran)."""
+    release_s: float
+    """Seconds its method spent ending its leases (routeplay: the materializer's last
+    releases and waiting for all of them to land)."""
+    digests: tuple[tuple[str, str], ...]
+    """``(sample id, digest of its rows)`` per sample, on a checked run (else empty)."""
+
+
+def rows_digest(rows: npt.NDArray[Any]) -> str:
+    """A short digest of one sample's rows (canonical dtype, contiguous)."""
+    return hashlib.sha256(np.ascontiguousarray(rows).data).hexdigest()[:24]
+
+
+class _StepEngine(RoutesProducer):
+    """LMDeploy's side: each sample's routing into the engine store, one put each."""
+
+    def __init__(self, shape: RLStepShape) -> None:
+        self.shape = shape
+
+    def put_step(self, groups: int, seed: int) -> list[list[str]]:
+        """Each group's keys, one per member; every payload written once, owned by the
+        engine store (``put_from``: it takes the staged array from this actor)."""
+        store = ray.get_actor("shared_store", namespace="lmdeploy")
+        me = ray.get_runtime_context().current_actor
+        out = []
+        for group in range(groups):
+            pending = []
+            for payload in engine_routing(self.shape, group, seed):
+                token, _ = self.stage_routes(payload, block_rows=0)
+                shape, dtype = payload.shape, str(payload.dtype)
+                pending.append(store.put_from.remote(me, token, shape, dtype))
+            out.append([str(key) for key in ray.get(pending, timeout=_DEADLINE_S)])
+        return out
+
+
+class _StepRollout(RoutesProducer):
+    """The rollout worker: the step's answers, handed on one of four ways."""
+
+    def __init__(self, store: RouteStore, shape: RLStepShape) -> None:
+        self.store = store
+        self.shape = shape
+        self.spec = shape.spec
+        self._writer = ProducerWriter(producer=self, store=store)
+        self._decoded: list[list[Routes]] = []
+
+    def prepare(self, groups: int, seed: int) -> int:
+        """Untimed: the step's answers decoded and validated (what a worker holds once
+        the engine has answered); returns their canonical bytes."""
+        self._decoded = [
+            [canonicalize(rows, self.spec) for rows in engine_routing(self.shape, group, seed)]
+            for group in range(groups)
+        ]
+        return sum(routes.nbytes for group in self._decoded for routes in group)
+
+    def write_groups(self) -> list[list[SampleRouting]]:
+        """Producer path: each group's answers written together, each member finished."""
+        shape = self.shape
+        answers = [
+            [
+                EngineRouting(
+                    engine=Engine.VLLM,
+                    prompt_tokens=shape.shared_prompt,
+                    completion_tokens=shape.tokens - shape.shared_prompt,
+                    routes=routes,
+                )
+                for routes in group
+            ]
+            for group in self._decoded
+        ]
+        return [self._ingest(group, routings) for group, routings in enumerate(answers)]
+
+    def adopt_groups(self, keys: Sequence[Sequence[str]]) -> list[list[SampleRouting]]:
+        """LMDeploy-key path: each group's keys adopted together, each member finished."""
+        shape = self.shape
+        return [
+            self._ingest(
+                group,
+                [
+                    EngineRouting(
+                        engine=Engine.LMDEPLOY,
+                        prompt_tokens=shape.shared_prompt,
+                        completion_tokens=shape.tokens - shape.shared_prompt,
+                        key=EngineKey(key=key, rows=shape.rows),
+                    )
+                    for key in group_keys
+                ],
+            )
+            for group, group_keys in enumerate(keys)
+        ]
+
+    def _ingest(self, group: int, routings: Sequence[EngineRouting]) -> list[SampleRouting]:
+        """One group as a rollout worker writes it (``routeplay.rollout``): a
+        continuation per member with the group's prompt, one ``ingest_routing_group``,
+        then ``finish_all`` (every member's lease ``rollout/<id>`` in one call) and each
+        member's ``complete``. A refused member fails the bench: every answer is valid."""
+        shape = self.shape
+        prompt = tuple(range(group * shape.shared_prompt, (group + 1) * shape.shared_prompt))
+        conts = [
+            SampleRouting(sample_id=sample_id(group, member)).continuation(prompt_ids=prompt)
+            for member in range(len(routings))
+        ]
+        written = ingest_routing_group(
+            conts, routings, writer=self._writer, weight_version=VERSION, spec=self.spec
+        )
+        handles = []
+        for result in written:
+            if not isinstance(result, Handle):
+                raise result
+            handles.append(result)
+        response = shape.tokens - shape.shared_prompt
+        return [
+            routing.complete(prompt_tokens=shape.shared_prompt, response_tokens=response)
+            for routing in finish_all(conts, self.store, handles)
+        ]
+
+    def put_groups(self) -> list[list[Any]]:
+        """Ray's floor: each group's rows laid out as routeplay's payload (the prompt's
+        rows once, then each member's own) and ``ray.put`` once; the references, wrapped
+        so that they reach the driver as references."""
+        prompt = self.shape.shared_prompt
+        refs = []
+        for group in self._decoded:
+            arrays = [routes.array for routes in group]
+            refs.append(
+                ray.put(np.concatenate([arrays[0][:prompt], *(a[prompt:] for a in arrays)]))
+            )
+        return [refs]
+
+    def verl_groups(self) -> Any:
+        """verl's path: every sample int16 and padded, the worker's samples one batch."""
+        shape = self.shape
+        return verl_path.sample_batch(
+            [routes.array for group in self._decoded for routes in group],
+            [sample_id(g, m) for g, group in enumerate(self._decoded) for m in range(len(group))],
+            prompt_length=shape.shared_prompt,
+            response_length=shape.tokens - shape.shared_prompt,
+            prompt_tokens=shape.shared_prompt,
+        )
+
+
+class _StepRank:
+    """One data-parallel trainer rank."""
+
+    def __init__(self, store: RouteStore, shape: RLStepShape, dp_rank: int) -> None:
+        self.store = store
+        self.shape = shape
+        self.spec = shape.spec
+        self.dp_rank = dp_rank
+        self._buffers: dict[tuple[int, ...], npt.NDArray[Any]] = {}  # reused across steps
+
+    def read_routeplay(self, plan: PackingPlan, holder: str, check: bool = False) -> RankShare:
+        """Lease this rank's samples (one ``acquire_many``), read them one micro-batch at
+        a time through the ``Materializer`` (which ends each sample's lease after its last
+        micro-batch), then wait for those releases to land."""
+        coords = RankCoords(dp_rank=self.dp_rank)
+        mine = {
+            s.sample_id: s.handle for mb in plan.schedule(self.dp_rank) for s in plan.samples_of(mb)
+        }
+        start = time.perf_counter()
+        leases = self.store.acquire_many([(h, f"{holder}/dp{self.dp_rank}") for h in mine.values()])
+        acquired = time.perf_counter()
+        digests: list[tuple[str, str]] = []
+        with Materializer(
+            self.store, plan, coords, leases=dict(zip(mine, leases, strict=True)), prefetch=1
+        ) as micro_batches:
+            for mb in micro_batches:
+                if check:
+                    digests.extend(_micro_batch_digests(plan, mb.index, mb.routes))
+            read = time.perf_counter()
+        self.store.flush()
+        released = time.perf_counter()
+        return RankShare(
+            len(mine), acquired - start, read - acquired, released - read, tuple(digests)
+        )
+
+    def read_ray(self, wrapped: list[list[Any]], groups: Sequence[int], check: bool) -> RankShare:
+        """Ray's floor: one ``ray.get`` of this rank's group objects, each sample's rows
+        copied into its pack (prompt rows, then its own), as the materializer lays a pack
+        out; the views are dropped at the end."""
+        shape = self.shape
+        prompt, rows = shape.shared_prompt, shape.rows
+        own = rows - prompt
+        pack = self._buffer((shape.pack_length, *self.spec.row_shape), self.spec.dtype)
+        digests: list[tuple[str, str]] = []
+        start = time.perf_counter()
+        arrays = ray.get(wrapped[0], timeout=_DEADLINE_S)
+        for group, array in zip(groups, arrays, strict=True):
+            for member in range(shape.group):
+                at = member * rows
+                pack[at : at + prompt] = array[:prompt]
+                pack[at + prompt : at + rows] = array[
+                    prompt + member * own : prompt + (member + 1) * own
+                ]
+                if check:
+                    digests.append((sample_id(group, member), rows_digest(pack[at : at + rows])))
+        del arrays
+        read_s = time.perf_counter() - start
+        return RankShare(len(groups) * shape.group, 0.0, read_s, 0.0, tuple(digests))
+
+    def read_verl(self, chunk: Any, check: bool) -> RankShare:
+        """verl's rank: its chunk arrived whole with the call (pulled and unpickled before
+        this method runs); its rows are copied once (where verl moves them to the
+        device)."""
+        start = time.perf_counter()
+        routed = verl_path.routed_experts(chunk)
+        mine = self._buffer(routed.shape, routed.dtype)
+        np.copyto(mine, routed)
+        read_s = time.perf_counter() - start
+        digests: tuple[tuple[str, str], ...] = ()
+        if check:
+            rows = self.shape.rows
+            narrow = mine[:, :rows].astype(self.spec.dtype)
+            digests = tuple(
+                (sid, rows_digest(narrow[i])) for i, sid in enumerate(verl_path.sample_ids(chunk))
+            )
+        return RankShare(len(routed), 0.0, read_s, 0.0, digests)
+
+    def _buffer(self, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+        if shape not in self._buffers:
+            self._buffers = {shape: np.empty(shape, dtype)}
+        return self._buffers[shape]
+
+
+def _micro_batch_digests(
+    plan: PackingPlan, index: int, routes: npt.NDArray[Any]
+) -> list[tuple[str, str]]:
+    """Each sample's rows in one micro-batch (one SP/CP rank: its packs back to back)."""
+    out, base = [], 0
+    for pack_index in plan.micro_batches[index]:
+        pack = plan.packs[pack_index]
+        for sample in pack.samples:
+            rows = routes[base + sample.offset : base + sample.stop]
+            out.append((sample.sample_id, rows_digest(rows)))
+        base += pack.length
+    return out
+
+
+StepEngine: Any = producer_actor(_StepEngine, num_cpus=0)
+StepRollout: Any = producer_actor(_StepRollout, num_cpus=0)
+StepRank: Any = ray.remote(num_cpus=0)(_StepRank)

@@ -1,0 +1,123 @@
+"""The realistic RL step (``routeplay.bench.rl_step``) at a tiny size, on the suite's
+local Ray (one node: every role's actor on it).
+
+Every path delivers every sample's rows exactly as the engine routed them (the digest of
+what the ranks read equals one computed here from the engine's arrays), nothing is left
+in the store after a step (and a lease left over fails the run), a step's phases add up
+to it, and each routeplay path reports its shard calls by phase while Ray's floor and
+verl's path make none.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from routeplay.bench.rl_report import rl_calls_table, rl_step_table
+from routeplay.bench.rl_roles import engine_routing, rows_digest, sample_id
+from routeplay.bench.rl_step import PATHS, PHASES, rl_point, step_digest
+from routeplay.bench.workloads import RLStepShape
+from routeplay.core import canonicalize
+from routeplay.store import RouteStore, StoreConfig, start_engine_store
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+# Groups of 4 sharing a 128-token prompt, 256 tokens a sample, 2 DP ranks, 4 samples a
+# pack: 8 samples in 2 groups, a rank a group. A group's payload (244 KiB) is a Ray
+# plasma object, as at full size.
+SHAPE = RLStepShape(
+    tokens=256, shared_prompt=128, group=4, dp=2, pack_length=1024, samples=(8,), runs=1
+)
+SAMPLES = 8
+
+
+def _anywhere(role: str) -> dict[str, Any]:
+    return {}  # one node: no role resources to place by
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[RouteStore]:
+    start_engine_store()
+    store = StoreConfig(run="test-rl-step", timeout_s=60).build()
+    try:
+        yield store
+    finally:
+        store.shutdown()
+
+
+@pytest.fixture(scope="module")
+def point(store: RouteStore) -> dict[str, Any]:
+    return rl_point(store, SHAPE, SAMPLES, place=_anywhere)
+
+
+def test_every_path_delivers_the_rows_the_engine_routed(point: dict[str, Any]) -> None:
+    spec = SHAPE.spec
+    expected = step_digest(
+        (sample_id(group, member), rows_digest(canonicalize(rows, spec).array))
+        for group in range(SHAPE.groups(SAMPLES))
+        for member, rows in enumerate(engine_routing(SHAPE, group, seed=SAMPLES))
+    )
+    assert point["rows_identical_across_paths"]
+    assert point["digest"] == expected
+    assert set(point["paths"]) == set(PATHS)
+    assert point["skipped"] == {}
+
+
+def test_nothing_is_left_after_the_steps(store: RouteStore, point: dict[str, Any]) -> None:
+    stats = store.stats()
+    assert (stats.leases, stats.live_payloads) == (0, 0)
+    assert store.leaks() == []
+
+
+def test_a_step_that_leaves_a_lease_fails_the_run(store: RouteStore) -> None:
+    spec = SHAPE.spec
+    rows = canonicalize(engine_routing(SHAPE, 0, seed=1)[0], spec)
+    left = r"leaked: 1 leases \(test/left-over\), 1 payloads"
+    with store.acquire(store.put(rows), "test/left-over"), pytest.raises(RuntimeError, match=left):
+        rl_point(store, SHAPE, SAMPLES, place=_anywhere)
+    store.flush()
+    assert store.stats().leases == 0
+
+
+def test_a_steps_phases_add_up_to_it(point: dict[str, Any]) -> None:
+    for path, figures in point["paths"].items():
+        phases = figures["phases_ms"]
+        assert set(phases) == set(PHASES), path
+        # one timed run: the medians are that run's figures (rounded to 0.01 and 0.1)
+        assert sum(phases.values()) == pytest.approx(figures["median_ms"], abs=0.1), path
+        assert figures["median_ms"] <= figures["wall_ms"] + 0.1, path
+        assert figures["generation_ms"] + figures["trainer_ms"] == pytest.approx(
+            figures["median_ms"], abs=0.1
+        )
+        assert phases["reads"] > 0, path
+
+
+def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, Any]) -> None:
+    groups = SHAPE.groups(SAMPLES)
+    for path in ("producer", "adopt"):
+        figures = point["paths"][path]
+        calls = figures["calls_by_phase"]
+        assert figures["shard_calls"] == sum(sum(ops.values()) for ops in calls.values())
+        assert figures["shard_calls_per_sample"] == round(figures["shard_calls"] / SAMPLES, 2)
+        assert sum(calls["writes"].values()) >= groups  # a group's write, at least
+        assert calls["reads"], path  # the ranks lease their samples
+        assert calls["releases"], path  # the batch ends its leases
+        assert figures["shard_call_cpu_ms"] > 0, path
+    for path in ("ray_floor", "verl"):
+        assert point["paths"][path]["shard_calls"] == 0, path
+        assert point["paths"][path]["over_ray_floor"] is not None, path
+
+
+def test_the_tables_show_every_path(point: dict[str, Any]) -> None:
+    results = {"rl_step": {"shape": {"group": 4}, "points": [point]}}
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(rl_step_table(results))
+    console.print(rl_calls_table(results))
+    text = console.export_text()
+    for label in ("routeplay producer", "routeplay LMDeploy key", "Ray's floor", "verl"):
+        assert label in text
+    assert "1.00x" in text  # Ray's floor over itself
