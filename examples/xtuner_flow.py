@@ -63,6 +63,7 @@ from routeplay.rollout import (
     SampleRouting,
     StalenessBasis,
     TrainingBatch,
+    afinish_all,
     aingest_routing_group,
     session_holder,
 )
@@ -426,7 +427,8 @@ class RolloutWorker:
     async def generate_group(self, group: list[XtunerRolloutState], version: int) -> None:
         """A fresh GRPO group (one prompt, one answer per member): the requests run
         together, then the group's keys are adopted in *one* write, the prompt's rows
-        stored once (``aingest_routing_group``); each member then finishes on its own. A
+        stored once (``aingest_routing_group``); the members then finish together
+        (``afinish_all``: one call per shard for the group). A
         member whose key is refused is set aside as ABORTED (its continuation ends with
         the block) and costs only itself."""
         async with contextlib.AsyncExitStack() as stack:
@@ -446,11 +448,20 @@ class RolloutWorker:
             handles = await aingest_routing_group(
                 conts, answers, writer=self.store, weight_version=version, spec=SPEC
             )
-            for state, cont, handle, body in zip(group, conts, handles, bodies, strict=True):
+            kept = [
+                (state, cont, handle, body)
+                for state, cont, handle, body in zip(group, conts, handles, bodies, strict=True)
+                if not isinstance(handle, RouteplayError)
+            ]
+            for state, handle in zip(group, handles, strict=True):
                 if isinstance(handle, RouteplayError):
                     state.status, state.aborts = Status.ABORTED, state.aborts + 1
-                    continue
-                state.routing = await finish(cont, self.store, handle)
+            # The members' leases together: one acquire_many, then one release per shard.
+            routings = await afinish_all(
+                [cont for _, cont, _, _ in kept], self.store, [h for _, _, h, _ in kept]
+            )
+            for (state, _, _, body), routing in zip(kept, routings, strict=True):
+                state.routing = routing
                 record_answer(state, body, version)
 
     async def converse(
@@ -642,15 +653,16 @@ class Trainer:
                     self.rank(step, plan, by_id, dp_rank, sp_rank)
 
     def rank(self, step: int, plan: PackingPlan, by_id: Any, dp_rank: int, sp_rank: int) -> None:
-        """One DP x SP rank: its own leases, three passes over one materializer, which ends
-        the leases once, after the last pass."""
+        """One DP x SP rank: its own leases (one acquire_many), three passes over one
+        materializer, which ends the leases once, after the last pass."""
         coords = RankCoords(
             dp_rank=dp_rank, sp_rank=sp_rank, sp_size=SP, sp_split="pad_to_multiple"
         )
         holder = f"train/step-{step}/dp{dp_rank}-sp{sp_rank}"
-        mine = [s for mb in plan.schedule(dp_rank) for s in plan.samples_of(mb)]
-        leases = {s.sample_id: self.store.acquire(s.handle, holder) for s in mine}
-        with Materializer(self.store, plan, coords, leases=leases, passes=3) as materializer:
+        # The rank's leases in one acquire_many; the materializer ends them after the last pass.
+        with Materializer.leasing(
+            self.store, plan, coords, holder=holder, passes=3
+        ) as materializer:
             for name in self.PASSES:
                 for item in materializer.next_pass():
                     [pack] = item.packs

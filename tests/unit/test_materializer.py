@@ -596,3 +596,28 @@ def test_output_buffers_are_recycled_only_when_the_consumer_let_go() -> None:
 
 def _sample_ids(plan: PackingPlan, mb: int) -> list[str]:
     return [sample.sample_id for sample in plan.samples_of(mb)]
+
+
+def test_a_rank_takes_its_leases_in_one_call_and_reads_without_another() -> None:
+    """``Materializer.leasing``: one ``lease_many`` over exactly this rank's samples, no
+    locate (the grants carry the blocks), each lease ended as its micro-batch is done."""
+    store = RouteStore.local(StoreConfig(run="leasing"))
+    arrays = [random_routing(SPEC, 9, seed) for seed in range(8)]
+    handles = store.put_many([canonicalize(a, SPEC) for a in arrays])
+    plan = pack_samples(
+        [(f"s{i}", h, 10) for i, h in enumerate(handles)], pack_max_length=20, dp_size=2
+    )
+    mine = [s.sample_id for mb in plan.schedule(1) for s in plan.samples_of(mb)]
+    before = dict(store.stats().calls_by_op)
+    with Materializer.leasing(store, plan, RankCoords(dp_rank=1), holder="r1") as m:
+        assert dict(store.stats().leases_by_holder) == {"r1": len(mine)}
+        got = {
+            s.sample_id: mb.routes[s.offset : s.stop] for mb in m for s in plan.samples_of(mb.index)
+        }
+    after = dict(store.stats().calls_by_op)
+    grew = {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
+    assert grew["lease_many"] == 1
+    assert "locate" not in grew
+    assert store.stats().leases == 0
+    for sample_id in mine:
+        np.testing.assert_array_equal(got[sample_id], arrays[int(sample_id[1:])])

@@ -2,8 +2,9 @@
 default, ``TrainerConfig.dtype``).
 
 Per step: the batch's samples are packed (``pack_samples``), the rank's routing comes one
-micro-batch at a time from the ``Materializer`` (it holds clones of the batch's leases
-and releases each sample once read), and each micro-batch runs
+micro-batch at a time from the ``Materializer`` (``Materializer.leasing``: the rank's own
+leases, taken in one ``acquire_many``, each ended once its sample is read), and each
+micro-batch runs
 
 1. a no-grad forward *without* replay, recording the trainer's own experts: the R3
    effect (how often float32 training would route otherwise than the bf16 engine). It
@@ -152,19 +153,14 @@ class Trainer:
             pack_multiple=self.config.pack_multiple,
         )
         holder = f"{batch.holder}/{self.coords.describe()}"
-        leases = {sid: s.lease.clone(holder) for sid, s in states.items() if s.lease}
         scale = 1.0 / max(1, sum(len(s.response_ids) for s in batch.states))
         gains = advantages(batch.states)
         self._optimizer.zero_grad(set_to_none=True)
         loss_sum, micro_batches = 0.0, 0
-        try:
-            materializer = Materializer(
-                self.store, plan, self.coords, leases=leases, prefetch=self.config.prefetch
-            )
-        except BaseException:  # refused before it took the clones over: end them here
-            for lease in leases.values():
-                lease.release()
-            raise
+        # The rank's leases in one acquire_many, ended by the materializer as it goes.
+        materializer = Materializer.leasing(
+            self.store, plan, self.coords, holder=holder, prefetch=self.config.prefetch
+        )
         with materializer:
             for routes in materializer:
                 inputs = pack_inputs(plan, routes, states, gains, version)

@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the store package imports Ray; a trainer process may run wi
     from routeplay.store.lease import Lease
 
 __all__ = [
+    "LeasingReader",
     "Materializer",
     "MaterializerStats",
     "MicroBatchRoutes",
@@ -85,6 +86,12 @@ class RowReader(Protocol):
         holder: str = "",
         out: Sequence[npt.NDArray[Any]] | None = None,
     ) -> list[npt.NDArray[Any]]: ...
+
+
+class LeasingReader(RowReader, Protocol):
+    """What ``Materializer.leasing`` needs: ``RouteStore.read_many`` and ``acquire_many``."""
+
+    def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -231,6 +238,48 @@ class Materializer:
         except BaseException as exc:
             self._release_refused(exc)
             raise
+
+    @classmethod
+    def leasing(
+        cls,
+        store: LeasingReader,
+        plan: PackingPlan,
+        coords: RankCoords,
+        *,
+        holder: str,
+        prefetch: int = 1,
+        order: Sequence[int] | None = None,
+        passes: int = 1,
+        name: str = "",
+    ) -> Materializer:
+        """The way a trainer rank takes its leases: one ``acquire_many`` (one call per
+        store shard) over exactly the samples of this rank's micro-batches, under
+        ``holder`` (e.g. ``train/step-3/dp2``), handed to the materializer, which ends
+        each once its last micro-batch is consumed (one call per shard and micro-batch).
+        The grants carry the block references, so the reads make no shard call. The
+        step's ``TrainingBatch`` keeps its own leases until it closes.
+
+        Example:
+            >>> with Materializer.leasing(store, plan, coords, holder="train/step-3/dp0") as m:
+            ...     for mb in m:
+            ...         train(mb.routes)
+        """
+        mine = {
+            sample.sample_id: sample.handle
+            for index in plan.schedule(coords.dp_rank)
+            for sample in plan.samples_of(index)
+        }
+        leases = store.acquire_many([(handle, holder) for handle in mine.values()])
+        return cls(
+            store,
+            plan,
+            coords,
+            leases=dict(zip(mine, leases, strict=True)),
+            prefetch=prefetch,
+            order=order,
+            passes=passes,
+            name=name,
+        )
 
     def _setup(
         self,
