@@ -77,7 +77,12 @@ class FaultyBackend:
                 return Settled(error=error)
         if _is(call, ShardApi.clone) and args[0] in self.unclonable:
             return Settled(error=RoutesLost("the shard holding the lease died", where=args[0]))
-        if _is(call, ShardApi.clone_many) and any(lid in self.unclonable for lid in args[0]):
+        if _is(call, ShardApi.transfer_many) and any(lid in self.dead for lid in args[0]):
+            lost = next(lid for lid in args[0] if lid in self.dead)  # a move on a dead shard:
+            self.failed_releases += 1  # nothing of it happens
+            return Settled(error=RoutesLost("the shard holding the lease died", where=lost))
+        moving = _is(call, ShardApi.clone_many) or _is(call, ShardApi.transfer_many)
+        if moving and any(lid in self.unclonable for lid in args[0]):
             lost = next(lid for lid in args[0] if lid in self.unclonable)
             return Settled(error=RoutesLost("the shard holding the lease died", where=lost))
         [settled] = self.inner.send([call])
@@ -89,7 +94,7 @@ class FaultyBackend:
         granting = _is(call, ShardApi.acquire) or _is(call, ShardApi.clone)
         if granting and args[1] in self.dead_holders and isinstance(result, str):
             self.dead.add(result)
-        if _is(call, ShardApi.clone_many) and args[1] in self.dead_holders:
+        if moving_to_dead(call, self.dead_holders):
             self.dead.update(result or ())
         if _is(call, ShardApi.lease_many) and isinstance(result, Grant):  # (ids, holder)s
             for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
@@ -164,3 +169,9 @@ def faulty_store(run: str = "faults", shards: int = 1) -> tuple[RouteStore, Faul
     config = StoreConfig(run=run, shards=shards)
     backend = FaultyBackend(LocalBackend(run, shards=shards, ttl_s=config.ttl_s))
     return RouteStore(config, backend), backend
+
+
+def moving_to_dead(call: ShardCall[Any], dead_holders: set[str]) -> bool:
+    """A batched clone or move granting leases to a holder that cannot release them."""
+    moving = _is(call, ShardApi.clone_many) or _is(call, ShardApi.transfer_many)
+    return moving and call.args[1] in dead_holders

@@ -437,21 +437,27 @@ def test_refresh_retries_a_stale_sample_whose_release_failed(
     assert store.leaks() == []
 
 
-def test_a_group_whose_callers_lease_fails_to_end_enters_the_buffer_with_it(
+def test_a_group_whose_callers_lease_is_on_a_dead_shard_stays_with_the_caller(
     faulty: tuple[RouteStore, FaultyBackend],
 ) -> None:
+    """The group's leases move to the buffer in one atomic call of their shard: a dead
+    shard moves nothing, so every sample keeps its lease and the add raises; once the
+    shard is back the add succeeds. (A move over several shards, or awaited, is a clone
+    then a release: there the caller's lease can fail to end and rides along, see
+    test_routing_groups.)"""
     store, backend = faulty
     state = sample(store, "a", "g", version=0)
     backend.lose_releases(state.lease)  # type: ignore[arg-type]
     buffer = BufferConfig().build(store)
-    buffer.add("g", [state])  # the buffer's clone exists: the add succeeds
-    [entered] = buffer.groups()[0].states
-    assert entered.holds_lease
-    assert entered.stuck
-    assert buffer.stats().stuck_leases == 1
-    assert holders(store) == {"buffer/g": 1, "rollout/a": 1}
+    with pytest.raises(RoutesLost):
+        buffer.add("g", [state])
+    assert len(buffer) == 0
+    assert holders(store) == {"rollout/a": 1}
+    assert state.holds_lease
     backend.heal()
-    buffer.close()  # releases the buffer's lease and retries the caller's
+    buffer.add("g", [state])
+    assert holders(store) == {"buffer/g": 1}
+    buffer.close()
     assert store.leaks() == []
 
 
@@ -492,20 +498,19 @@ def test_training_batch_rolls_back_when_a_clone_fails_on_a_dead_shard(
     assert store.leaks() == []
 
 
-def test_training_batch_keeps_a_buffer_lease_that_fails_to_end_and_retries_it(
+def test_training_batch_keeps_a_lease_that_fails_to_end_and_retries_it(
     faulty: tuple[RouteStore, FaultyBackend],
 ) -> None:
     store, backend = faulty
     buffer = BufferConfig().build(store)
     buffer.add("g", [sample(store, "a", "g", version=0), sample(store, "b", "g", version=0)])
     [group] = buffer.sample(1, current_version=0)
-    backend.lose_releases(group.states[0].lease)  # type: ignore[arg-type]
-    batch = TrainingBatch(3, [group])  # the batch's clones exist: the hand-over holds
-    assert holders(store) == {"buffer/g": 1, "train/step-3": 2}
-    assert [s.stuck for s in batch.states] == [True, False]
+    batch = TrainingBatch(3, [group])
+    assert holders(store) == {"train/step-3": 2}
+    backend.lose_releases(batch.states[0].lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost):
         batch.close()
-    assert holders(store) == {"buffer/g": 1}  # both of the batch's own leases ended
+    assert holders(store) == {"train/step-3": 1}  # the other sample's lease ended
     assert [s.sample_id for s in batch.release_failed()] == ["a"]
     with pytest.raises(RoutesLost):
         batch.close()  # retried, still dead

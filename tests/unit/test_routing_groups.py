@@ -90,11 +90,15 @@ def step_calls(groups: int, size: int) -> dict[str, int]:
 
 
 def test_a_steps_shard_calls_grow_with_its_groups_not_its_samples() -> None:
-    # A fresh finish has no lease to end; adding to the buffer clones, then ends one each.
-    per_group = {"put_many": 1, "lease_many": 1, "clone_many": 1, "release_many": 1}
-    per_batch = {"clone_many": 1, "release_many": 2}
+    # A fresh finish has no lease to end; adding to the buffer moves the group's leases
+    # (one shard: one atomic transfer); the batch moves them again, then ends them.
+    per_group = {"put_many": 1, "lease_many": 1, "transfer_many": 1}
+    per_batch = {"transfer_many": 1, "release_many": 1}
     for groups, size in [(2, 4), (2, 16), (5, 8)]:
-        expected = {op: groups * n + per_batch.get(op, 0) for op, n in per_group.items()}
+        expected = {
+            op: groups * per_group.get(op, 0) + per_batch.get(op, 0)
+            for op in {*per_group, *per_batch}
+        }
         # put_many is how the local backend names a batched write (adopt_many on Ray).
         calls = step_calls(groups, size)
         calls["put_many"] = calls.pop("adopt_many", 0) + calls.pop("adopt_leased", 0)
@@ -117,11 +121,14 @@ def _recorded(store: RouteStore) -> list[str]:
 
 
 def test_a_take_over_clones_for_everyone_before_any_old_lease_ends() -> None:
+    """Leases of one shard move in one call (the shard clones every lease, then ends the
+    old ones, under its lock); awaited, or over several shards, the clones come first,
+    then the old leases end."""
     store = RouteStore.local(StoreConfig(run="order"))
     group = finished_group(store, 0, 5)
     sent = _recorded(store)
     taken = take_over_all(group, "buffer/g0")
-    assert sent == ["clone_many", "release_many"]
+    assert sent == ["transfer_many"]
     assert {r.lease.holder for r in taken if r.lease is not None} == {"buffer/g0"}
     assert all(r.lease is not None and r.lease.released for r in group)
     assert dict(store.stats().leases_by_holder) == {"buffer/g0": 5}
@@ -189,5 +196,36 @@ def test_the_awaitable_steps_make_the_same_calls() -> None:
         return sent
 
     sent = asyncio.run(run())
+    # awaited, a move is a clone then a release: a cancellation leaves the old leases whole
     assert sent == ["lease_many", "release_many", "clone_many", "release_many", "release_many"]
+    assert store.leaks() == []
+
+
+def test_a_shards_batched_move_is_all_or_none() -> None:
+    from routeplay.store.shard import StoreShard
+
+    shard = StoreShard("moves", 0, ttl_s=None)
+    ref = shard.adopt(["block"], rows=3, nbytes=12, block_rows=0)
+    first = shard.acquire([ref.payload_id], "rollout/a", "moves")
+    second = shard.acquire([ref.payload_id], "rollout/b", "moves")
+    with pytest.raises(Exception, match="moves/0"):
+        shard.transfer_many([first, "moves/0/lease-gone", second], "buffer/g")
+    assert {lease.holder for lease in shard.leaks()} == {"rollout/a", "rollout/b"}
+    moved = shard.transfer_many([first, second], "buffer/g")
+    assert [lease.holder for lease in shard.leaks()] == ["buffer/g", "buffer/g"]
+    assert sorted(lease.lease_id for lease in shard.leaks()) == sorted(moved)
+
+
+def test_an_awaited_take_over_keeps_an_old_lease_that_failed_to_end() -> None:
+    """Awaited, a move is a clone then a release: the new leases exist before any old one
+    ends, and an old lease whose release fails rides in its sample's ``unreleased``."""
+    store, backend = faulty_store(run="awaited-stuck")
+    group = finished_group(store, 0, 3)
+    backend.lose_releases(group[1].lease)  # type: ignore[arg-type]
+    taken = asyncio.run(atake_over_all(group, "buffer/g"))
+    assert [bool(r.unreleased) for r in taken] == [False, True, False]
+    assert all(r.lease is not None and r.lease.holder == "buffer/g" for r in taken)
+    assert dict(store.stats().leases_by_holder) == {"buffer/g": 3, "rollout/g0-m1": 1}
+    backend.heal()
+    assert [error for _, error in discard_all(taken)] == [None] * 3
     assert store.leaks() == []

@@ -266,8 +266,37 @@ def _hand_over_all(
 def _take_over_all(
     routings: Sequence[SampleRouting], holder: str, store: Source | None
 ) -> Step[list[SampleRouting]]:
+    live = [r.lease for r in routings if r.lease is not None and not r.lease.released]
+    every_live = len(live) == len(routings) and not any(r.unreleased for r in routings)
+    if every_live and Lease.one_shard(live):
+        moved: Moved = yield _moving(live, holder)
+        return [
+            dataclasses.replace(r, lease=lease, unreleased=(old,) if error else ())
+            for r, old, lease, error in zip(routings, live, *moved, strict=True)
+        ]
     leases = yield from _claim_all(routings, holder, store)
     return (yield from _hand_over_all(routings, leases))
+
+
+Moved = tuple[list[Lease], list[BaseException | None]]
+"""The new leases of a move, and per old lease the error that left it live (or None)."""
+
+
+def _moving(leases: list[Lease], holder: str) -> Call[Moved]:
+    """Leases of one shard moved to ``holder``. Blocking: one atomic call per shard (the
+    new leases first, then the old end, under the shard's lock). Awaited: a clone, then a
+    release, as ``take_over`` does, so a cancellation in flight leaves the old leases
+    untouched (a cancelled move could hand its new leases to no one); an old lease whose
+    release failed rides in its sample's ``unreleased``."""
+
+    def transfer() -> Moved:
+        return Lease.transfer_all(leases, holder), [None] * len(leases)
+
+    async def clone_then_end() -> Moved:
+        clones = await Lease.aclone_all(leases, holder)
+        return clones, await Lease.arelease_each(leases)
+
+    return Call(transfer, clone_then_end)
 
 
 def _discard_all(

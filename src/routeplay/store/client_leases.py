@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from routeplay.core.handle import Handle
-from routeplay.errors import HandleError, RunMismatch
+from routeplay.errors import HandleError, MisuseError, RunMismatch
 from routeplay.store.client_core import StoreCore
 from routeplay.store.coalesce import Coalescer
 from routeplay.store.flow import Flow
@@ -286,6 +286,39 @@ class LeasingStore(StoreCore):
             for (at, _), clone in zip(by_shard[shard], clones, strict=True):
                 parts[at][shard] = clone
         return parts
+
+    def transfer_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> list[dict[int, str]]:
+        """Move leases that all live on one and the same shard to ``holder`` in one call:
+        every new lease first, all or none, then the old ones end (atomically, on that
+        shard: nothing to retry); returns the new parts. ``Lease.transfer_all`` calls it.
+        Leases on other or several shards are refused (``MisuseError``): move them with
+        ``clone_leases`` then ``release_leases``."""
+        return self.drive(self._transfer_leases(leases, holder))
+
+    async def atransfer_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> list[dict[int, str]]:
+        """Awaitable ``transfer_leases`` (cancelled: the moves land; the new leases are
+        revoked as they land, the old ones have ended)."""
+        return await self.adrive(self._transfer_leases(leases, holder))
+
+    def _transfer_leases(
+        self, leases: Sequence[Mapping[int, str]], holder: str
+    ) -> Flow[list[dict[int, str]]]:
+        by_shard = _by_shard(leases)
+        if len(by_shard) != 1 or any(len(parts) != 1 for parts in leases):
+            raise MisuseError(
+                "a batched transfer moves leases of one shard",
+                expected="every lease on one and the same shard",
+                found=f"leases over shards {sorted(by_shard)}",
+                hint="Clone them (clone_leases), then end the old ones (release_leases).",
+            )
+        [(shard, parts)] = by_shard.items()
+        call = shard_call(shard, ShardApi.transfer_many, [lid for _, lid in parts], holder)
+        [moved] = yield from self._grant_all([call], f"move {len(leases)} leases to {holder}")
+        return [{shard: lease_id} for lease_id in moved]
 
     def release_leases(self, leases: Sequence[Mapping[int, str]]) -> list[BaseException | None]:
         """End many leases (their parts), one call per shard, waited for: per lease,

@@ -221,6 +221,14 @@ class StoreShard:
             raise
         return cloned
 
+    def transfer_many(self, lease_ids: Sequence[str], holder: str) -> list[str]:
+        """Move many leases to ``holder`` in one step: every new lease first (all or
+        none), then the old ones end; the payloads never reach zero leases."""
+        moved = self.clone_many(lease_ids, holder)
+        for lease_id in lease_ids:
+            self._table.release(lease_id)
+        return moved
+
     def transfer(self, lease_id: str, holder: str) -> str:
         """Move a lease to another holder without the payloads ever reaching zero leases."""
         return self._table.transfer(lease_id, holder)

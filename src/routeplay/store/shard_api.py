@@ -110,6 +110,10 @@ class ShardApi(Protocol):
         """Another lease of ``holder`` over each lease's payloads, all or none."""
         ...
 
+    def transfer_many(self, lease_ids: list[str], holder: str) -> list[str]:
+        """Move many leases to ``holder``: new ones first (all or none), then the old end."""
+        ...
+
     def transfer(self, lease_id: str, holder: str) -> str:
         """Move a lease to another holder (the payloads never reach zero leases)."""
         ...
