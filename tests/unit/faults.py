@@ -118,6 +118,9 @@ class FaultyBackend:
     def when_done(self, pending: Any, landed: Callable[[Any], None]) -> Any:
         return self.inner.when_done(pending, landed)
 
+    def pull(self, refs: Sequence[Any]) -> None:
+        self.inner.pull(refs)
+
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         return self.inner.borrow(refs)
 

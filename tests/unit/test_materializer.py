@@ -621,3 +621,18 @@ def test_a_rank_takes_its_leases_in_one_call_and_reads_without_another() -> None
     assert store.stats().leases == 0
     for sample_id in mine:
         np.testing.assert_array_equal(got[sample_id], arrays[int(sample_id[1:])])
+
+
+def test_a_leasing_rank_starts_pulling_its_whole_share_at_once() -> None:
+    """``Materializer.leasing`` hands every block its grants carry to ``Backend.pull``
+    once, before the first read: one bundle, not one pull per micro-batch."""
+    store = RouteStore.local(StoreConfig(run="pull"))
+    handles = store.put_many([canonicalize(random_routing(SPEC, 9, s), SPEC) for s in range(6)])
+    plan = pack_samples([(f"s{i}", h, 10) for i, h in enumerate(handles)], pack_max_length=20)
+    pulled: list[int] = []
+    backend = store.backend
+    backend.pull = lambda refs: pulled.append(len(refs))  # type: ignore[method-assign]
+    with Materializer.leasing(store, plan, RankCoords(), holder="r") as m:
+        assert pulled == [6]  # one block per payload, all six, before any read
+        assert sum(1 for _ in m) == len(plan.micro_batches)
+    assert pulled == [6]

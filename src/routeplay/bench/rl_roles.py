@@ -267,6 +267,7 @@ class _StepRank:
         }
         start = time.perf_counter()
         leases = self.store.acquire_many([(h, f"{holder}/dp{self.dp_rank}") for h in mine.values()])
+        self.store.pull(leases)  # as Materializer.leasing: the share crosses as one bundle
         acquired = time.perf_counter()
         digests: list[tuple[str, str]] = []
         with Materializer(

@@ -94,6 +94,11 @@ class Backend(Protocol):
         values (``ray_calls.get_as_created``: each block crosses as soon as it is written)."""
         ...
 
+    def pull(self, refs: Sequence[Any]) -> None:
+        """Start bringing ``refs`` to this node, all at once, without waiting (a rank's
+        whole share of a step, as one bundle: its reads then find them here)."""
+        ...
+
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         """What a reader keeps of block references granted with a lease."""
         ...
@@ -230,6 +235,9 @@ class RayBackend:
         self, refs: Sequence[Any], what: str
     ) -> Iterator[tuple[list[int], list[Any]]]:
         return ray_calls.get_as_created(refs, timeout_s=self._timeout_s, what=what)
+
+    def pull(self, refs: Sequence[Any]) -> None:
+        ray_calls.pull(refs)
 
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         """The references themselves: Ray counts this process as a borrower until the
@@ -372,6 +380,9 @@ class LocalBackend:
         self, refs: Sequence[Any], what: str
     ) -> Iterator[tuple[list[int], list[Any]]]:
         yield list(range(len(refs))), self.fetch(refs, what)  # in process: all exist
+
+    def pull(self, refs: Sequence[Any]) -> None:
+        """In process every block is here already."""
 
     def borrow(self, refs: Sequence[Any]) -> list[Any]:
         """Weak references: here the shard is the only holder of a block, so anything

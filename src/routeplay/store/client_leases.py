@@ -118,6 +118,19 @@ class LeasingStore(StoreCore):
             for at, (handle, holder) in enumerate(items)
         ]
 
+    def pull(self, leases: Sequence[Lease]) -> None:
+        """Start bringing every block the leases pinned in this process to this node, all
+        at once, without waiting (``Backend.pull``): a trainer rank's share arrives as one
+        bundle while it starts on its first micro-batch, instead of one pull per
+        micro-batch. The blocks land in this node's object store (spillable), not in the
+        process; ``Materializer.leasing`` calls it.
+
+        Example:
+            store.pull(leases)
+        """
+        held = self._pins.lookup_many([pid for lease in leases for pid in lease.pinned])
+        self._backend.pull([ref for refs in held if refs for ref in refs])
+
     def release_many(self, leases: Sequence[Lease]) -> None:
         """End many leases with one call per shard, not waited for (idempotent per
         lease): the reader's path (a training step, a materializer's finished samples).

@@ -174,6 +174,11 @@ class Lease:
         return self._released
 
     @property
+    def pinned(self) -> tuple[str, ...]:
+        """Payloads whose block references this lease pinned in this process."""
+        return self._pinned
+
+    @property
     def lease_ids(self) -> tuple[str, ...]:
         """The per-shard lease ids (for accounting and logs)."""
         return tuple(self._parts.values())

@@ -44,6 +44,7 @@ __all__ = [
     "get_as_created",
     "in_object_store",
     "lost_index",
+    "pull",
     "translated",
 ]
 
@@ -110,6 +111,18 @@ def get_as_created(
         now = [i for i in remaining if refs[i] in arrived]
         remaining = [i for i in remaining if refs[i] not in arrived]
         yield now, _blocks([refs[i] for i in now], end, what, timeout_s)
+
+
+def pull(refs: Sequence[Any]) -> None:
+    """Start pulling ``refs`` to this node, without waiting: ``ray.wait`` with
+    ``fetch_local`` asks for each object not here yet, and Ray keeps pulling what it
+    started after the wait returns (a later ``ray.get`` finds it here, or joins the pull
+    under way). Best effort: an object gone or not yet made is left to the read, which
+    raises what it must."""
+    unique = list(dict.fromkeys(refs))  # ray.wait refuses repeats
+    if unique:
+        with contextlib.suppress(rex.RayError, ValueError):
+            ray.wait(unique, num_returns=len(unique), timeout=0, fetch_local=True)
 
 
 def _blocks(refs: list[Any], end: float, what: str, timeout_s: float) -> list[Any]:

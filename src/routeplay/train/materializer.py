@@ -93,6 +93,8 @@ class LeasingReader(RowReader, Protocol):
 
     def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]: ...
 
+    def pull(self, leases: Sequence[Lease]) -> None: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class MicroBatchRoutes:
@@ -256,8 +258,10 @@ class Materializer:
         store shard) over exactly the samples of this rank's micro-batches, under
         ``holder`` (e.g. ``train/step-3/dp2``), handed to the materializer, which ends
         each once its last micro-batch is consumed (one call per shard and micro-batch).
-        The grants carry the block references, so the reads make no shard call. The
-        step's ``TrainingBatch`` keeps its own leases until it closes.
+        The grants carry the block references, so the reads make no shard call, and the
+        rank's blocks start crossing at once, as one bundle (``RouteStore.pull``: they
+        land in the node's object store, not in the process). The step's
+        ``TrainingBatch`` keeps its own leases until it closes.
 
         Example:
             >>> with Materializer.leasing(store, plan, coords, holder="train/step-3/dp0") as m:
@@ -270,6 +274,7 @@ class Materializer:
             for sample in plan.samples_of(index)
         }
         leases = store.acquire_many([(handle, holder) for handle in mine.values()])
+        store.pull(leases)  # the rank's share crosses as one bundle, from now on
         return cls(
             store,
             plan,
