@@ -617,6 +617,7 @@ def test_a_rank_takes_its_leases_in_one_call_and_reads_without_another() -> None
     after = dict(store.stats().calls_by_op)
     grew = {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
     assert grew["lease_many"] == 1
+    assert grew["release_many"] == 1  # all at once, after the rank's last micro-batch
     assert "locate" not in grew
     assert store.stats().leases == 0
     for sample_id in mine:

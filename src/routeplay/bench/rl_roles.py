@@ -271,7 +271,12 @@ class _StepRank:
         acquired = time.perf_counter()
         digests: list[tuple[str, str]] = []
         with Materializer(
-            self.store, plan, coords, leases=dict(zip(mine, leases, strict=True)), prefetch=1
+            self.store,
+            plan,
+            coords,
+            leases=dict(zip(mine, leases, strict=True)),
+            prefetch=1,
+            release_each=False,  # as Materializer.leasing: the batch holds the rows anyway
         ) as micro_batches:
             for mb in micro_batches:
                 if check:

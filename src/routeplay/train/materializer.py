@@ -208,7 +208,9 @@ class Materializer:
     help. ``order`` lists the micro-batch indices in the order the trainer consumes
     them (default: the plan's micro-batches of ``coords.dp_rank``, in plan order).
     ``passes`` is how many times the trainer goes over them, in that order each time
-    (see the module docstring): leases end after the last pass.
+    (see the module docstring): leases end after the last pass. ``release_each=False``
+    ends them all at once after the last micro-batch (one call per shard), for leases
+    whose rows another holder keeps anyway (``leasing``).
 
     Example:
         >>> with Materializer(store, plan, coords, leases=leases, passes=2) as m:
@@ -229,10 +231,12 @@ class Materializer:
         order: Sequence[int] | None = None,
         passes: int = 1,
         name: str = "",
+        release_each: bool = True,
     ) -> None:
         # The leases are ours from this call on: a refusal below releases them (the
         # caller has no object left to release them through).
         self._leases: dict[str, Lease] = dict(leases or {})
+        self._release_each = release_each
         try:
             self._setup(
                 store, plan, coords, prefetch=prefetch, order=order, passes=passes, name=name
@@ -257,7 +261,9 @@ class Materializer:
         """The way a trainer rank takes its leases: one ``acquire_many`` (one call per
         store shard) over exactly the samples of this rank's micro-batches, under
         ``holder`` (e.g. ``train/step-3/dp2``), handed to the materializer, which ends
-        each once its last micro-batch is consumed (one call per shard and micro-batch).
+        them all once the rank's last micro-batch is consumed (one call per shard: the
+        step's ``TrainingBatch`` holds the same rows until it closes, so ending them one
+        micro-batch at a time would free nothing sooner, at one call per micro-batch).
         The grants carry the block references, so the reads make no shard call, and the
         rank's blocks start crossing at once, as one bundle (``RouteStore.pull``: they
         land in the node's object store, not in the process). The step's
@@ -284,6 +290,7 @@ class Materializer:
             order=order,
             passes=passes,
             name=name,
+            release_each=False,  # the step's batch holds the rows anyway: one release
         )
 
     def _setup(
@@ -392,7 +399,8 @@ class Materializer:
             )
         after: dict[int, list[str]] = {}
         for sample_id in self._leases:
-            after.setdefault(last[sample_id], []).append(sample_id)
+            when = last[sample_id] if self._release_each else len(self._stream) - 1
+            after.setdefault(when, []).append(sample_id)
         return after
 
     # -- building one micro-batch --------------------------------------------------------
