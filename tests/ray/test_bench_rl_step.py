@@ -103,7 +103,15 @@ def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, 
         calls = figures["calls_by_phase"]
         assert figures["shard_calls"] == sum(sum(ops.values()) for ops in calls.values())
         assert figures["shard_calls_per_sample"] == round(figures["shard_calls"] / SAMPLES, 2)
-        assert sum(calls["writes"].values()) >= groups  # a group's write, at least
+        # Groups answered together: the producer stages them all for one adopt call and
+        # their members' leases go out in one call; engine keys are adopted a call per
+        # group, and the leases of the groups whose adoption lands together go together.
+        if path == "producer":
+            assert calls["writes"] == {"adopt_from_many": 1, "lease_many": 1}
+        else:
+            assert calls["writes"]["adopt_keys"] == groups
+            assert 1 <= calls["writes"]["lease_many"] <= groups
+        assert calls["buffer"] == {"transfer_many": 1}, path  # every group at once
         assert calls["reads"], path  # the ranks lease their samples
         assert calls["releases"], path  # the batch ends its leases
         assert figures["shard_call_cpu_ms"] > 0, path

@@ -94,8 +94,8 @@ class FaultyBackend:
         granting = _is(call, ShardApi.acquire) or _is(call, ShardApi.clone)
         if granting and args[1] in self.dead_holders and isinstance(result, str):
             self.dead.add(result)
-        if moving_to_dead(call, self.dead_holders):
-            self.dead.update(result or ())
+        for lease_id in granted_to_dead(call, result, self.dead_holders):
+            self.dead.add(lease_id)
         if _is(call, ShardApi.lease_many) and isinstance(result, Grant):  # (ids, holder)s
             for (_, holder), lease_id in zip(args[0], result.lease_ids, strict=True):
                 if holder in self.dead_holders:
@@ -174,7 +174,10 @@ def faulty_store(run: str = "faults", shards: int = 1) -> tuple[RouteStore, Faul
     return RouteStore(config, backend), backend
 
 
-def moving_to_dead(call: ShardCall[Any], dead_holders: set[str]) -> bool:
-    """A batched clone or move granting leases to a holder that cannot release them."""
+def granted_to_dead(call: ShardCall[Any], result: Any, dead_holders: set[str]) -> list[str]:
+    """The leases a batched clone or move granted to holders that cannot release them
+    (one holder per lease)."""
     moving = _is(call, ShardApi.clone_many) or _is(call, ShardApi.transfer_many)
-    return moving and call.args[1] in dead_holders
+    if not moving or not isinstance(result, list):
+        return []
+    return [lid for lid, h in zip(result, call.args[1], strict=True) if h in dead_holders]

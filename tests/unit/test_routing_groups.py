@@ -20,7 +20,7 @@ from faults import faulty_store
 
 from routeplay.core import Handle, RouteSpec, read_response
 from routeplay.core.wires import Engine
-from routeplay.errors import RoutesLost
+from routeplay.errors import MisuseError, RoutesLost
 from routeplay.rollout import (
     BufferConfig,
     SampleRouting,
@@ -103,6 +103,37 @@ def test_a_steps_shard_calls_grow_with_its_groups_not_its_samples() -> None:
         calls = step_calls(groups, size)
         calls["put_many"] = calls.pop("adopt_many", 0) + calls.pop("adopt_leased", 0)
         assert calls == expected, (groups, size)
+
+
+def test_a_buffer_takes_many_groups_over_in_one_call_each_to_its_own_holder() -> None:
+    store = RouteStore.local(StoreConfig(run="add-all"))
+    groups = {f"g{g}": finished_group(store, g, 4) for g in range(6)}
+    buffer = BufferConfig(max_staleness=5).build(store)
+    sent = _recorded(store)
+    buffer.add_all(groups)
+    assert sent == ["transfer_many"]  # six groups, one shard: one call
+    assert dict(store.stats().leases_by_holder) == {f"buffer/g{g}": 4 for g in range(6)}
+    assert [group.group_id for group in buffer.groups()] == list(groups)
+    for group in buffer.groups():
+        assert {s.lease.holder for s in group.states if s.lease} == {f"buffer/{group.group_id}"}
+    with pytest.raises(MisuseError, match="already in the buffer"):
+        buffer.add_all({"g9": [], "g2": []})  # refused before anything moved
+    assert "g9" not in {group.group_id for group in buffer.groups()}
+    buffer.close()
+    assert store.leaks() == []
+
+
+def test_a_buffer_adding_many_groups_moves_none_if_one_lease_cannot_move() -> None:
+    store, backend = faulty_store(run="add-all-none")
+    groups = {f"g{g}": finished_group(store, g, 3) for g in range(3)}
+    backend.lose_clones(groups["g1"][2].lease)  # type: ignore[arg-type]
+    buffer = BufferConfig(max_staleness=5).build(store)
+    with pytest.raises(RoutesLost):
+        buffer.add_all(groups)
+    assert len(buffer) == 0
+    holders = {f"rollout/g{g}-m{m}": 1 for g in range(3) for m in range(3)}
+    assert dict(store.stats().leases_by_holder) == holders
+    discard_all([s for states in groups.values() for s in states])
 
 
 def _recorded(store: RouteStore) -> list[str]:
@@ -209,10 +240,12 @@ def test_a_shards_batched_move_is_all_or_none() -> None:
     first = shard.acquire([ref.payload_id], "rollout/a", "moves")
     second = shard.acquire([ref.payload_id], "rollout/b", "moves")
     with pytest.raises(Exception, match="moves/0"):
-        shard.transfer_many([first, "moves/0/lease-gone", second], "buffer/g")
+        shard.transfer_many([first, "moves/0/lease-gone", second], ["buffer/g"] * 3)
     assert {lease.holder for lease in shard.leaks()} == {"rollout/a", "rollout/b"}
-    moved = shard.transfer_many([first, second], "buffer/g")
-    assert [lease.holder for lease in shard.leaks()] == ["buffer/g", "buffer/g"]
+    with pytest.raises(MisuseError, match="one holder per lease"):
+        shard.transfer_many([first, second], "buffer/g")  # a str is not one per lease
+    moved = shard.transfer_many([first, second], ["buffer/g", "buffer/h"])
+    assert [lease.holder for lease in shard.leaks()] == ["buffer/g", "buffer/h"]
     assert sorted(lease.lease_id for lease in shard.leaks()) == sorted(moved)
 
 

@@ -8,13 +8,17 @@ answered), or, on the LMDeploy-key path, the keys the engine put (``StepEngine``
 put per sample into routeplay's engine store, as LMDeploy's engine puts them). It then
 hands each group on one of four ways:
 
-- **producer** (routeplay): each group's answers through ``ingest_routing_group`` with
-  the worker's ``ProducerWriter`` (one write of one payload, the prompt's rows once),
-  then ``finish_all`` (each member's own lease, one call for the group) and each
-  member's ``complete``; the driver gets each member's ``SampleRouting`` (a handle and
-  a lease: small).
+- **producer** (routeplay): one coroutine per group (the worker is an asyncio actor, as
+  XTuner's and verl's rollout workers are): its answers through
+  ``aingest_routing_group`` with the worker's ``ProducerWriter`` (one payload, the
+  prompt's rows once), then ``afinish_all`` (each member's own lease) and each member's
+  ``complete``. The groups answered together are written together: their payloads in
+  one shard call, their leases in another (``AsyncRoutesProducer``,
+  ``routeplay.store.coalesce``). The driver gets each member's ``SampleRouting`` (a
+  handle and a lease: small).
 - **adopt** (routeplay, LMDeploy keys): the same, each group's keys adopted together
-  (``adopt_keys_each(..., shared_prefix=..., pack=True)`` underneath).
+  (``aadopt_keys_each(..., shared_prefix=..., pack=True)`` underneath: a call per
+  group).
 - **ray_floor** (Ray's own floor for the same objects): each group's canonical rows laid
   out as routeplay lays them (the prompt once, then each member's own rows) and
   ``ray.put`` once; the driver gets the references.
@@ -31,6 +35,7 @@ sample's rows, so the step can check that all four paths delivered the same rows
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import time
@@ -45,8 +50,8 @@ from routeplay.bench import verl_path
 from routeplay.bench.workloads import RLStepShape
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize
 from routeplay.core.wires import Engine, EngineRouting
-from routeplay.rollout import ProducerWriter, SampleRouting, finish_all, ingest_routing_group
-from routeplay.store import RoutesProducer, RouteStore, producer_actor
+from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
+from routeplay.store import AsyncRoutesProducer, RoutesProducer, RouteStore, producer_actor
 from routeplay.train import Materializer, PackingPlan, RankCoords
 
 _DEADLINE_S = 600.0
@@ -142,8 +147,10 @@ class _StepEngine(RoutesProducer):
         return out
 
 
-class _StepRollout(RoutesProducer):
-    """The rollout worker: the step's answers, handed on one of four ways."""
+class _StepRollout(AsyncRoutesProducer):
+    """The rollout worker: the step's answers, handed on one of four ways. An asyncio
+    actor with one coroutine per GRPO group, as XTuner's and verl's rollout workers run
+    their samples: the groups whose answers land together are handed on together."""
 
     def __init__(self, store: RouteStore, shape: RLStepShape) -> None:
         self.store = store
@@ -161,7 +168,7 @@ class _StepRollout(RoutesProducer):
         ]
         return sum(routes.nbytes for group in self._decoded for routes in group)
 
-    def write_groups(self) -> list[list[SampleRouting]]:
+    async def write_groups(self) -> list[list[SampleRouting]]:
         """Producer path: each group's answers written together, each member finished."""
         shape = self.shape
         answers = [
@@ -176,39 +183,41 @@ class _StepRollout(RoutesProducer):
             ]
             for group in self._decoded
         ]
-        return [self._ingest(group, routings) for group, routings in enumerate(answers)]
+        return list(
+            await asyncio.gather(*(self._ingest(g, routings) for g, routings in enumerate(answers)))
+        )
 
-    def adopt_groups(self, keys: Sequence[Sequence[str]]) -> list[list[SampleRouting]]:
+    async def adopt_groups(self, keys: Sequence[Sequence[str]]) -> list[list[SampleRouting]]:
         """LMDeploy-key path: each group's keys adopted together, each member finished."""
         shape = self.shape
-        return [
-            self._ingest(
-                group,
-                [
-                    EngineRouting(
-                        engine=Engine.LMDEPLOY,
-                        prompt_tokens=shape.shared_prompt,
-                        completion_tokens=shape.tokens - shape.shared_prompt,
-                        key=EngineKey(key=key, rows=shape.rows),
-                    )
-                    for key in group_keys
-                ],
-            )
-            for group, group_keys in enumerate(keys)
+        answers = [
+            [
+                EngineRouting(
+                    engine=Engine.LMDEPLOY,
+                    prompt_tokens=shape.shared_prompt,
+                    completion_tokens=shape.tokens - shape.shared_prompt,
+                    key=EngineKey(key=key, rows=shape.rows),
+                )
+                for key in group_keys
+            ]
+            for group_keys in keys
         ]
+        return list(
+            await asyncio.gather(*(self._ingest(g, routings) for g, routings in enumerate(answers)))
+        )
 
-    def _ingest(self, group: int, routings: Sequence[EngineRouting]) -> list[SampleRouting]:
+    async def _ingest(self, group: int, routings: Sequence[EngineRouting]) -> list[SampleRouting]:
         """One group as a rollout worker writes it (``routeplay.rollout``): a
-        continuation per member with the group's prompt, one ``ingest_routing_group``,
-        then ``finish_all`` (every member's lease ``rollout/<id>`` in one call) and each
-        member's ``complete``. A refused member fails the bench: every answer is valid."""
+        continuation per member with the group's prompt, one ``aingest_routing_group``,
+        then ``afinish_all`` (every member's lease ``rollout/<id>``) and each member's
+        ``complete``. A refused member fails the bench: every answer is valid."""
         shape = self.shape
         prompt = tuple(range(group * shape.shared_prompt, (group + 1) * shape.shared_prompt))
         conts = [
             SampleRouting(sample_id=sample_id(group, member)).continuation(prompt_ids=prompt)
             for member in range(len(routings))
         ]
-        written = ingest_routing_group(
+        written = await aingest_routing_group(
             conts, routings, writer=self._writer, weight_version=VERSION, spec=self.spec
         )
         handles = []
@@ -219,7 +228,7 @@ class _StepRollout(RoutesProducer):
         response = shape.tokens - shape.shared_prompt
         return [
             routing.complete(prompt_tokens=shape.shared_prompt, response_tokens=response)
-            for routing in finish_all(conts, self.store, handles)
+            for routing in await afinish_all(conts, self.store, handles)
         ]
 
     def put_groups(self) -> list[list[Any]]:

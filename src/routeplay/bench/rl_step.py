@@ -9,9 +9,10 @@ when every rank has read its rows and nothing is held any more. Its phases, each
 on the driver's clock, one after the other:
 
 - generation: ``writes`` (the rollout worker hands each group on: routeplay's group
-  ingest and its ``finish_all``; Ray's ``ray.put`` per group; verl's int16 batch,
-  returned to the driver) and ``buffer`` (each group into routeplay's ``ReplayBuffer``;
-  verl's ``DataProto.concat`` of its workers' outputs; nothing for Ray);
+  ingest and its ``afinish_all``, one coroutine per group; Ray's ``ray.put`` per group;
+  verl's int16 batch, returned to the driver) and ``buffer`` (every group into
+  routeplay's ``ReplayBuffer`` at once, ``add_all``; verl's ``DataProto.concat`` of its
+  workers' outputs; nothing for Ray);
 - the trainer's step: ``batch`` (``buffer.sample`` and ``TrainingBatch``, which takes
   the leases over; verl's ``chunk``; Ray's split of the references), ``reads`` (the
   ranks' reads of their share: routeplay packs the batch with ``pack_samples`` over the
@@ -261,8 +262,9 @@ class _StepBench:
             else:
                 groups = ray.get(self.rollout.adopt_groups.remote(keys), timeout=_DEADLINE_S)
         with meter.phase("buffer"):
-            for group, states in enumerate(groups):
-                self.buffer.add(f"{self.step}/{group}", states)
+            self.buffer.add_all(
+                {f"{self.step}/{group}": states for group, states in enumerate(groups)}
+            )
             del groups  # the buffer's states hold the leases now
         with meter.phase("batch"):
             batch = TrainingBatch(self.step, self.buffer.sample(self.groups, VERSION))

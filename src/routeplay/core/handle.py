@@ -63,11 +63,19 @@ class StoreRef:
         # 1,000 segments hashes its sources on every acquire and read).
         return hash(self.payload_id)
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Positional: a plan of thousands of samples unpickles in every trainer rank.
+        return (_store_ref, (self.payload_id, self.run, self.rows, self.block_rows))
+
     def blocks(self, start: int, stop: int) -> range:
         """Indices of the blocks holding rows ``[start, stop)``."""
         if self.block_rows <= 0 or stop <= start:
             return range(0, 1 if stop > start else 0)
         return range(start // self.block_rows, -(-stop // self.block_rows))
+
+
+def _store_ref(payload_id: str, run: str, rows: int, block_rows: int) -> StoreRef:
+    return StoreRef(payload_id=payload_id, run=run, rows=rows, block_rows=block_rows)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -311,7 +319,17 @@ class Handle:
         return tuple(dict.fromkeys(seg.source for seg in self.segments))
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (Handle, (self.spec, self.segments))
+        # Its segments were normalized when it was built: a copy takes them as they are
+        # (a trainer rank unpickles a step's plan, thousands of handles, per step).
+        return (_restored_handle, (self.spec, self.segments, self._rows))
+
+
+def _restored_handle(spec: RouteSpec, segments: tuple[Segment, ...], rows: int) -> Handle:
+    restored = object.__new__(Handle)
+    object.__setattr__(restored, "spec", spec)
+    object.__setattr__(restored, "segments", segments)
+    object.__setattr__(restored, "_rows", rows)
+    return restored
 
 
 def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, ...]:

@@ -68,8 +68,7 @@ def run_demo(
                 done, failed = svc.pool.run(jobs, version, on_done=lambda _: progress.advance())
                 svc.groups.lost(failed)
                 svc.sessions.done(*(job.state for job in failed))
-                for group_id, states in svc.groups.add(done):
-                    svc.buffer.add(group_id, states)
+                svc.buffer.add_all(dict(svc.groups.add(done)))  # one call per shard
                 meter.point(step, "rollout")
 
                 groups = svc.buffer.sample(config.trainer.groups_per_step, version)

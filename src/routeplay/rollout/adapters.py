@@ -42,7 +42,7 @@ from routeplay.rollout.steps import Call, Step, arun_step, run_step
 
 if TYPE_CHECKING:  # both load Ray; adapters only call them
     from routeplay.store.client import RouteStore
-    from routeplay.store.producer import RoutesProducer
+    from routeplay.store.producer import AsyncRoutesProducer, RoutesProducer
 
 __all__ = [
     "ADAPTERS",
@@ -103,6 +103,10 @@ class ProducerWriter:
         Example:
             >>> handle = await writer.aput(routes, weight_version=2)  # doctest: +SKIP
         """
+        producer = self._async_producer()
+        return await producer.aput_routes(self.store, routes, weight_version=weight_version)
+
+    def _async_producer(self) -> AsyncRoutesProducer:
         from routeplay.store.producer import AsyncRoutesProducer  # loads Ray: only here
 
         producer = self.producer
@@ -113,7 +117,7 @@ class ProducerWriter:
                 found=type(producer).__name__,
                 hint="A threaded producer (RoutesProducer) puts with the blocking put().",
             )
-        return await producer.aput_routes(self.store, routes, weight_version=weight_version)
+        return producer
 
     def adopt_key(
         self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
@@ -153,6 +157,30 @@ class ProducerWriter:
             pack=pack,
         )
 
+    async def aadopt_keys_each(
+        self,
+        keys: Sequence[EngineKey],
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        start_rows: Sequence[int] | None = None,
+        pack: bool = False,
+    ) -> list[Handle | RouteplayError]:
+        """Awaitable ``adopt_keys_each``.
+
+        Example:
+            >>> out = await writer.aadopt_keys_each(keys, spec, pack=True)  # doctest: +SKIP
+        """
+        return await self.store.aadopt_keys_each(
+            keys,
+            spec,
+            weight_version=weight_version,
+            shared_prefix=shared_prefix,
+            start_rows=start_rows,
+            pack=pack,
+        )
+
     def free_key(self, key: EngineKey) -> bool:
         """Drop a key nobody will read."""
         return self.store.free_key(key)
@@ -175,6 +203,25 @@ class ProducerWriter:
             >>> handles = writer.put_many(group, shared_prefix=600, pack=True)  # doctest: +SKIP
         """
         return self.producer.put_routes_many(
+            self.store, batch, weight_version=weight_version, shared_prefix=shared_prefix, pack=pack
+        )
+
+    async def aput_many(
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Awaitable ``put_many`` (an asyncio producer actor): the batches of its
+        concurrent coroutines go out in one shard call (``AsyncRoutesProducer``).
+
+        Example:
+            >>> handles = await writer.aput_many(group, shared_prefix=600)  # doctest: +SKIP
+        """
+        producer = self._async_producer()
+        return await producer.aput_routes_many(
             self.store, batch, weight_version=weight_version, shared_prefix=shared_prefix, pack=pack
         )
 

@@ -32,7 +32,7 @@ trace session.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -51,6 +51,7 @@ from routeplay.rollout.sessions import SessionLedger
 
 if TYPE_CHECKING:  # the client loads Ray; the buffer only calls it
     from routeplay.store.client import RouteStore
+    from routeplay.store.lease import Holders
 
 __all__ = [
     "BufferConfig",
@@ -182,14 +183,33 @@ class ReplayBuffer(Generic[S]):
 
     def add(self, group_id: str, states: Sequence[S]) -> None:
         """Take over the samples: each sample's lease moves to the buffer (no data moves),
-        the whole group with two calls per store shard (``take_over_all``): the buffer's
-        leases first, all or none, then the callers' end (a failed end rides in that
-        sample's ``unreleased``)."""
-        if group_id in self._groups:
-            raise MisuseError("group already in the buffer", where=f"group {group_id}")
-        taken = _taken_over(states, self.holder(group_id), self.store)
-        self._groups[group_id] = Group(group_id=group_id, states=taken, added=self._counts.order)
-        self._counts.order += 1
+        the whole group at once (``take_over_all``: one atomic call when its leases live
+        on one shard, else the buffer's leases first, all or none, then the callers'
+        end; a failed end rides in that sample's ``unreleased``).
+
+        Example:
+            buffer.add("step-3/g-7", group_states)
+        """
+        self.add_all({group_id: states})
+
+    def add_all(self, groups: Mapping[str, Sequence[S]]) -> None:
+        """``add`` for many groups at once (a rollout worker's whole output): every
+        sample's lease moves to its group's holder ``buffer/<group id>`` in the same
+        calls (one per store shard for all of them, not one per group), all or none.
+
+        Example:
+            buffer.add_all({"step-3/g-0": group_0, "step-3/g-1": group_1})
+        """
+        for group_id in groups:
+            if group_id in self._groups:
+                raise MisuseError("group already in the buffer", where=f"group {group_id}")
+        flat = [state for states in groups.values() for state in states]
+        holders = [self.holder(gid) for gid, states in groups.items() for _ in states]
+        taken = iter(_taken_over(flat, holders, self.store))
+        for group_id, states in groups.items():
+            mine = tuple(next(taken) for _ in states)
+            self._groups[group_id] = Group(group_id=group_id, states=mine, added=self._counts.order)
+            self._counts.order += 1
 
     def refresh(self, current_version: int) -> tuple[list[str], list[str]]:
         """Retry or discard stale groups; returns (retried sample ids, discarded group ids).
@@ -350,9 +370,11 @@ class ReplayBuffer(Generic[S]):
         return (0, group.added)
 
 
-def _taken_over(states: Sequence[S], holder: str, store: ManyLeaseSource | None) -> tuple[S, ...]:
-    """The samples with ``holder``'s leases in place of their own (``take_over_all``); a
-    sample with nothing to claim is kept as it is."""
+def _taken_over(
+    states: Sequence[S], holder: Holders, store: ManyLeaseSource | None
+) -> tuple[S, ...]:
+    """The samples with ``holder``'s leases (or each its own holder's) in place of their
+    own (``take_over_all``); a sample with nothing to claim is kept as it is."""
     routings = take_over_all([state.sample_routing for state in states], holder, store)
     return tuple(
         state if routing is state.sample_routing else state.with_sample_routing(routing)

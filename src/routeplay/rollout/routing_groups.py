@@ -45,7 +45,7 @@ from routeplay.rollout.routing_continuation import RoutingContinuation
 from routeplay.rollout.routing_terms import sample_holder
 from routeplay.rollout.sample_routing import Expiry, SampleRouting
 from routeplay.rollout.steps import Call, Step, arun_step, run_step
-from routeplay.store.lease import Lease
+from routeplay.store.lease import Holders, Lease, holders_of
 
 __all__ = [
     "AsyncManyLeaseSource",
@@ -81,10 +81,11 @@ Source = ManyLeaseSource | AsyncManyLeaseSource
 
 
 def claim_all(
-    routings: Sequence[SampleRouting], holder: str, store: ManyLeaseSource | None = None
+    routings: Sequence[SampleRouting], holder: Holders, store: ManyLeaseSource | None = None
 ) -> list[Lease | None]:
-    """``claim`` for every sample: per sample the new lease of ``holder`` (None for one
-    with neither a live lease nor, without ``store``, a handle), all or none.
+    """``claim`` for every sample: per sample the new lease of ``holder`` (or of its own
+    holder in a list, one per sample; None for one with neither a live lease nor,
+    without ``store``, a handle), all or none.
 
     Example:
         >>> mine = claim_all([s.sample_routing for s in group], "buffer/g", store)  # doctest: +SKIP
@@ -93,7 +94,9 @@ def claim_all(
 
 
 async def aclaim_all(
-    routings: Sequence[SampleRouting], holder: str, store: AsyncManyLeaseSource | None = None
+    routings: Sequence[SampleRouting],
+    holder: Holders,
+    store: AsyncManyLeaseSource | None = None,
 ) -> list[Lease | None]:
     """Awaitable ``claim_all``.
 
@@ -127,10 +130,12 @@ async def ahand_over_all(
 
 
 def take_over_all(
-    routings: Sequence[SampleRouting], holder: str, store: ManyLeaseSource | None = None
+    routings: Sequence[SampleRouting], holder: Holders, store: ManyLeaseSource | None = None
 ) -> list[SampleRouting]:
-    """``holder`` takes every sample over: its leases first (all or none), then the old
-    ones end (two calls per shard for the whole group).
+    """``holder`` (or each sample's own holder in a list, one per sample: many groups
+    entering a buffer at once) takes every sample over: its leases first (all or
+    none), then the old ones end (one atomic call per shard when every lease is live on
+    one shard, else two calls per shard).
 
     Example:
         >>> routings = take_over_all(routings, "train/step-3")  # doctest: +SKIP
@@ -139,7 +144,9 @@ def take_over_all(
 
 
 async def atake_over_all(
-    routings: Sequence[SampleRouting], holder: str, store: AsyncManyLeaseSource | None = None
+    routings: Sequence[SampleRouting],
+    holder: Holders,
+    store: AsyncManyLeaseSource | None = None,
 ) -> list[SampleRouting]:
     """Awaitable ``take_over_all``.
 
@@ -223,8 +230,9 @@ async def aexpire_all(routings: Sequence[SampleRouting]) -> list[Expiry]:
 
 
 def _claim_all(
-    routings: Sequence[SampleRouting], holder: str, store: Source | None
+    routings: Sequence[SampleRouting], holder: Holders, store: Source | None
 ) -> Step[list[Lease | None]]:
+    holders = holders_of(holder, len(routings))
     out: list[Lease | None] = [None] * len(routings)
     live = [i for i, r in enumerate(routings) if r.lease is not None and not r.lease.released]
     bare = [
@@ -234,13 +242,14 @@ def _claim_all(
     ]
     if live:
         leases = [cast(Lease, routings[i].lease) for i in live]
+        mine = [holders[i] for i in live]
         clones: list[Lease] = yield Call(
-            lambda: Lease.clone_all(leases, holder), lambda: Lease.aclone_all(leases, holder)
+            lambda: Lease.clone_all(leases, mine), lambda: Lease.aclone_all(leases, mine)
         )
         for i, clone in zip(live, clones, strict=True):
             out[i] = clone
     if bare:
-        items = [(cast(Handle, routings[i].handle), holder) for i in bare]
+        items = [(cast(Handle, routings[i].handle), holders[i]) for i in bare]
         try:
             acquired: list[Lease] = yield _acquiring_many(cast(Source, store), items)
         except BaseException:  # nothing claimed: end the clones already made
@@ -264,7 +273,7 @@ def _hand_over_all(
 
 
 def _take_over_all(
-    routings: Sequence[SampleRouting], holder: str, store: Source | None
+    routings: Sequence[SampleRouting], holder: Holders, store: Source | None
 ) -> Step[list[SampleRouting]]:
     live = [r.lease for r in routings if r.lease is not None and not r.lease.released]
     every_live = len(live) == len(routings) and not any(r.unreleased for r in routings)
@@ -282,7 +291,7 @@ Moved = tuple[list[Lease], list[BaseException | None]]
 """The new leases of a move, and per old lease the error that left it live (or None)."""
 
 
-def _moving(leases: list[Lease], holder: str) -> Call[Moved]:
+def _moving(leases: list[Lease], holder: Holders) -> Call[Moved]:
     """Leases of one shard moved to ``holder``. Blocking: one atomic call per shard (the
     new leases first, then the old end, under the shard's lock). Awaited: a clone, then a
     release, as ``take_over`` does, so a cancellation in flight leaves the old leases

@@ -260,11 +260,11 @@ class StoreShardShell(_Reaped):
     def clone(self, lease_id: str, holder: str) -> str:
         return self._locked(lambda: self._shard.clone(lease_id, holder))
 
-    def clone_many(self, lease_ids: list[str], holder: str) -> list[str]:
-        return self._locked(lambda: self._shard.clone_many(lease_ids, holder))
+    def clone_many(self, lease_ids: list[str], holders: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.clone_many(lease_ids, holders))
 
-    def transfer_many(self, lease_ids: list[str], holder: str) -> list[str]:
-        return self._locked(lambda: self._shard.transfer_many(lease_ids, holder))
+    def transfer_many(self, lease_ids: list[str], holders: list[str]) -> list[str]:
+        return self._locked(lambda: self._shard.transfer_many(lease_ids, holders))
 
     def transfer(self, lease_id: str, holder: str) -> str:
         return self._locked(lambda: self._shard.transfer(lease_id, holder))

@@ -16,7 +16,7 @@ from routeplay.errors import HandleError, MisuseError, RunMismatch
 from routeplay.store.client_core import StoreCore
 from routeplay.store.coalesce import Coalescer
 from routeplay.store.flow import Flow
-from routeplay.store.lease import Lease
+from routeplay.store.lease import Holders, Lease, holders_of
 from routeplay.store.lease_table import LeakRecord
 from routeplay.store.shard import Grant, shard_of
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
@@ -223,20 +223,9 @@ class LeasingStore(StoreCore):
     def _clone_by_holder(
         self, items: Sequence[tuple[dict[int, str], str]]
     ) -> Flow[list[dict[int, str]]]:
-        """Clones of many ``(parts, holder)``, one call per shard and holder, in order."""
-        out: list[dict[int, str]] = [{} for _ in items]
-        by_holder: dict[str, list[int]] = {}
-        for at, (_, holder) in enumerate(items):
-            by_holder.setdefault(holder, []).append(at)
-        try:
-            for holder, positions in by_holder.items():
-                clones = yield from self._clone_leases([items[at][0] for at in positions], holder)
-                for at, clone in zip(positions, clones, strict=True):
-                    out[at] = clone
-        except BaseException:  # all or none: another holder's clones exist already
-            self._end_parts([parts for parts in out if parts])
-            raise
-        return out
+        """Clones of many ``(parts, holder)``, one call per shard, in order."""
+        leases = [parts for parts, _ in items]
+        return (yield from self._clone_leases(leases, [holder for _, holder in items]))
 
     def _end_parts(self, leases: Sequence[Mapping[int, str]]) -> None:
         """Revoke leases nobody will hold (sent, not waited for; as a rescue's undo)."""
@@ -270,30 +259,38 @@ class LeasingStore(StoreCore):
         return moved
 
     def clone_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
-        """A new lease of ``holder`` for each lease (its parts), one call per shard for
-        all of them, all or none; returns the new parts in order. ``Lease.clone_all``
-        calls it (a group or a batch taken over at once)."""
+        """A new lease of ``holder`` (or of each lease's own holder in a list, one per
+        lease) for each lease (its parts), one call per shard for all of them, all or
+        none; returns the new parts in order. ``Lease.clone_all`` calls it (a group or a
+        batch taken over at once)."""
         return self.drive(self._clone_leases(leases, holder))
 
     async def aclone_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
         """Awaitable ``clone_leases`` (``Lease.aclone_all``; cancelled: every clone is
         revoked as it lands)."""
         return await self.adrive(self._clone_leases(leases, holder))
 
     def _clone_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> Flow[list[dict[int, str]]]:
+        holders = holders_of(holder, len(leases))
         by_shard = _by_shard(leases)
         shards = sorted(by_shard)
         calls = [
-            shard_call(i, ShardApi.clone_many, [lid for _, lid in by_shard[i]], holder)
+            shard_call(
+                i,
+                ShardApi.clone_many,
+                [lid for _, lid in by_shard[i]],
+                [holders[at] for at, _ in by_shard[i]],
+            )
             for i in shards
         ]
-        granted = yield from self._grant_all(calls, f"clone {len(leases)} leases for {holder}")
+        what = f"clone {len(leases)} leases for {_named(holders)}"
+        granted = yield from self._grant_all(calls, what)
         parts: list[dict[int, str]] = [{} for _ in leases]
         for shard, clones in zip(shards, granted, strict=True):
             for (at, _), clone in zip(by_shard[shard], clones, strict=True):
@@ -301,9 +298,10 @@ class LeasingStore(StoreCore):
         return parts
 
     def transfer_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
-        """Move leases that all live on one and the same shard to ``holder`` in one call:
+        """Move leases that all live on one and the same shard to ``holder`` (or each to
+        its own holder in a list, one per lease) in one call:
         every new lease first, all or none, then the old ones end (atomically, on that
         shard: nothing to retry); returns the new parts. ``Lease.transfer_all`` calls it.
         Leases on other or several shards are refused (``MisuseError``): move them with
@@ -311,15 +309,16 @@ class LeasingStore(StoreCore):
         return self.drive(self._transfer_leases(leases, holder))
 
     async def atransfer_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
         """Awaitable ``transfer_leases`` (cancelled: the moves land; the new leases are
         revoked as they land, the old ones have ended)."""
         return await self.adrive(self._transfer_leases(leases, holder))
 
     def _transfer_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> Flow[list[dict[int, str]]]:
+        holders = holders_of(holder, len(leases))
         by_shard = _by_shard(leases)
         if len(by_shard) != 1 or any(len(parts) != 1 for parts in leases):
             raise MisuseError(
@@ -329,8 +328,14 @@ class LeasingStore(StoreCore):
                 hint="Clone them (clone_leases), then end the old ones (release_leases).",
             )
         [(shard, parts)] = by_shard.items()
-        call = shard_call(shard, ShardApi.transfer_many, [lid for _, lid in parts], holder)
-        [moved] = yield from self._grant_all([call], f"move {len(leases)} leases to {holder}")
+        call = shard_call(
+            shard,
+            ShardApi.transfer_many,
+            [lid for _, lid in parts],
+            [holders[at] for at, _ in parts],
+        )
+        what = f"move {len(leases)} leases to {_named(holders)}"
+        [moved] = yield from self._grant_all([call], what)
         return [{shard: lease_id} for lease_id in moved]
 
     def release_leases(self, leases: Sequence[Mapping[int, str]]) -> list[BaseException | None]:
@@ -405,6 +410,12 @@ class LeasingStore(StoreCore):
             yield from self._calls(undo, "roll back")
             raise failures[0]
         return granted
+
+
+def _named(holders: Sequence[str]) -> str:
+    """The holders of a batched call, for its error messages (the first three)."""
+    names = sorted(set(holders))
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _lease_ids(result: Any) -> list[str]:

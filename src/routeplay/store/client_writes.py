@@ -19,10 +19,10 @@ from routeplay.store.client_leases import LeasingStore
 from routeplay.store.flow import Flow
 from routeplay.store.lease import Lease
 from routeplay.store.releases import Undo
-from routeplay.store.shard import Grant, StoredPayload
+from routeplay.store.shard import Grant, StoredPayload, shard_of
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 from routeplay.store.store_config import MIN_BLOCK_BYTES
-from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, split_blocks
+from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, plan_write, split_blocks
 
 __all__ = ["WritingStore"]
 
@@ -90,12 +90,10 @@ class WritingStore(LeasingStore):
     def _put_many(
         self, batch: Sequence[Routes], weight_version: int, shared_prefix: int, pack: bool
     ) -> Flow[list[Handle]]:
-        spec = batch_spec(batch)
-        if spec is None:
-            return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
-        if not layout.arrays:
-            return [Handle(spec) for _ in batch]
+        planned = plan_write(batch, prefix_rows=shared_prefix, pack=pack)
+        if isinstance(planned, list):
+            return planned  # nothing to store
+        spec, layout = planned
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._backend.put_blocks(blocks)
         shard = self._pick_shard(uuid.uuid4().hex)
@@ -303,9 +301,24 @@ class WritingStore(LeasingStore):
     ) -> Flow[list[Handle]]:
         """The flow of ``put_staged_many`` (a producer drives it blocking or awaited)."""
         _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
+        stored = yield from self.staged_adoption(producer, token, payloads, layout.saved_bytes)
+        return self.written_handles(layout, stored, spec, weight_version)
+
+    def staged_adoption(
+        self, producer: Any, token: str, payloads: Sequence[StoredPayload], saved_bytes: int
+    ) -> Flow[list[StoreRef]]:
+        """The flow of one shard's adoption of every block a producer staged under
+        ``token`` (one call to the shard, one from it to the producer): the stored
+        payloads, in order. Abandoned in flight: the payloads are dropped when the
+        answer lands. A producer adopting many writers' batches at once (its concurrent
+        coroutines, ``AsyncRoutesProducer``) stages them under one token.
+
+        Example:
+            stored = yield from store.staged_adoption(me, token, payloads, saved_bytes)
+        """
         shard = self._pick_shard(token)
         call = shard_call(
-            shard, ShardApi.adopt_from_many, producer, token, payloads, layout.saved_bytes
+            shard, ShardApi.adopt_from_many, producer, token, list(payloads), saved_bytes
         )
         [stored] = yield from self._calls(
             [call],
@@ -313,7 +326,30 @@ class WritingStore(LeasingStore):
             timeout_s=2 * self.config.timeout_s,
             undo=_discard_stored(shard),
         )
+        return list(stored)
+
+    def written_handles(
+        self, layout: BatchLayout, stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int
+    ) -> list[Handle]:
+        """Each sample's handle of a written layout: the stored row ranges its rows are
+        made of, in order (``stored``: the layout's payloads, as the shard adopted them).
+
+        Example:
+            handles = store.written_handles(layout, stored, spec, weight_version=3)
+        """
         return _handles(layout, stored, spec, weight_version)
+
+    def discard_written(self, stored: Sequence[StoreRef]) -> None:
+        """Drop written payloads nobody leased (a writer that gave up before it got its
+        handles); sent, not waited for. A payload someone leased meanwhile stays.
+
+        Example:
+            store.discard_written(stored)
+        """
+        by_shard: dict[int, list[str]] = {}
+        for ref in stored:
+            by_shard.setdefault(shard_of(ref.payload_id), []).append(ref.payload_id)
+        self._releases.submit([shard_call(i, ShardApi.discard, ids) for i, ids in by_shard.items()])
 
 
 def _discard_stored(shard: int) -> Undo:

@@ -36,9 +36,32 @@ from typing import Any, Protocol
 import numpy.typing as npt
 
 from routeplay.core.handle import Handle
-from routeplay.errors import AlreadyReleased
+from routeplay.errors import AlreadyReleased, MisuseError
 
-__all__ = ["Lease", "LeaseOwner"]
+__all__ = ["Holders", "Lease", "LeaseOwner", "holders_of"]
+
+Holders = str | Sequence[str]
+"""The holder of every lease of a batched step, or one holder per lease, in order (a
+buffer taking many groups over at once: ``buffer/<group>`` for each group's members)."""
+
+
+def holders_of(holder: Holders, count: int) -> list[str]:
+    """One holder per lease of a batched step of ``count`` leases.
+
+    Example:
+        >>> holders_of("buffer/g-1", 2), holders_of(["a", "b"], 2)
+        (['buffer/g-1', 'buffer/g-1'], ['a', 'b'])
+    """
+    if isinstance(holder, str):
+        return [holder] * count
+    holders = list(holder)
+    if len(holders) != count or not all(isinstance(h, str) for h in holders):
+        raise MisuseError(
+            "a batched lease step names one holder, or one per lease",
+            expected=f"a str, or {count} str",
+            found=f"{len(holders)} holders",
+        )
+    return holders
 
 
 class LeaseOwner(Protocol):
@@ -71,9 +94,10 @@ class LeaseOwner(Protocol):
         ...
 
     def clone_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
-        """A new lease of ``holder`` for each lease, one call per shard, all or none."""
+        """A new lease of ``holder`` (or each its own) for each lease, one call per
+        shard, all or none."""
         ...
 
     def release_leases(self, leases: Sequence[Mapping[int, str]]) -> list[BaseException | None]:
@@ -81,19 +105,20 @@ class LeaseOwner(Protocol):
         ...
 
     def transfer_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
-        """Move leases of one shard to ``holder`` in one call (all or none)."""
+        """Move leases of one shard to ``holder`` (or each to its own) in one call (all
+        or none)."""
         ...
 
     async def atransfer_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
         """Awaitable ``transfer_leases``."""
         ...
 
     async def aclone_leases(
-        self, leases: Sequence[Mapping[int, str]], holder: str
+        self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
         """Awaitable ``clone_leases``."""
         ...
@@ -233,37 +258,42 @@ class Lease:
             store.release_many(group)
 
     @staticmethod
-    def clone_all(leases: Sequence[Lease], holder: str) -> list[Lease]:
-        """A new lease of ``holder`` for each lease (one call per shard of each store,
-        all or none: a failure leaves no clone behind); these stay valid.
+    def clone_all(leases: Sequence[Lease], holder: Holders) -> list[Lease]:
+        """A new lease of ``holder`` (or of each lease's own, one per lease) for each
+        lease (one call per shard of each store, all or none: a failure leaves no clone
+        behind); these stay valid.
 
         Example:
             mine = Lease.clone_all(group_leases, "buffer/g-7")
         """
+        holders = holders_of(holder, len(leases))
         out: list[Lease | None] = [None] * len(leases)
         try:
             for store, group in _by_store(leases, "clone"):
-                parts = store.clone_leases([lease._parts for _, lease in group], holder)
+                mine = [holders[at] for at, _ in group]
+                parts = store.clone_leases([lease._parts for _, lease in group], mine)
                 for (at, lease), cloned in zip(group, parts, strict=True):
-                    out[at] = lease._cloned(holder, cloned)
+                    out[at] = lease._cloned(holders[at], cloned)
         except BaseException:  # another store's clones exist already: end them (all or none)
             Lease.release_each([lease for lease in out if lease is not None])
             raise
         return [lease for lease in out if lease is not None]
 
     @staticmethod
-    async def aclone_all(leases: Sequence[Lease], holder: str) -> list[Lease]:
+    async def aclone_all(leases: Sequence[Lease], holder: Holders) -> list[Lease]:
         """Awaitable ``clone_all``.
 
         Example:
             mine = await Lease.aclone_all(group_leases, "buffer/g-7")
         """
+        holders = holders_of(holder, len(leases))
         out: list[Lease | None] = [None] * len(leases)
         try:
             for store, group in _by_store(leases, "clone"):
-                parts = await store.aclone_leases([lease._parts for _, lease in group], holder)
+                mine = [holders[at] for at, _ in group]
+                parts = await store.aclone_leases([lease._parts for _, lease in group], mine)
                 for (at, lease), cloned in zip(group, parts, strict=True):
-                    out[at] = lease._cloned(holder, cloned)
+                    out[at] = lease._cloned(holders[at], cloned)
         except BaseException:  # another store's clones exist already: end them (all or none)
             await Lease.arelease_each([lease for lease in out if lease is not None])
             raise
@@ -282,27 +312,35 @@ class Lease:
         return len(stores) == 1 and len(shards) == 1 and all(len(x._parts) == 1 for x in leases)
 
     @staticmethod
-    def transfer_all(leases: Sequence[Lease], holder: str) -> list[Lease]:
-        """Move leases of one shard (``one_shard``) to ``holder`` in one call, all or
-        none; these are then released (moved away).
+    def transfer_all(leases: Sequence[Lease], holder: Holders) -> list[Lease]:
+        """Move leases of one shard (``one_shard``) to ``holder`` (or each to its own,
+        one per lease) in one call, all or none; these are then released (moved away).
 
         Example:
             taken = Lease.transfer_all(group_leases, "buffer/g-7")
         """
+        holders = holders_of(holder, len(leases))
         [(store, group)] = _by_store(leases, "transfer")
-        moved = store.transfer_leases([lease._parts for _, lease in group], holder)
-        return [lease._moved(holder, parts) for (_, lease), parts in zip(group, moved, strict=True)]
+        moved = store.transfer_leases([lease._parts for _, lease in group], holders)
+        return [
+            lease._moved(holders[at], parts)
+            for (at, lease), parts in zip(group, moved, strict=True)
+        ]
 
     @staticmethod
-    async def atransfer_all(leases: Sequence[Lease], holder: str) -> list[Lease]:
+    async def atransfer_all(leases: Sequence[Lease], holder: Holders) -> list[Lease]:
         """Awaitable ``transfer_all``.
 
         Example:
             taken = await Lease.atransfer_all(group_leases, "buffer/g-7")
         """
+        holders = holders_of(holder, len(leases))
         [(store, group)] = _by_store(leases, "transfer")
-        moved = await store.atransfer_leases([lease._parts for _, lease in group], holder)
-        return [lease._moved(holder, parts) for (_, lease), parts in zip(group, moved, strict=True)]
+        moved = await store.atransfer_leases([lease._parts for _, lease in group], holders)
+        return [
+            lease._moved(holders[at], parts)
+            for (at, lease), parts in zip(group, moved, strict=True)
+        ]
 
     @staticmethod
     def release_each(leases: Sequence[Lease]) -> list[BaseException | None]:

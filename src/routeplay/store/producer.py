@@ -10,22 +10,25 @@ store, they survive this actor's death, and they never travel through the shard.
 ``take_staged`` runs in its own concurrency group (it must answer while ``put_routes``
 is waiting), so producer actors are created with ``producer_actor(cls)`` instead of
 plain ``ray.remote(cls)``. An asyncio producer awaits ``aput_routes`` /
-``aput_routes_many`` instead (the same flows, no ``ray.get``).
+``aput_routes_many`` instead (no ``ray.get``; its concurrent puts share one shard call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import ray
 
-from routeplay.core.handle import Handle
+from routeplay.core.handle import Handle, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.store.client import RouteStore
+from routeplay.store.coalesce import Coalescer
 from routeplay.store.flow import Flow
 from routeplay.store.outbox import PayloadOutbox
-from routeplay.store.writes import batch_spec, plan_batch
+from routeplay.store.shard import StoredPayload
+from routeplay.store.writes import plan_write
 
 __all__ = [
     "PRODUCER_CONCURRENCY",
@@ -98,12 +101,10 @@ class RoutesProducer:
         shared_prefix: int,
         pack: bool,
     ) -> Flow[list[Handle]]:
-        spec = batch_spec(batch)
-        if spec is None:
-            return []
-        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
-        if not layout.arrays:
-            return [Handle(spec) for _ in batch]
+        planned = plan_write(batch, prefix_rows=shared_prefix, pack=pack)
+        if isinstance(planned, list):
+            return planned  # nothing to store
+        spec, layout = planned
         blocks, _ = store.layout_blocks(layout, spec)
         token = self._outbox().stage_many(blocks)
         me = ray.get_runtime_context().current_actor
@@ -144,12 +145,22 @@ class AsyncRoutesProducer(RoutesProducer):
     these would silently become such an actor, and a blocking put would stall the loop
     that must answer the store's ``take_staged``.
 
+    Concurrent puts of one actor (one coroutine per sample or group, as XTuner's and
+    verl's rollout workers run them) go out together: the batches awaited on the loop
+    before it next runs its ready callbacks are staged under one token and adopted in
+    one shard call, with one call back to this actor (``routeplay.store.coalesce``).
+    Each caller gets only its own handles; a batch that fails is retried put by put, so
+    one bad put fails only its caller; a caller cancelled in flight has its payloads
+    dropped when the batch lands.
+
     Example:
         @ray.remote
         class Worker(AsyncRoutesProducer):
             async def ingest(self, store, routes):
                 return await self.aput_routes(store, routes)
     """
+
+    _routeplay_writes: dict[int, Coalescer[_Staged, list[StoreRef]]] | None = None
 
     async def aput_routes(
         self, store: RouteStore, routes: Routes, *, weight_version: int = 0
@@ -159,7 +170,8 @@ class AsyncRoutesProducer(RoutesProducer):
         Example:
             handle = await self.aput_routes(store, routes, weight_version=2)
         """
-        return await store.adrive(self._put_routes(store, routes, weight_version))
+        [handle] = await self.aput_routes_many(store, [routes], weight_version=weight_version)
+        return handle
 
     async def aput_routes_many(
         self,
@@ -170,10 +182,59 @@ class AsyncRoutesProducer(RoutesProducer):
         shared_prefix: int = 0,
         pack: bool = False,
     ) -> list[Handle]:
-        """Awaitable ``put_routes_many``.
+        """Awaitable ``put_routes_many``; concurrent calls of this actor share one shard
+        call.
 
         Example:
             handles = await self.aput_routes_many(store, group, shared_prefix=prompt_rows)
         """
-        flow = self._put_routes_many(store, batch, weight_version, shared_prefix, pack)
-        return await store.adrive(flow)
+        planned = plan_write(batch, prefix_rows=shared_prefix, pack=pack)
+        if isinstance(planned, list):
+            return planned  # nothing to store
+        spec, layout = planned
+        blocks, payloads = store.layout_blocks(layout, spec)
+        [stored] = await self._writes(store).submit(
+            [_Staged(blocks, tuple(payloads), layout.saved_bytes)]
+        )
+        return store.written_handles(layout, stored, spec, weight_version)
+
+    def _writes(self, store: RouteStore) -> Coalescer[_Staged, list[StoreRef]]:
+        """This actor's coalesced writes to ``store`` (one per store it writes to)."""
+        if self._routeplay_writes is None:
+            self._routeplay_writes = {}
+        writes = self._routeplay_writes.get(id(store))
+        if writes is None:
+            writes = self._routeplay_writes[id(store)] = Coalescer(
+                run=lambda staged: self._adopt_together(store, staged),
+                undo=lambda stored: store.discard_written([r for refs in stored for r in refs]),
+            )
+        return writes
+
+    async def _adopt_together(
+        self, store: RouteStore, batches: list[_Staged]
+    ) -> list[list[StoreRef]]:
+        """Every batch's blocks staged under one token and adopted in one shard call;
+        each batch's stored payloads, in order."""
+        outbox = self._outbox()
+        token = outbox.stage_many(tuple(block for staged in batches for block in staged.blocks))
+        payloads = [payload for staged in batches for payload in staged.payloads]
+        saved = sum(staged.saved_bytes for staged in batches)
+        me = ray.get_runtime_context().current_actor
+        try:
+            stored = await store.adrive(store.staged_adoption(me, token, payloads, saved))
+        finally:
+            outbox.discard(token)  # a no-op once taken; frees it if the adopt failed
+        out, at = [], 0
+        for staged in batches:
+            out.append(stored[at : at + len(staged.payloads)])
+            at += len(staged.payloads)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """One put's laid-out blocks and what the shard records for its payloads."""
+
+    blocks: tuple[Any, ...]
+    payloads: tuple[StoredPayload, ...]
+    saved_bytes: int

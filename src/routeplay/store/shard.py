@@ -208,12 +208,19 @@ class StoreShard:
         """Another lease over the same payloads."""
         return self._table.clone(lease_id, holder)
 
-    def clone_many(self, lease_ids: Sequence[str], holder: str) -> list[str]:
-        """Another lease of ``holder`` over the payloads of each lease, all or none (a
-        group or a batch taken over in one call)."""
+    def clone_many(self, lease_ids: Sequence[str], holders: Sequence[str]) -> list[str]:
+        """Another lease over the payloads of each lease, of its holder in ``holders``
+        (one per lease), all or none (a group or a batch, or a buffer's many groups,
+        taken over in one call)."""
+        if isinstance(holders, str) or len(holders) != len(lease_ids):
+            raise MisuseError(
+                "a batched clone names one holder per lease",
+                expected=f"a list of {len(lease_ids)} holders",
+                found=repr(holders)[:80] if isinstance(holders, str) else len(holders),
+            )
         cloned: list[str] = []
         try:
-            for lease_id in lease_ids:
+            for lease_id, holder in zip(lease_ids, holders, strict=True):
                 cloned.append(self._table.clone(lease_id, holder))
         except BaseException:
             for lease_id in cloned:
@@ -221,10 +228,11 @@ class StoreShard:
             raise
         return cloned
 
-    def transfer_many(self, lease_ids: Sequence[str], holder: str) -> list[str]:
-        """Move many leases to ``holder`` in one step: every new lease first (all or
-        none), then the old ones end; the payloads never reach zero leases."""
-        moved = self.clone_many(lease_ids, holder)
+    def transfer_many(self, lease_ids: Sequence[str], holders: Sequence[str]) -> list[str]:
+        """Move many leases, each to its holder in ``holders``, in one step: every new
+        lease first (all or none), then the old ones end; the payloads never reach zero
+        leases."""
+        moved = self.clone_many(lease_ids, holders)
         for lease_id in lease_ids:
             self._table.release(lease_id)
         return moved

@@ -106,12 +106,14 @@ class ShardApi(Protocol):
         """Another lease over the same payloads."""
         ...
 
-    def clone_many(self, lease_ids: list[str], holder: str) -> list[str]:
-        """Another lease of ``holder`` over each lease's payloads, all or none."""
+    def clone_many(self, lease_ids: list[str], holders: list[str]) -> list[str]:
+        """Another lease over each lease's payloads, of its holder (one per lease), all
+        or none."""
         ...
 
-    def transfer_many(self, lease_ids: list[str], holder: str) -> list[str]:
-        """Move many leases to ``holder``: new ones first (all or none), then the old end."""
+    def transfer_many(self, lease_ids: list[str], holders: list[str]) -> list[str]:
+        """Move many leases, each to its holder: new ones first (all or none), then the
+        old end."""
         ...
 
     def transfer(self, lease_id: str, holder: str) -> str:

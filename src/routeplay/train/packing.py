@@ -124,6 +124,10 @@ class PackedSample:
         """Routing rows (= trained positions) of the sample."""
         return self.tokens - 1
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Positional, checked when built: every rank unpickles the step's whole plan.
+        return (_packed_sample, (self.sample_id, self.handle, self.tokens, self.offset, self.span))
+
     @property
     def stop(self) -> int:
         """Pack position one past the sample's last routed input id."""
@@ -138,6 +142,21 @@ class PackedSample:
     def end(self) -> int:
         """Pack position one past the sample's sequence (its padding included)."""
         return self.offset + self.positions
+
+
+def _packed_sample(
+    sample_id: str, handle: Handle, tokens: int, offset: int, span: int | None
+) -> PackedSample:
+    restored = object.__new__(PackedSample)
+    for name, value in (
+        ("sample_id", sample_id),
+        ("handle", handle),
+        ("tokens", tokens),
+        ("offset", offset),
+        ("span", span),
+    ):
+        object.__setattr__(restored, name, value)
+    return restored
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,132 @@
+"""An asyncio rollout worker's concurrent group writes on real Ray (issue 39): groups
+answered together are written in one shard call (one call back to the worker), each
+coroutine gets its own members' handles and rows, and a coroutine cancelled mid-write
+leaves nothing stored (a batch that fails is retried put by put: ``test_coalesce``)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from routeplay.core import Handle, RouteSpec, canonicalize
+from routeplay.core.wires import Engine, EngineRouting
+from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
+from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.producer import AsyncRoutesProducer, producer_actor
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+SPEC = RouteSpec(num_layers=3, top_k=2, num_experts=16)
+PROMPT, TOKENS, GROUP = 12, 20, 4
+
+
+def member_rows(group: int, member: int) -> np.ndarray[Any, Any]:
+    """A member's rows: its group's prompt rows, then its own (fixed seeds)."""
+
+    def draw(n: int, seed: int) -> np.ndarray[Any, Any]:
+        keys = np.random.default_rng(seed).random((n, SPEC.num_layers, SPEC.num_experts))
+        return np.argsort(keys, axis=-1)[..., : SPEC.top_k].astype(np.uint8)
+
+    return np.concatenate(
+        [draw(PROMPT, group), draw(TOKENS - 1 - PROMPT, 1000 + 10 * group + member)]
+    )
+
+
+def answers(group: int) -> list[EngineRouting]:
+    return [
+        EngineRouting(
+            engine=Engine.VLLM,
+            prompt_tokens=PROMPT,
+            completion_tokens=TOKENS - PROMPT,
+            routes=canonicalize(member_rows(group, m), SPEC),
+        )
+        for m in range(GROUP)
+    ]
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[RouteStore]:
+    built = StoreConfig(run=f"coalesced-{uuid.uuid4().hex[:6]}", timeout_s=30).build()
+    yield built
+    built.shutdown()
+
+
+@producer_actor
+class GroupWorker(AsyncRoutesProducer):
+    """A rollout worker with one coroutine per GRPO group, as an asyncio framework runs it."""
+
+    async def write_groups(self, store: RouteStore, groups: int) -> dict[str, Any]:
+        before = dict((await store.astats()).calls_by_op)
+        writer = ProducerWriter(producer=self, store=store)
+
+        async def one(group: int) -> list[SampleRouting]:
+            prompt = tuple(range(group * 100, group * 100 + PROMPT))
+            conts = [
+                SampleRouting(sample_id=f"{group}.{m}").continuation(prompt_ids=prompt)
+                for m in range(GROUP)
+            ]
+            written = await aingest_routing_group(
+                conts, answers(group), writer=writer, weight_version=0, spec=SPEC
+            )
+            handles = [h for h in written if isinstance(h, Handle)]
+            assert len(handles) == GROUP, written
+            return await afinish_all(conts, store, handles)
+
+        finished = await asyncio.gather(*(one(g) for g in range(groups)))
+        after = dict((await store.astats()).calls_by_op)
+        return {
+            "calls": {
+                op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)
+            },
+            "finished": finished,
+            "saved": (await store.astats()).shared_prefix_bytes_saved,
+            "staged": self.staged_count(),
+        }
+
+    async def cancel_one(self, store: RouteStore) -> dict[str, Any]:
+        """Two puts together; one caller gives up while the shard adopts: its payload
+        is dropped when the batch lands, the other's stays."""
+        rows = [canonicalize(member_rows(g, 1), SPEC) for g in (5, 6)]
+        keep = asyncio.ensure_future(self.aput_routes(store, rows[0]))
+        drop = asyncio.ensure_future(self.aput_routes(store, rows[1]))
+        await asyncio.sleep(0)  # both submitted: one batch
+        drop.cancel()
+        handle = await keep
+        for _ in range(200):  # the dropped payload goes once the batch has landed
+            if (await store.astats()).live_payloads == 1:
+                break
+            await asyncio.sleep(0.05)
+        return {"live": (await store.astats()).live_payloads, "handle": handle, "rows": rows[0]}
+
+
+def test_groups_answered_together_are_written_in_one_shard_call(store: RouteStore) -> None:
+    result = ray.get(GroupWorker.remote().write_groups.remote(store, 12), timeout=120)
+    # 12 groups of 4: one adopt (one call back to the worker), one lease call for all.
+    assert result["calls"] == {"adopt_from_many": 1, "lease_many": 1}
+    finished = result["finished"]
+    holders = [r.lease.holder for group in finished for r in group]
+    assert holders == [f"rollout/{g}.{m}" for g in range(12) for m in range(GROUP)]
+    for g, group in enumerate(finished):
+        for m, routing in enumerate(group):
+            np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
+    assert result["saved"] > 0  # each group's prompt rows stored once
+    assert result["staged"] == 0
+    for group in finished:
+        for routing in group:
+            routing.release()
+    assert store.stats().leases == 0
+    assert store.stats().live_payloads == 0
+
+
+def test_a_put_cancelled_mid_write_leaves_nothing_stored(store: RouteStore) -> None:
+    result = ray.get(GroupWorker.remote().cancel_one.remote(store), timeout=120)
+    assert result["live"] == 1  # the cancelled caller's payload went when its batch landed
+    with store.acquire(result["handle"], "test/kept") as lease:
+        np.testing.assert_array_equal(lease.read(), result["rows"].array)
+    assert store.stats().live_payloads == 0
