@@ -7,6 +7,7 @@ at (prefetch + 1) micro-batch shards however large the step is, padding is disti
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Sequence
@@ -308,8 +309,10 @@ def test_zigzag_cp_ranks_get_their_rows_written_out() -> None:
 
 
 @settings(max_examples=100)
-@given(step=steps())
-def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any]) -> None:
+@given(step=steps(), share=st.booleans())
+def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any], share: bool) -> None:
+    """Each rank materializes from the whole plan, or from its share (``plan.share``:
+    what a driver sends it), and reads the same rows either way."""
     spec, store = step["spec"], new_store()
     arrays: Arrays = {}
     samples = []
@@ -331,8 +334,9 @@ def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any]) -> No
         leases = {
             s.sample_id: store.acquire(s.handle, holder) for mb in mine for s in plan.samples_of(mb)
         }
+        given_plan = plan.share(coords.dp_rank) if share else plan
         with Materializer(
-            store, plan, coords, leases=leases, prefetch=step["prefetch"], order=order
+            store, given_plan, coords, leases=leases, prefetch=step["prefetch"], order=order
         ) as m:
             got = list(m)
         assert [item.index for item in got] == list(order)
@@ -352,6 +356,20 @@ def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any]) -> No
 
 
 # -- checks before any read ------------------------------------------------------------------
+
+
+def test_a_ranks_share_of_a_plan_holds_its_samples_only() -> None:
+    store = new_store()
+    samples = [(f"s{i}", put_sample(store, SPEC, 7, seed=i)[0], 8) for i in range(64)]
+    plan = pack_samples(samples, pack_max_length=8, dp_size=4)
+    for rank in range(4):
+        mine = plan.share(rank)
+        assert mine.micro_batches == plan.micro_batches
+        assert mine.dp_ranks == plan.dp_ranks
+        assert [p.length for p in mine.packs] == [p.length for p in plan.packs]
+        kept = {s.sample_id for p in mine.packs for s in p.samples}
+        assert kept == {s.sample_id for mb in plan.schedule(rank) for s in plan.samples_of(mb)}
+        assert len(pickle.dumps(mine)) < len(pickle.dumps(plan)) / 2
 
 
 def test_row_count_mismatch_is_raised_before_any_read() -> None:

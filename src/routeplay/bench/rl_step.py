@@ -16,7 +16,8 @@ on the driver's clock, one after the other:
 - the trainer's step: ``batch`` (``buffer.sample`` and ``TrainingBatch``, which takes
   the leases over; verl's ``chunk``; Ray's split of the references), ``reads`` (the
   ranks' reads of their share: routeplay packs the batch with ``pack_samples`` over the
-  DP ranks and each rank leases its samples and reads them through the ``Materializer``)
+  DP ranks, sends each rank its ``plan.share``, and each rank leases its samples and
+  reads them through the ``Materializer``)
   and ``releases`` (the batch closes; verl and Ray drop their references).
 
 Between two phases (not timed) the store's ``stats()`` is read, so each phase gets its
@@ -272,9 +273,9 @@ class _StepBench:
             with meter.phase("reads"):
                 samples = [(s.sample_id, _handle(s), self.shape.tokens) for s in batch.states]
                 plan = pack_samples(samples, self.shape.pack_length, 1, dp_size=self.shape.dp)
-                plan_ref = ray.put(plan)
-                reads = [
-                    rank.read_routeplay.remote(plan_ref, batch.holder, check) for rank in self.ranks
+                reads = [  # each rank gets its share of the plan (its own samples)
+                    rank.read_routeplay.remote(plan.share(r), batch.holder, check)
+                    for r, rank in enumerate(self.ranks)
                 ]
                 shares: list[RankShare] = ray.get(reads, timeout=_DEADLINE_S)
         except BaseException:

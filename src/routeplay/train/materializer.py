@@ -267,7 +267,9 @@ class Materializer:
         The grants carry the block references, so the reads make no shard call, and the
         rank's blocks start crossing at once, as one bundle (``RouteStore.pull``: they
         land in the node's object store, not in the process). The step's
-        ``TrainingBatch`` keeps its own leases until it closes.
+        ``TrainingBatch`` keeps its own leases until it closes. ``plan`` may be the whole
+        step's or the rank's share (``PackingPlan.share``: what a driver best sends each
+        rank, its own samples only).
 
         Example:
             >>> with Materializer.leasing(store, plan, coords, holder="train/step-3/dp0") as m:
@@ -318,12 +320,17 @@ class Materializer:
         # Every read the rank makes, in consumption order: (pass, micro-batch).
         self._stream = tuple((p, mb) for p in range(passes) for mb in self._order)
         self._passes_begun = 0
-        # This rank's positions of every pack, computed (and checked) before any read.
-        self._ranges = [local_ranges(pack, coords) for pack in plan.packs]
+        # This rank's positions of each pack it reads, computed (and checked) before any
+        # read; other ranks' packs are theirs to check (a rank may get only its share).
+        self._ranges = {
+            index: local_ranges(plan.packs[index], coords)
+            for mb in self._order
+            for index in plan.micro_batches[mb]
+        }
         self._check_sources()
         self._release_after = self._lease_schedule()
         # The longest padding run is one range (SP zero-padding may run past a pack's end).
-        longest = max((b - a for ranges in self._ranges for a, b in ranges), default=0)
+        longest = max((b - a for ranges in self._ranges.values() for a, b in ranges), default=0)
         self._padding = InlineSource(array=padding_rows(plan.spec, longest))
         self._buffers = _Buffers(plan.spec, keep=prefetch + 2)
         # The local store backend is plain Python without locks: this rank's reads (the

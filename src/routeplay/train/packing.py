@@ -330,6 +330,26 @@ class PackingPlan:
             dp_ranks=tuple(i % dp_size for i in range(len(groups))),
         )
 
+    def share(self, dp_rank: int) -> PackingPlan:
+        """The plan as data-parallel rank ``dp_rank`` reads it: every other rank's pack
+        emptied (a padding pack of the same length), the micro-batches, their order and
+        their ranks unchanged. What a driver sends each rank: a rank unpickles its own
+        samples only (a step's plan is thousands of handles), and a ``Materializer`` of
+        that rank reads the same rows from it as from the whole plan.
+
+        Example:
+            >>> plans = [plan.share(r) for r in range(dp_size)]  # doctest: +SKIP
+            >>> ranks[r].train.remote(plans[r])                    # doctest: +SKIP
+        """
+        mine = {index for mb in self.schedule(dp_rank) for index in self.micro_batches[mb]}
+        packs = tuple(
+            pack if index in mine else Pack(samples=(), length=pack.length)
+            for index, pack in enumerate(self.packs)
+        )
+        return PackingPlan(
+            spec=self.spec, packs=packs, micro_batches=self.micro_batches, dp_ranks=self.dp_ranks
+        )
+
     def schedule(self, dp_rank: int = 0) -> tuple[int, ...]:
         """Indices of the micro-batches ``dp_rank`` trains, in plan order."""
         if self.dp_ranks is None:
