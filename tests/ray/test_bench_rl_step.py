@@ -97,20 +97,16 @@ def test_a_steps_phases_add_up_to_it(point: dict[str, Any]) -> None:
 
 
 def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, Any]) -> None:
-    groups = SHAPE.groups(SAMPLES)
     for path in ("producer", "adopt"):
         figures = point["paths"][path]
         calls = figures["calls_by_phase"]
         assert figures["shard_calls"] == sum(sum(ops.values()) for ops in calls.values())
         assert figures["shard_calls_per_sample"] == round(figures["shard_calls"] / SAMPLES, 2)
-        # Groups answered together: the producer stages them all for one adopt call and
-        # their members' leases go out in one call; engine keys are adopted a call per
-        # group, and the leases of the groups whose adoption lands together go together.
-        if path == "producer":
-            assert calls["writes"] == {"adopt_from_many": 1, "lease_many": 1}
-        else:
-            assert calls["writes"]["adopt_keys"] == groups
-            assert 1 <= calls["writes"]["lease_many"] <= groups
+        # Groups answered together are written together: the producer stages them all
+        # for one adopt call, the engine keys of all of them go in one adoption call,
+        # and their members' leases go out in one call.
+        write = {"producer": "adopt_from_many", "adopt": "adopt_key_batches"}[path]
+        assert calls["writes"] == {write: 1, "lease_many": 1}, path
         assert calls["buffer"] == {"transfer_many": 1}, path  # every group at once
         assert calls["reads"], path  # the ranks lease their samples
         assert calls["releases"], path  # the batch ends its leases

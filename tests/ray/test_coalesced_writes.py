@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import ray
 
-from routeplay.core import Handle, RouteSpec, canonicalize
+from routeplay.core import EngineKey, Handle, RouteSpec, canonicalize
 from routeplay.core.wires import Engine, EngineRouting
+from routeplay.errors import DuplicateExperts
 from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
-from routeplay.store import RouteStore, StoreConfig
+from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.producer import AsyncRoutesProducer, producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -104,6 +105,35 @@ class GroupWorker(AsyncRoutesProducer):
             await asyncio.sleep(0.05)
         return {"live": (await store.astats()).live_payloads, "handle": handle, "rows": rows[0]}
 
+    async def adopt_groups(self, store: RouteStore, groups: int) -> dict[str, Any]:
+        """Each group's LMDeploy keys (member 1 of group 1 with a duplicated expert)
+        adopted by its own coroutine, as the groups' answers land together."""
+        engine = ray.get_actor("shared_store", namespace="lmdeploy")
+
+        async def keys_of(group: int) -> list[EngineKey]:
+            keys = []
+            for m in range(GROUP):
+                rows = member_rows(group, m)
+                if (group, m) == (1, 1):
+                    rows[PROMPT + 1, 1] = rows[PROMPT + 1, 1, 0]
+                keys.append(EngineKey(key=await engine.put.remote(rows), rows=TOKENS - 1))
+            return keys
+
+        answered = await asyncio.gather(*(keys_of(g) for g in range(groups)))
+        before = dict((await store.astats()).calls_by_op)  # the engine has answered
+
+        async def one(keys: list[EngineKey]) -> list[Any]:
+            return await store.aadopt_keys_each(keys, SPEC, shared_prefix=PROMPT, pack=True)
+
+        adopted = await asyncio.gather(*(one(keys) for keys in answered))
+        after = dict((await store.astats()).calls_by_op)
+        return {
+            "calls": {
+                op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)
+            },
+            "adopted": adopted,
+        }
+
 
 def test_groups_answered_together_are_written_in_one_shard_call(store: RouteStore) -> None:
     result = ray.get(GroupWorker.remote().write_groups.remote(store, 12), timeout=120)
@@ -129,4 +159,26 @@ def test_a_put_cancelled_mid_write_leaves_nothing_stored(store: RouteStore) -> N
     assert result["live"] == 1  # the cancelled caller's payload went when its batch landed
     with store.acquire(result["handle"], "test/kept") as lease:
         np.testing.assert_array_equal(lease.read(), result["rows"].array)
+    assert store.stats().live_payloads == 0
+
+
+def test_engine_keys_of_groups_answered_together_are_adopted_in_one_call(
+    store: RouteStore,
+) -> None:
+    start_engine_store(ttl_s=60)
+    result = ray.get(GroupWorker.remote().adopt_groups.remote(store, 6), timeout=120)
+    assert result["calls"] == {"adopt_key_batches": 1}
+    assert isinstance(result["adopted"][1][1], DuplicateExperts)  # refused in its group alone
+    kept = [
+        (g, m, handle)
+        for g, group in enumerate(result["adopted"])
+        for m, handle in enumerate(group)
+        if (g, m) != (1, 1)
+    ]
+    assert all(isinstance(handle, Handle) for _, _, handle in kept)
+    leases = store.acquire_many([(handle, "test/keys") for _, _, handle in kept])
+    for (g, m, _), lease in zip(kept, leases, strict=True):
+        np.testing.assert_array_equal(lease.read(), member_rows(g, m))
+    store.release_many(leases)
+    store.flush()
     assert store.stats().live_payloads == 0

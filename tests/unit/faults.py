@@ -16,6 +16,7 @@ from typing import Any
 from routeplay.core import EngineKey, RouteSpec
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.adoption import KeyBatch
 from routeplay.store.backend import LocalBackend, Settled, settled_answers
 from routeplay.store.flow import Flow, Wait
 from routeplay.store.lease import Lease
@@ -134,6 +135,9 @@ class FaultyBackend:
         pack: bool = False,
     ) -> Any:
         return self.inner.send_adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
+
+    def send_adopt_key_batches(self, shard: int, batches: Sequence[KeyBatch]) -> Any:
+        return self.inner.send_adopt_key_batches(shard, batches)
 
     def put_blocks(self, blocks: Sequence[Any]) -> list[Any]:
         return self.inner.put_blocks(blocks)

@@ -23,7 +23,7 @@ from routeplay.store.lease_table import LeakRecord, TableStats
 from routeplay.store.protocol import PROTOCOL, _question, check_answer
 from routeplay.store.shard import Grant, StoredPayload
 
-SURFACE_BY_PROTOCOL = {1: "208d16fe", 2: "bb61725b"}
+SURFACE_BY_PROTOCOL = {1: "208d16fe", 2: "e694b8b5"}
 """The first 8 hex digits of ``_surface``'s digest, per protocol number."""
 
 

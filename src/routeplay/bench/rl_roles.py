@@ -17,8 +17,8 @@ hands each group on one of four ways:
   ``routeplay.store.coalesce``). The driver gets each member's ``SampleRouting`` (a
   handle and a lease: small).
 - **adopt** (routeplay, LMDeploy keys): the same, each group's keys adopted together
-  (``aadopt_keys_each(..., shared_prefix=..., pack=True)`` underneath: a call per
-  group).
+  (``aadopt_keys_each(..., shared_prefix=..., pack=True)`` underneath; the groups whose
+  keys arrived together in one shard call).
 - **ray_floor** (Ray's own floor for the same objects): each group's canonical rows laid
   out as routeplay lays them (the prompt once, then each member's own rows) and
   ``ray.put`` once; the driver gets the references.

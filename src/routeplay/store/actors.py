@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -26,9 +27,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import LifetimeError, RoutesLost, StoreTimeout
+from routeplay.errors import LifetimeError, RouteplayError, RoutesLost, StoreTimeout
 from routeplay.store import ray_calls
-from routeplay.store.adoption import GroupAnswer, Where, adopt_keys
+from routeplay.store.adoption import GroupAnswer, KeyBatch, Where, adopt_keys
 from routeplay.store.engine_store import EngineStore, EngineStoreStats, PayloadMeta
 from routeplay.store.flow import Flow, drive
 from routeplay.store.ingest import Prepared, decide, fits, settle
@@ -58,6 +59,19 @@ def call_producer(producer: Any, token: str, blocks: int) -> tuple[list[Any], An
     Returns the block refs and the ref of the hand-over marker (see ``take_staged``)."""
     refs = list(producer.take_staged.options(num_returns=blocks + 1).remote(token))
     return refs[:-1], refs[-1]
+
+
+KEY_BATCH_THREADS: Final = 4
+"""Batches of one ``adopt_key_batches`` call adopted at once (each waits on its engine
+stores and validators; a node's validator checks one payload at a time anyway)."""
+
+
+def _batch_outcome(adopt: Callable[[KeyBatch], list[Any]], batch: KeyBatch) -> Any:
+    """A batch's answers, or the typed error that failed it (the others go on)."""
+    try:
+        return adopt(batch)
+    except RouteplayError as exc:
+        return exc
 
 
 def take_and_wait(producer: Any, token: str, blocks: int, timeout_s: float) -> list[Any]:
@@ -169,12 +183,29 @@ class StoreShardShell(_Reaped):
         block), or the typed error that refused it: its metadata, its rows (validated
         before this returns, with a deadline), another run's. A refused key is consumed
         and its payload dropped."""
+        begin = tuple(starts) if starts is not None else None
+        return self._adopted(KeyBatch(keys=tuple(keys), spec=spec, shared_prefix=shared_prefix,
+                                      starts=begin, pack=pack))  # fmt: skip
+
+    def adopt_key_batches(self, batches: list[KeyBatch]) -> list[list[Any] | RouteplayError]:
+        """``adopt_keys`` for many callers in one call (the groups an asyncio rollout
+        worker's coroutines adopt at once): each batch adopted as its own call would be,
+        up to ``KEY_BATCH_THREADS`` at a time; per batch its answers, or the typed error
+        that failed that batch alone."""
+        if len(batches) == 1:
+            return [_batch_outcome(self._adopted, batches[0])]
+        workers = min(len(batches), KEY_BATCH_THREADS)
+        with ThreadPoolExecutor(workers, thread_name_prefix="routeplay-adopt") as pool:
+            return list(pool.map(lambda batch: _batch_outcome(self._adopted, batch), batches))
+
+    def _adopted(self, batch: KeyBatch) -> list[Any]:
+        starts = list(batch.starts) if batch.starts is not None else [0] * len(batch.keys)
         flow = adopt_keys(
-            keys,
-            spec,
-            starts if starts is not None else [0] * len(keys),
-            shared_prefix=shared_prefix,
-            pack=pack,
+            list(batch.keys),
+            batch.spec,
+            starts,
+            shared_prefix=batch.shared_prefix,
+            pack=batch.pack,
             steps=_RayAdoption(self),
             timeout_s=self._timeout_s,
         )

@@ -43,10 +43,34 @@ from routeplay.store.ingest import Prepared, Validated
 from routeplay.store.key_check import GroupLayout, key_where
 from routeplay.store.shard import StoredPayload
 
-__all__ = ["AdoptionSteps", "GroupAnswer", "IngestVerdict", "adopt_keys", "refuse_after_ingest"]
+__all__ = [
+    "AdoptionSteps",
+    "GroupAnswer",
+    "IngestVerdict",
+    "KeyBatch",
+    "adopt_keys",
+    "refuse_after_ingest",
+]
 
 Where = tuple[str, str]
 """An engine store: ``(actor name, namespace)``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyBatch:
+    """One caller's keys in a batched adoption (``adopt_key_batches``: the groups an
+    asyncio rollout worker's coroutines adopt at once), adopted as one ``adopt_keys``."""
+
+    keys: tuple[EngineKey, ...]
+    """The keys, in the caller's order."""
+    spec: RouteSpec
+    """Their geometry."""
+    shared_prefix: int = 0
+    """Rows the keys share (a group's prompt), as ``adopt_keys``'."""
+    starts: tuple[int, ...] | None = None
+    """Per key, the first row stored; None: every row."""
+    pack: bool = False
+    """The keys laid out as one payload (a group)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,7 +27,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store import ray_calls
 from routeplay.store.actors import StoreShardActor
-from routeplay.store.adoption import GroupAnswer, Where, adopt_keys
+from routeplay.store.adoption import GroupAnswer, KeyBatch, Where, adopt_keys
 from routeplay.store.engine_store import EngineStore
 from routeplay.store.flow import Flow, Wait, drive
 from routeplay.store.key_check import canonical_group, canonical_rows, take_checked_many
@@ -134,6 +134,11 @@ class Backend(Protocol):
         stored (rows before it are dropped where the key is validated);
         ``shared_prefix`` or ``pack`` make the keys one group (laid out together, a
         refused member set aside)."""
+        ...
+
+    def send_adopt_key_batches(self, shard: int, batches: Sequence[KeyBatch]) -> Any:
+        """Have a shard adopt many callers' keys in one call (``send_adopt_keys`` per
+        batch); answers, per batch, its answers or the typed error that failed it."""
         ...
 
     def shutdown(self) -> None: ...
@@ -281,6 +286,10 @@ class RayBackend:
         """One call: the shard consumes the keys and validates them on the engine's node."""
         begin = list(starts) if starts is not None else None
         return self._shards[shard].adopt_keys.remote(list(keys), spec, shared_prefix, begin, pack)
+
+    def send_adopt_key_batches(self, shard: int, batches: Sequence[KeyBatch]) -> Any:
+        """One call: the shard adopts every batch as its own ``adopt_keys`` would."""
+        return self._shards[shard].adopt_key_batches.remote(list(batches))
 
     def shutdown(self) -> None:
         for shard in self._shards:
@@ -431,29 +440,42 @@ class LocalBackend:
         starts: Sequence[int] | None = None,
         pack: bool = False,
     ) -> Any:
-        return _settled(self._adopt_keys, shard, keys, spec, shared_prefix, starts, pack)
+        begin = tuple(starts) if starts is not None else None
+        batch = KeyBatch(keys=tuple(keys), spec=spec, shared_prefix=shared_prefix,
+                         starts=begin, pack=pack)  # fmt: skip
+        return _settled(self._adopt_keys, shard, [batch], "adopt_keys")
+
+    def send_adopt_key_batches(self, shard: int, batches: Sequence[KeyBatch]) -> Any:
+        return _settled(self._adopt_keys, shard, batches, "adopt_key_batches")
 
     def _adopt_keys(
-        self,
-        shard: int,
-        keys: Sequence[EngineKey],
-        spec: RouteSpec,
-        shared_prefix: int,
-        starts: Sequence[int] | None,
-        pack: bool,
-    ) -> list[Any]:
-        """The Ray shard's adoption (``routeplay.store.adoption``), in process."""
-        flow = adopt_keys(
-            keys,
-            spec,
-            list(starts) if starts is not None else [0] * len(keys),
-            shared_prefix=shared_prefix,
-            pack=pack,
+        self, shard: int, batches: Sequence[KeyBatch], op: str
+    ) -> list[Any] | list[list[Any] | RouteplayError]:
+        """The Ray shard's adoption (``routeplay.store.adoption``), in process: one
+        batch answers its keys' answers (``adopt_keys``), several answer per batch its
+        answers or the typed error that failed it (``adopt_key_batches``)."""
+        with self._lock, self._shards[shard].meter.served(op):
+            if op == "adopt_keys":
+                return drive(self._adoption(shard, batches[0]), self)
+            out: list[list[Any] | RouteplayError] = []
+            for batch in batches:
+                try:
+                    out.append(drive(self._adoption(shard, batch), self))
+                except RouteplayError as exc:
+                    out.append(exc)
+            return out
+
+    def _adoption(self, shard: int, batch: KeyBatch) -> Flow[list[Any]]:
+        starts = list(batch.starts) if batch.starts is not None else [0] * len(batch.keys)
+        return adopt_keys(
+            list(batch.keys),
+            batch.spec,
+            starts,
+            shared_prefix=batch.shared_prefix,
+            pack=batch.pack,
             steps=_LocalAdoption(self, self._shards[shard]),
             timeout_s=60.0,
         )
-        with self._lock, self._shards[shard].meter.served("adopt_keys"):
-            return drive(flow, self)
 
     def shutdown(self) -> None:
         self._shards.clear()

@@ -26,7 +26,8 @@ from routeplay.store.backend import Backend
 from routeplay.store.flow import Flow, adrive, awaiting, drive
 from routeplay.store.reads import BlockPins, Reader
 from routeplay.store.releases import PendingReleases, Undo
-from routeplay.store.shard_api import ShardCall
+from routeplay.store.shard import shard_of
+from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 from routeplay.store.store_config import StoreConfig
 
 __all__ = ["StoreCore"]
@@ -200,6 +201,18 @@ class StoreCore:
                 found=f"run {source.run}",
                 where=f"payload {source.payload_id}",
             )
+
+    def discard_written(self, stored: Sequence[StoreRef]) -> None:
+        """Drop written payloads nobody leased (a writer that gave up before it got its
+        handles); sent, not waited for. A payload someone leased meanwhile stays.
+
+        Example:
+            store.discard_written(stored)
+        """
+        by_shard: dict[int, list[str]] = {}
+        for ref in stored:
+            by_shard.setdefault(shard_of(ref.payload_id), []).append(ref.payload_id)
+        self._releases.submit([shard_call(i, ShardApi.discard, ids) for i, ids in by_shard.items()])
 
     def _handle(self, stored: StoreRef, spec: RouteSpec, weight_version: int) -> Handle:
         segment = Segment(

@@ -13,13 +13,16 @@ and never by a trainer's read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError
+from routeplay.store.adoption import KeyBatch
 from routeplay.store.client_core import StoreCore
+from routeplay.store.coalesce import Coalescer
 from routeplay.store.flow import Flow
 from routeplay.store.key_check import check_start_rows
 from routeplay.store.releases import Undo
@@ -70,8 +73,10 @@ class KeyAdoptingStore(StoreCore):
         Example:
             new = await store.aadopt_key(routing.key, spec, start_row=history.rows)
         """
-        flow = self._adopt_keys([key], spec, weight_version, 0, [start_row], False)
-        return (await self.adrive(flow))[0]
+        adopted = await self.aadopt_keys_each(
+            [key], spec, weight_version=weight_version, start_rows=[start_row]
+        )
+        return _all_adopted(adopted)[0]
 
     def adopt_keys(
         self,
@@ -115,8 +120,15 @@ class KeyAdoptingStore(StoreCore):
         Example:
             handles = await store.aadopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
         """
-        flow = self._adopt_keys(keys, spec, weight_version, shared_prefix, start_rows, pack)
-        return await self.adrive(flow)
+        adopted = await self.aadopt_keys_each(
+            keys,
+            spec,
+            weight_version=weight_version,
+            shared_prefix=shared_prefix,
+            start_rows=start_rows,
+            pack=pack,
+        )
+        return _all_adopted(adopted)
 
     def _adopt_keys(
         self,
@@ -130,10 +142,7 @@ class KeyAdoptingStore(StoreCore):
         results = yield from self._adopt_keys_each(
             keys, spec, weight_version, shared_prefix, start_rows, pack
         )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return [result for result in results if isinstance(result, Handle)]
+        return _all_adopted(results)
 
     def adopt_keys_each(
         self,
@@ -169,13 +178,79 @@ class KeyAdoptingStore(StoreCore):
         pack: bool = False,
     ) -> list[Handle | RouteplayError]:
         """Awaitable ``adopt_keys_each`` (cancelled in flight: the keys are consumed and
-        their payloads dropped).
+        their payloads dropped). Concurrent calls of this process (one coroutine per
+        group or sample) go out together, one call per shard, each batch adopted as its
+        own call would be; a call that fails as a whole fails each of them (their keys
+        may be consumed: none is sent again).
 
         Example:
             out = await store.aadopt_keys_each(keys, spec, shared_prefix=600, pack=True)
         """
-        flow = self._adopt_keys_each(keys, spec, weight_version, shared_prefix, start_rows, pack)
-        return await self.adrive(flow)
+        if not keys:
+            return []
+        scoped = tuple(self.scoped(key) for key in keys)
+        starts = check_start_rows(scoped, start_rows)
+        batch = KeyBatch(keys=scoped, spec=spec, shared_prefix=shared_prefix,
+                         starts=tuple(starts), pack=pack)  # fmt: skip
+        [outcome] = await self._key_adoptions.submit([(batch, weight_version)])
+        if isinstance(outcome, RouteplayError):
+            raise outcome
+        return outcome
+
+    @functools.cached_property
+    def _key_adoptions(
+        self,
+    ) -> Coalescer[tuple[KeyBatch, int], list[Handle | RouteplayError] | RouteplayError]:
+        return Coalescer(run=lambda items: self.adrive(self._adopt_key_batches(items)),
+                         undo=self._drop_adopted, retry_alone=False)  # fmt: skip
+
+    def _adopt_key_batches(
+        self, items: Sequence[tuple[KeyBatch, int]]
+    ) -> Flow[list[list[Handle | RouteplayError] | RouteplayError]]:
+        """Many callers' keys, one call per shard (a lone caller's: ``adopt_keys``)."""
+        if len(items) == 1:
+            [(batch, version)] = items
+            one = yield from self._adopt_keys_each(
+                batch.keys, batch.spec, version, batch.shared_prefix, batch.starts, batch.pack
+            )
+            return [one]
+        yield from self._releases.settle(wait=False)
+        by_shard: dict[int, list[int]] = {}
+        for at, (batch, _) in enumerate(items):
+            by_shard.setdefault(self._pick_shard(batch.keys[0].key), []).append(at)
+        shards = sorted(by_shard)
+        pending = [
+            self._backend.send_adopt_key_batches(i, [items[at][0] for at in by_shard[i]])
+            for i in shards
+        ]
+        answers = yield from self._await(
+            pending,
+            f"adopt the engine keys of {len(items)} callers",
+            timeout_s=2 * self.config.timeout_s,
+            undo=_discard_batches(shards),
+        )
+        out: list[list[Handle | RouteplayError] | RouteplayError] = [[] for _ in items]
+        for shard, outcomes in zip(shards, answers, strict=True):
+            for at, outcome in zip(by_shard[shard], outcomes, strict=True):
+                batch, version = items[at]
+                out[at] = outcome if isinstance(outcome, RouteplayError) else (
+                    _handles_of(outcome, batch.spec, version))  # fmt: skip
+        return out
+
+    def _drop_adopted(
+        self, outcomes: Sequence[list[Handle | RouteplayError] | RouteplayError]
+    ) -> None:
+        """The payloads adopted for callers that gave up before their batch landed."""
+        refs = [
+            src
+            for outcome in outcomes
+            if not isinstance(outcome, RouteplayError)
+            for handle in outcome
+            if isinstance(handle, Handle)
+            for src in handle.sources()
+            if isinstance(src, StoreRef)
+        ]
+        self.discard_written(refs)
 
     def _adopt_keys_each(
         self,
@@ -201,19 +276,7 @@ class KeyAdoptingStore(StoreCore):
             timeout_s=2 * self.config.timeout_s,
             undo=_discard_adopted(shard),
         )
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, RouteplayError):
-                raise result  # not a refusal of one key: the call failed
-        return [
-            result
-            if isinstance(result, RouteplayError)
-            else _handle_of(
-                result if isinstance(result, tuple) else ((result, 0, result.rows),),
-                spec,
-                weight_version,
-            )
-            for result in results
-        ]
+        return _handles_of(results, spec, weight_version)
 
     def free_engine_keys(self, handle: Handle) -> int:
         """Release the engine-store keys a dropped sample still references (never read);
@@ -259,6 +322,50 @@ class KeyAdoptingStore(StoreCore):
         where = ", ".join(sorted({f"{key.namespace}/{key.actor}" for key in scoped}))
         answers = yield from self._await(pending, f"{where}.free", ends=True)
         return sum(bool(live) for live in answers)
+
+
+def _all_adopted(results: Sequence[Handle | RouteplayError]) -> list[Handle]:
+    """Every key's handle, or the first refusal raised (``adopt_keys``: all or an error)."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return [result for result in results if isinstance(result, Handle)]
+
+
+def _handles_of(
+    results: Sequence[Any], spec: RouteSpec, weight_version: int
+) -> list[Handle | RouteplayError]:
+    """Per key of an adoption, its handle (a ``StoreRef``'s rows, or row ranges) or the
+    typed error that refused it; anything else failed the call."""
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, RouteplayError):
+            raise result  # not a refusal of one key: the call failed
+    return [
+        result
+        if isinstance(result, RouteplayError)
+        else _handle_of(
+            result if isinstance(result, tuple) else ((result, 0, result.rows),),
+            spec,
+            weight_version,
+        )
+        for result in results
+    ]
+
+
+def _discard_batches(shards: Sequence[int]) -> Undo:
+    """Undo of a batched engine-key adopt abandoned in flight (one call per shard in
+    ``shards``): drop every payload it stored, batch by batch (keys stay consumed)."""
+
+    def undo(at: int, outcomes: Sequence[Any]) -> list[ShardCall[list[str]]]:
+        per_batch = _discard_adopted(shards[at])
+        return [
+            call
+            for outcome in outcomes
+            if not isinstance(outcome, BaseException)
+            for call in per_batch(at, outcome)
+        ]
+
+    return undo
 
 
 def _discard_adopted(shard: int) -> Undo:

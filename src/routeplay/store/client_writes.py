@@ -19,7 +19,7 @@ from routeplay.store.client_leases import LeasingStore
 from routeplay.store.flow import Flow
 from routeplay.store.lease import Lease
 from routeplay.store.releases import Undo
-from routeplay.store.shard import Grant, StoredPayload, shard_of
+from routeplay.store.shard import Grant, StoredPayload
 from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
 from routeplay.store.store_config import MIN_BLOCK_BYTES
 from routeplay.store.writes import BatchLayout, batch_spec, plan_batch, plan_write, split_blocks
@@ -338,18 +338,6 @@ class WritingStore(LeasingStore):
             handles = store.written_handles(layout, stored, spec, weight_version=3)
         """
         return _handles(layout, stored, spec, weight_version)
-
-    def discard_written(self, stored: Sequence[StoreRef]) -> None:
-        """Drop written payloads nobody leased (a writer that gave up before it got its
-        handles); sent, not waited for. A payload someone leased meanwhile stays.
-
-        Example:
-            store.discard_written(stored)
-        """
-        by_shard: dict[int, list[str]] = {}
-        for ref in stored:
-            by_shard.setdefault(shard_of(ref.payload_id), []).append(ref.payload_id)
-        self._releases.submit([shard_call(i, ShardApi.discard, ids) for i, ids in by_shard.items()])
 
 
 def _discard_stored(shard: int) -> Undo:

@@ -51,16 +51,21 @@ class Coalescer(Generic[I, O]):
 
     ``run`` sends a batch of items and answers one result per item, in order; ``undo``
     ends the results of a waiter that gave up before its batch landed (None: nothing to
-    end, e.g. releases).
+    end, e.g. releases). ``retry_alone=False``: a batch that fails fails every request
+    in it with its error, none is sent again (for requests that a failed attempt may
+    have consumed: engine keys).
     """
 
     def __init__(
         self,
         run: Callable[[list[I]], Awaitable[list[O]]],
         undo: Callable[[list[O]], object] | None = None,
+        *,
+        retry_alone: bool = True,
     ) -> None:
         self._run = run
         self._undo = undo
+        self._retry_alone = retry_alone
         self._rounds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Round[I, O]] = (
             weakref.WeakKeyDictionary()
         )
@@ -96,8 +101,9 @@ class Coalescer(Generic[I, O]):
             for request in requests:
                 _deliver(request, batch[at : at + len(request.items)], self._undo)
                 at += len(request.items)
-        elif len(requests) == 1:
-            _deliver(requests[0], batch, self._undo)
+        elif len(requests) == 1 or not self._retry_alone:
+            for request in requests:
+                _deliver(request, batch, self._undo)
         else:  # which request failed? each on its own: only its caller fails
             for at, request in enumerate(requests):
                 try:
