@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import ray
 
 from routeplay.core.handle import EngineKey, StoreRef
@@ -528,7 +529,7 @@ class _LocalAdoption:
         return Settled(value=GroupAnswer.of(group, group.layout.arrays))
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
-        return [_LocalBlock(array) for array in token]
+        return [_LocalBlock(np.asarray(array)) for array in token]  # packed: joined now
 
     def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
         return self._shard.adopt(blocks, rows, nbytes, 0)

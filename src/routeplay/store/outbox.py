@@ -13,13 +13,9 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 from routeplay.errors import AlreadyConsumed
-from routeplay.store.writes import split_blocks
+from routeplay.store.writes import Rows, split_blocks
 
 __all__ = ["PayloadOutbox", "split_blocks"]
 
@@ -30,18 +26,18 @@ class PayloadOutbox:
     def __init__(self) -> None:
         # stage() and take() run on different threads of a producer actor.
         self._lock = threading.Lock()
-        self._staged: dict[str, tuple[npt.NDArray[Any], ...]] = {}
+        self._staged: dict[str, tuple[Rows, ...]] = {}
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
 
-    def stage_many(self, blocks: tuple[npt.NDArray[Any], ...]) -> str:
+    def stage_many(self, blocks: tuple[Rows, ...]) -> str:
         """Keep ready-made blocks (of a whole batch) until taken in one call."""
         token = f"{self._prefix}-{next(self._ids)}"
         with self._lock:
             self._staged[token] = blocks
         return token
 
-    def stage(self, array: npt.NDArray[np.unsignedinteger], *, block_rows: int) -> tuple[str, int]:
+    def stage(self, array: Rows, *, block_rows: int) -> tuple[str, int]:
         """Keep ``array`` until taken; returns the token and the number of blocks."""
         token = f"{self._prefix}-{next(self._ids)}"
         blocks = split_blocks(array, block_rows)
@@ -49,7 +45,7 @@ class PayloadOutbox:
             self._staged[token] = blocks
         return token, len(blocks)
 
-    def take(self, token: str) -> tuple[npt.NDArray[Any], ...] | npt.NDArray[Any]:
+    def take(self, token: str) -> tuple[Rows, ...] | Rows:
         """Hand the blocks over (a single block is returned bare, as Ray's num_returns=1 wants)."""
         with self._lock:
             blocks = self._staged.pop(token, None)

@@ -36,11 +36,15 @@ from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import SpecMismatch
+from routeplay.store.joined_rows import JoinedRows
+
+Rows = npt.NDArray[Any] | JoinedRows
+"""What a payload is made of before it is written (an array, or pieces joined when written)."""
 
 __all__ = ["BatchLayout", "Part", "batch_spec", "plan_batch", "plan_write", "split_blocks"]
 
 
-def split_blocks(array: npt.NDArray[Any], block_rows: int) -> tuple[npt.NDArray[Any], ...]:
+def split_blocks(array: Rows, block_rows: int) -> tuple[Rows, ...]:
     """Row blocks of ``array`` (views, no copy); one block when ``block_rows`` is 0."""
     if block_rows <= 0 or array.shape[0] <= block_rows:
         return (array,)
@@ -63,9 +67,9 @@ class Part:
 class BatchLayout:
     """What a batched put stores and how each sample is made of it."""
 
-    arrays: tuple[npt.NDArray[Any], ...]
-    """Arrays to store, one payload each (views of the samples' arrays, or one packed
-    copy of all of them)."""
+    arrays: tuple[npt.NDArray[Any] | JoinedRows, ...]
+    """Arrays to store, one payload each (views of the samples' arrays, or all of them
+    packed: ``JoinedRows``, joined as the object store writes it)."""
     samples: tuple[tuple[Part, ...], ...]
     """Per sample, the row ranges of ``arrays`` that are, in order, the sample's rows."""
     saved_bytes: int
@@ -148,11 +152,11 @@ def plan_batch(batch: Sequence[Routes], *, prefix_rows: int = 0, pack: bool = Fa
 def _packed(
     arrays: list[npt.NDArray[Any]], samples: list[tuple[int, ...]], saved: int
 ) -> BatchLayout:
-    """The pieces end to end in one array (one copy); each sample's parts are its
-    pieces' row ranges in it."""
+    """The pieces as one payload, end to end (joined only when written: ``JoinedRows``);
+    each sample's parts are its pieces' row ranges in it."""
     bounds = np.cumsum([0] + [int(a.shape[0]) for a in arrays])
     return BatchLayout(
-        arrays=(np.concatenate(arrays),),
+        arrays=(JoinedRows(arrays),),
         samples=tuple(
             tuple(Part(array=0, start=int(bounds[i]), stop=int(bounds[i + 1])) for i in pieces)
             for pieces in samples

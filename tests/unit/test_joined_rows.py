@@ -1,0 +1,78 @@
+"""``JoinedRows``: a packed payload's pieces stay apart until the object store writes
+them, and whatever reads the payload gets the one plain array."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from routeplay.core import Routes, RouteSpec, canonicalize
+from routeplay.store.joined_rows import JoinedRows
+from routeplay.store.writes import plan_batch, split_blocks
+
+SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
+
+
+def _routing(rows: int, seed: int) -> Routes:
+    keys = np.random.default_rng(seed).random((rows, SPEC.num_layers, SPEC.num_experts))
+    return canonicalize(np.argsort(keys, axis=-1)[..., : SPEC.top_k].astype(np.uint8), SPEC)
+
+
+def _pieces(lengths: list[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(len(lengths))
+    return [rng.integers(0, 200, size=(n, 3, 2), dtype=np.uint8) for n in lengths]
+
+
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    start=st.integers(-12, 40),
+    stop=st.integers(-12, 40),
+)
+def test_a_row_range_of_the_pieces_is_that_range_of_the_joined_array(
+    lengths: list[int], start: int, stop: int
+) -> None:
+    pieces = _pieces(lengths)
+    whole = np.concatenate(pieces)
+    rows = JoinedRows(pieces)
+    assert rows.shape == whole.shape
+    assert rows.nbytes == whole.nbytes
+    assert len(rows) == len(whole)
+    part = rows[start:stop]
+    np.testing.assert_array_equal(np.asarray(part), whole[start:stop])
+    assert part.shape == whole[start:stop].shape
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_pickled_it_is_the_joined_plain_array(protocol: int) -> None:
+    pieces = _pieces([4, 0, 3, 5])
+    restored = pickle.loads(pickle.dumps(JoinedRows(pieces), protocol=protocol))
+    assert type(restored) is np.ndarray
+    np.testing.assert_array_equal(restored, np.concatenate(pieces))
+
+
+def test_a_packed_group_is_joined_only_when_written_and_blocks_stay_unjoined() -> None:
+    prompt = _routing(6, seed=1).array
+    group = [
+        canonicalize(np.concatenate([prompt, _routing(n, seed=n).array]), SPEC) for n in (2, 3)
+    ]
+    layout = plan_batch(group, prefix_rows=6, pack=True)
+    [packed] = layout.arrays
+    assert isinstance(packed, JoinedRows)
+    # views of the members' rows: nothing is copied when the group is planned
+    leader, *own = packed.pieces
+    assert np.shares_memory(leader, group[0].array)
+    assert all(np.shares_memory(p, s.array) for p, s in zip(own, group, strict=True))
+    blocks = split_blocks(packed, 4)
+    assert all(isinstance(block, JoinedRows) for block in blocks)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(b) for b in blocks]), np.asarray(packed)
+    )
+
+
+def test_only_row_ranges_are_taken() -> None:
+    with pytest.raises(ValueError, match="row ranges"):
+        JoinedRows(_pieces([3, 3]))[::2]
