@@ -182,15 +182,20 @@ class Step:
             full[s.offset : s.stop] = self.arrays[s.sample_id]
         return full
 
-    def micro_batches(self, layout: MegatronLayout) -> list[MicroBatchRoutes]:
-        """This rank's micro-batches, read through the materializer (copies kept)."""
+    def micro_batches(
+        self, layout: MegatronLayout, layers: Sequence[int] | None = None
+    ) -> list[MicroBatchRoutes]:
+        """This rank's micro-batches, read through the materializer (copies kept); with
+        ``layers``, only those MoE layers' columns (a pipeline stage's read)."""
         coords = layout.coords()
         leases = {
             s.sample_id: self.store.acquire(s.handle, f"rank {coords.describe()}")
             for mb in self.plan.schedule(coords.dp_rank)
             for s in self.plan.samples_of(mb)
         }
-        with Materializer(self.store, self.plan, coords, leases=leases, prefetch=0) as m:
+        with Materializer(
+            self.store, self.plan, coords, leases=leases, prefetch=0, layers=layers
+        ) as m:
             return list(m)
 
 

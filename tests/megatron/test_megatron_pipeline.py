@@ -3,8 +3,9 @@
 by its p2p code) over three micro-batches with full recompute.
 
 Each stage holds two of the four MoE layers; its session replays only those columns of
-the step's routes, and every forward and recompute of its routers (several forwards in
-flight: 1F1B warm-up) must route exactly the replayed ids, with nothing pending at the end.
+the step's routes (given whole, or as the stage's own read of its columns), and every
+forward and recompute of its routers (several forwards in flight: 1F1B warm-up) must
+route exactly the replayed ids, with nothing pending at the end.
 On CPU the stage processes also need ``torch.cuda.synchronize`` (called by the p2p code
 after ``batch_isend_irecv``) to do nothing.
 """
@@ -34,8 +35,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _stage(rank: int, port: int) -> None:
-    """One pipeline stage (a spawned process); raises if its routing differs."""
+def _stage(rank: int, port: int, stage_read: bool) -> None:
+    """One pipeline stage (a spawned process); raises if its routing differs. With
+    ``stage_read`` the stage is given only its own MoE layers' columns (what
+    ``Materializer(layers=layout.moe_layers(spec))`` reads), as micro-batches."""
     import os
 
     warnings.simplefilter("ignore")
@@ -49,6 +52,7 @@ def _stage(rank: int, port: int) -> None:
 
     from routeplay.core import RouteSpec
     from routeplay.integrations.megatron import MegatronLayout, MegatronReplay
+    from routeplay.train import MicroBatchRoutes
     from routeplay.train.replay_core import in_backward
 
     parallel_state.initialize_model_parallel(1, STAGES)
@@ -80,14 +84,28 @@ def _stage(rank: int, port: int) -> None:
                 layer.mlp.router.register_forward_hook(keep)
             count = iter(range(MICRO_BATCHES))
 
+            layout = MegatronLayout(pp_size=STAGES, pp_rank=rank, num_layers=4)
+            layers = layout.moe_layers(spec)
+            given = [
+                MicroBatchRoutes(
+                    index=i,
+                    packs=(),
+                    routes=np.ascontiguousarray(r[:, list(layers)]),
+                    mask=np.ones(len(r), bool),
+                    layers=layers,
+                )
+                if stage_read
+                else r
+                for i, r in enumerate(routes)
+            ]
+
             def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
                 i = next(count)
                 position_ids = torch.arange(SEQ)[None].expand(BATCH, SEQ)
-                with session.replay(routes[i]):
+                with session.replay(given[i]):
                     output = model(tokens[i], position_ids, None, labels=tokens[i])
                 return output, lambda losses: (losses.float().mean(), {})
 
-            layout = MegatronLayout(pp_size=STAGES, pp_rank=rank, num_layers=4)
             with MegatronReplay(model, spec, layout=layout) as session:
                 with cpu_schedule():
                     get_forward_backward_func()(
@@ -117,7 +135,8 @@ def _stage(rank: int, port: int) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_a_two_stage_1f1b_step_replays_each_stages_layers() -> None:
+@pytest.mark.parametrize("stage_read", [False, True], ids=["all-layers", "stage-layers"])
+def test_a_two_stage_1f1b_step_replays_each_stages_layers(stage_read: bool) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_stage, args=(_free_port(),), nprocs=STAGES)
+    mp.spawn(_stage, args=(_free_port(), stage_read), nprocs=STAGES)

@@ -115,7 +115,12 @@ def test_layer_split_matches_megatron(pp: int, vp: int | None, first: Any, last:
         num_layers_in_last_pipeline_stage=last,
         pipeline_dtype=torch.float32,
     )
+    # Every other decoder layer dense: a stage's read columns are its MoE layers only.
+    sparse = RouteSpec(
+        num_layers=layers // 2, top_k=2, num_experts=8, layer_map=tuple(range(1, layers, 2))
+    )
     seen: list[int] = []
+    read: list[int] = []
     for rank in range(pp):
         layout = MegatronLayout(
             pp_size=pp,
@@ -125,13 +130,20 @@ def test_layer_split_matches_megatron(pp: int, vp: int | None, first: Any, last:
             first_stage_layers=first,
             last_stage_layers=last,
         )
+        built: list[int] = []
         for stage in range(vp or 1):
             stage_arg = stage if vp else None
             offset = get_transformer_layer_offset(config, vp_stage=stage_arg, pp_rank=rank)
             count = get_num_layers_to_build(config, vp_stage=stage_arg, pp_rank=rank)
             assert layout.chunk_layers(stage) == range(offset, offset + count)
-            seen += list(range(offset, offset + count))
+            built += list(range(offset, offset + count))
+        seen += built
+        assert layout.moe_layers(spec) == tuple(sorted(built))
+        mine = layout.moe_layers(sparse)
+        assert mine == tuple(sparse.layer_map.index(d) for d in sorted(built) if d % 2)
+        read += mine
     assert sorted(seen) == list(range(layers))
+    assert sorted(read) == list(range(sparse.num_layers))  # each MoE layer read by one stage
 
 
 def test_the_layout_reads_megatrons_parallel_state() -> None:
@@ -242,7 +254,11 @@ def test_bshd_rows_are_flattened_sequence_major_like_megatron() -> None:
 # -- PP with virtual stages, dense layers in between ------------------------------------------
 
 
-def test_pipeline_ranks_replay_exactly_the_layers_their_chunks_hold() -> None:
+@pytest.mark.parametrize("stage_read", [False, True], ids=["all-layers", "stage-layers"])
+def test_pipeline_ranks_replay_exactly_the_layers_their_chunks_hold(stage_read: bool) -> None:
+    """Each PP rank (two virtual stages each, dense layers between) replays exactly its
+    chunks' layers, from the whole rows or from a read of its own MoE layers only
+    (``layout.moe_layers``: a quarter of the columns here, in two ranges)."""
     spec = RouteSpec(num_layers=6, top_k=2, num_experts=8, layer_map=(1, 2, 3, 5, 6, 7))
     config = transformer_config(spec)
     step = Step(spec, TOKENS, pack_length=64)
@@ -254,8 +270,11 @@ def test_pipeline_ranks_replay_exactly_the_layers_their_chunks_hold() -> None:
         assert [(r.chunk, r.decoder_layer) for r in routers] == [
             (v, d) for v in range(2) for d in layout.chunk_layers(v) if d in spec.layer_map
         ]
+        layers = layout.moe_layers(spec) if stage_read else None
+        assert layout.moe_layers(spec) == tuple(sorted(r.moe_layer for r in routers))
         with MegatronReplay(chunks, spec, layout=layout) as session:
-            for mb in step.micro_batches(layout):
+            for mb in step.micro_batches(layout, layers):
+                assert mb.routes.shape[1] == (len(layers) if layers else spec.num_layers)
                 [pack] = mb.packs
                 positions = torch.arange(64)
                 x = features(64)[:, None, :]

@@ -46,6 +46,7 @@ from routeplay.train.packing import (
 
 SPEC = RouteSpec(num_layers=2, top_k=3, num_experts=7)
 WIDE = RouteSpec(num_layers=2, top_k=2, num_experts=300)  # uint16
+DEEP = RouteSpec(num_layers=6, top_k=2, num_experts=9)  # layer subsets of several ranges
 Arrays = dict[str, npt.NDArray[Any]]
 
 
@@ -269,8 +270,11 @@ def steps(draw: st.DrawFn) -> dict[str, Any]:
     sp, cp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
     length = 2 * sp * cp * draw(st.integers(1, 5))
     tokens = draw(st.lists(st.integers(1, length + 1), min_size=1, max_size=9))
+    spec = draw(st.sampled_from([SPEC, WIDE, DEEP]))
+    some_layers = st.sets(st.integers(0, spec.num_layers - 1), min_size=1).map(sorted)
     return {
-        "spec": draw(st.sampled_from([SPEC, WIDE])),
+        "spec": spec,
+        "layers": draw(st.none() | some_layers),
         "sp": sp,
         "cp": cp,
         "split": draw(st.sampled_from(["contiguous", "pack_zigzag", "per_sequence"])),
@@ -312,7 +316,9 @@ def test_zigzag_cp_ranks_get_their_rows_written_out() -> None:
 @given(step=steps(), share=st.booleans())
 def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any], share: bool) -> None:
     """Each rank materializes from the whole plan, or from its share (``plan.share``:
-    what a driver sends it), and reads the same rows either way."""
+    what a driver sends it), and reads the same rows either way; a rank that reads a
+    subset of the MoE layers (a pipeline stage's) gets exactly those columns, and copies
+    only their bytes."""
     spec, store = step["spec"], new_store()
     arrays: Arrays = {}
     samples = []
@@ -335,18 +341,32 @@ def test_every_rank_gets_its_slice_of_the_whole_pack(step: dict[str, Any], share
             s.sample_id: store.acquire(s.handle, holder) for mb in mine for s in plan.samples_of(mb)
         }
         given_plan = plan.share(coords.dp_rank) if share else plan
+        layers = step["layers"]
         with Materializer(
-            store, given_plan, coords, leases=leases, prefetch=step["prefetch"], order=order
+            store,
+            given_plan,
+            coords,
+            leases=leases,
+            prefetch=step["prefetch"],
+            order=order,
+            layers=layers,
         ) as m:
             got = list(m)
         assert [item.index for item in got] == list(order)
+        real_rows = 0
         for item in got:
             routes, mask = reference(plan, arrays, item.index, coords)
+            if layers is not None:
+                routes = routes[:, layers]
             assert item.routes.dtype == spec.dtype
+            assert item.layers == (None if layers is None else tuple(layers))
             np.testing.assert_array_equal(item.routes, routes)
             np.testing.assert_array_equal(item.mask, mask)
+            real_rows += int(mask.sum())
         assert holder_leases(store, holder) == 0
         stats = m.stats()
+        read_layers = spec.num_layers if layers is None else len(layers)
+        assert stats.bytes_read == real_rows * read_layers * spec.top_k * spec.dtype.itemsize
         assert stats.reads == len(mine)
         assert stats.leases_released == len(leases)
         assert stats.resident_bytes == 0

@@ -20,6 +20,7 @@ from typing import Any, TypeAlias, TypeVar
 import numpy.typing as npt
 
 from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
+from routeplay.core.layers import LayerSubset
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, RunMismatch
 from routeplay.store.backend import Backend
@@ -119,12 +120,18 @@ class StoreCore:
         *,
         holder: str = "",
         out: Sequence[npt.NDArray[Any]] | None = None,
+        layers: LayerSubset | None = None,
     ) -> list[npt.NDArray[Any]]:
         """Rows of many handles, each block fetched once; leased payloads need no shard
         call, others one ``locate`` per shard. ``out`` gives buffers to copy into (one
         per request, of its exact shape and dtype: reused memory is faster than fresh
         pages); after an error they hold only part of the rows. ``holder`` only names
-        the reader in errors."""
+        the reader in errors. ``layers`` copies only those MoE layers' columns (a
+        pipeline stage's: ``[rows, len(layers.layers), K]`` per request).
+
+        Example:
+            [rows] = store.read_many([(handle, 0, handle.rows)], layers=stage_layers)
+        """
         for handle, _, _ in requests:
             for segment in handle.segments:
                 source = segment.source
@@ -134,7 +141,7 @@ class StoreCore:
                 elif isinstance(source, EngineKey) and source.run != self.run:
                     self.scoped(source)
         self.drive(self._releases.settle(wait=False))
-        return self._reader.read_many(requests, holder=holder, out=out)
+        return self._reader.read_many(requests, holder=holder, out=out, layers=layers)
 
     # -- internals --------------------------------------------------------------------
     def _call(

@@ -25,9 +25,10 @@ import numpy as np
 import numpy.typing as npt
 
 from routeplay.core.handle import EngineKey, Handle, InlineSource
+from routeplay.core.layers import LayerSubset
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import HandleError, MisuseError, RoutesLost, StoreTimeout
+from routeplay.errors import HandleError, MisuseError, RoutesLost, SpecMismatch, StoreTimeout
 from routeplay.store.backend import Backend
 from routeplay.store.flow import Wait, drive
 from routeplay.store.key_check import check_key_payload
@@ -111,13 +112,16 @@ class Reader:
         *,
         holder: str,
         out: Sequence[npt.NDArray[Any]] | None = None,
+        layers: LayerSubset | None = None,
     ) -> list[npt.NDArray[Any]]:
-        """Rows of each request, copied into ``out`` (reused buffers) or fresh arrays."""
+        """Rows of each request, copied into ``out`` (reused buffers) or fresh arrays;
+        with ``layers``, only those MoE layers' columns."""
         plan = plan_reads(requests)
+        columns = _columns(layers, requests)
         # Engine keys first: their payloads are checked against the rows the responses
         # claimed before anything is allocated for those rows (a claim is not a size).
         consumed = self._consume_engine_keys(plan)
-        outs = _outputs(plan, requests, out)
+        outs = _outputs(plan, requests, out, columns)
         for direct in plan.direct:
             seg = direct.segment
             if isinstance(seg.source, InlineSource):
@@ -125,13 +129,21 @@ class Reader:
             else:
                 assert isinstance(seg.source, EngineKey)
                 rows = consumed[seg.source.key][seg.start : seg.stop]
-            outs[direct.request][direct.offset : direct.offset + seg.rows] = rows
+            into = outs[direct.request][direct.offset : direct.offset + seg.rows]
+            if columns is None:
+                into[...] = rows
+            else:
+                columns.copy(rows, into)
         if plan.copies:
-            self._copy_as_fetched(plan, holder, outs)
+            self._copy_as_fetched(plan, holder, outs, columns)
         return outs
 
     def _copy_as_fetched(
-        self, plan: ReadPlan, holder: str, outs: Sequence[npt.NDArray[Any]]
+        self,
+        plan: ReadPlan,
+        holder: str,
+        outs: Sequence[npt.NDArray[Any]],
+        columns: LayerSubset | None,
     ) -> None:
         """Copy every planned block range into its output, a batch of blocks at a time
         as the blocks arrive (``Backend.fetch_as_created``): a block crosses and is
@@ -146,7 +158,8 @@ class Reader:
             for now, values in self._backend.fetch_as_created(refs, "blocks"):
                 blocks = {keys[i]: value for i, value in zip(now, values, strict=True)}
                 values.clear()
-                _copy_blocks(copies.of(blocks, whole=len(blocks) == len(keys)), blocks, outs)
+                batch = copies.of(blocks, whole=len(blocks) == len(keys))
+                _copy_blocks(batch, blocks, outs, columns)
                 blocks.clear()
         except (RoutesLost, StoreTimeout) as exc:
             # Named only on an error: a read's payload list is not built on every read.
@@ -224,9 +237,11 @@ def _outputs(
     plan: ReadPlan,
     requests: Sequence[tuple[Handle, int, int]],
     out: Sequence[npt.NDArray[Any]] | None,
+    columns: LayerSubset | None,
 ) -> list[npt.NDArray[Any]]:
     shapes = [
-        (rows, *h.spec.row_shape) for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
+        (rows, *_row_shape(h.spec, columns))
+        for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
     ]
     if out is None:
         pairs = zip(shapes, requests, strict=True)
@@ -261,10 +276,34 @@ class _CopiesByBlock:
         return [self._copies[p] for p in positions]
 
 
+def _columns(
+    layers: LayerSubset | None, requests: Sequence[tuple[Handle, int, int]]
+) -> LayerSubset | None:
+    """The columns to copy (None: every one), checked against each request's spec."""
+    if layers is None:
+        return None
+    for index, (handle, _, _) in enumerate(requests):
+        if handle.spec.num_layers != layers.of_layers:
+            raise SpecMismatch(
+                "a layer subset of another model",
+                expected=f"a subset of {handle.spec.num_layers} MoE layers",
+                found=f"a subset of {layers.of_layers} MoE layers",
+                where=f"request {index}",
+            )
+    return None if layers.whole else layers
+
+
+def _row_shape(spec: RouteSpec, columns: LayerSubset | None) -> tuple[int, ...]:
+    if columns is None:
+        return spec.row_shape
+    return (len(columns.layers), *spec.row_shape[1:])
+
+
 def _copy_blocks(
     copies: Sequence[BlockCopy],
     blocks: Mapping[tuple[str, int], Any],
     outs: Sequence[npt.NDArray[Any]],
+    columns: LayerSubset | None,
 ) -> None:
     """Copy each block range into its output. Ranges that follow each other in one
     output (the segments of a handle, in order) go in one ``np.concatenate``: one C
@@ -275,19 +314,26 @@ def _copy_blocks(
         for copy in copies:
             view = blocks[(copy.payload_id, copy.block)][copy.lo : copy.hi]
             if copy.request != request or copy.offset != end:
-                _flush_run(outs, request, start, end, run)
+                _flush_run(outs, request, start, end, run, columns)
                 request, start, end = copy.request, copy.offset, copy.offset
             run.append(view)
             end += copy.hi - copy.lo
-        _flush_run(outs, request, start, end, run)
+        _flush_run(outs, request, start, end, run, columns)
     finally:
         run.clear()
 
 
 def _flush_run(
-    outs: Sequence[npt.NDArray[Any]], request: int, start: int, end: int, run: list[Any]
+    outs: Sequence[npt.NDArray[Any]],
+    request: int,
+    start: int,
+    end: int,
+    run: list[Any],
+    columns: LayerSubset | None,
 ) -> None:
-    if len(run) == 1:
+    if columns is not None and run:
+        columns.concatenate(run, outs[request][start:end])
+    elif len(run) == 1:
         outs[request][start:end] = run[0]
     elif run:
         np.concatenate(run, axis=0, out=outs[request][start:end])

@@ -37,7 +37,7 @@ the backward runs inside the ``replay`` block (after it, the native router is ba
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +142,7 @@ def replay(
     prefix: str | None = None,
     drift: DriftMeter | bool | None = None,
     mask: Any = None,
+    layers: Sequence[int] | None = None,
 ) -> Iterator[ReplaySource]:
     """Make every MoE router of ``model`` use ``routes`` inside the block.
 
@@ -154,7 +155,10 @@ def replay(
     ``drift``: a ``DriftMeter`` (the step's) receives the routing drift of the block's
     forwards; None (``DRIFT_BY_DEFAULT``) or True gives the block its own; False measures
     nothing. Either way the meter is ``source.drift``. ``mask`` (bool ``[tokens]``, the
-    micro-batch's real rows) limits the figures to real tokens.
+    micro-batch's real rows) limits the figures to real tokens. ``layers`` names the MoE
+    layer of each column of ``routes`` when only some were read (``mb.layers``: a model
+    that holds part of the layers reads only those, ``Materializer(layers=...)``); every
+    MoE router of ``model`` must find its layer there.
 
     Example:
         >>> meter = DriftMeter(model_spec(model))                    # once per step
@@ -170,7 +174,9 @@ def replay(
             found=spec.describe(),
         )
     meter = _meter(drift, routers.spec, mask)
-    source = ReplaySource(routes, routers.spec, check_ids=check_ids, drift=meter)
+    source = ReplaySource(routes, routers.spec, check_ids=check_ids, drift=meter, layers=layers)
+    for site in routers.sites:
+        source.column(site.layer)  # a router whose layer was not read: refused before any runs
     drift_pass = meter.open_pass(mask) if meter is not None else None
     check = ReplayCheck(model, [(site.layer, site.name, site.module) for site in routers.sites])
     try:

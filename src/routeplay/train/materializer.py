@@ -58,6 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routeplay.core.handle import EngineKey, Handle, InlineSource, Segment, StoreRef
+from routeplay.core.layers import LayerSubset
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import attach_notes, attempt_each
@@ -85,6 +86,7 @@ class RowReader(Protocol):
         *,
         holder: str = "",
         out: Sequence[npt.NDArray[Any]] | None = None,
+        layers: LayerSubset | None = None,
     ) -> list[npt.NDArray[Any]]: ...
 
 
@@ -110,6 +112,9 @@ class MicroBatchRoutes:
     """``[local_tokens]``: True where a row is a sample's routing, False on padding."""
     pass_index: int = 0
     """Pass over the step this read belongs to (``Materializer(passes=...)``)."""
+    layers: tuple[int, ...] | None = None
+    """MoE layers of ``routes``' columns, in order (``Materializer(layers=...)``: a
+    pipeline stage's); None when every MoE layer is there."""
 
     @property
     def nbytes(self) -> int:
@@ -161,21 +166,22 @@ class _Buffers:
     # getrefcount's own argument. Any more means a consumer still holds a view of it.
     _OURS = 3
 
-    def __init__(self, spec: RouteSpec, keep: int) -> None:
-        self._spec = spec
+    def __init__(self, spec: RouteSpec, keep: int, layers: LayerSubset | None) -> None:
+        self._dtype = spec.dtype
+        self._row_shape = spec.row_shape if layers is None else (len(layers.layers), spec.top_k)
         self._keep = keep
         self._lock = threading.Lock()
         self._free: list[npt.NDArray[Any]] = []
 
     def take(self, rows: int) -> npt.NDArray[Any]:
-        """A ``[rows, L, K]`` view of a recycled buffer, or of a new one."""
+        """A ``[rows, L, K]`` view of a recycled buffer (L: the layers read), or a new one."""
         with self._lock:
             for position in range(len(self._free)):  # no enumerate: its tuple is one more ref
                 buffer = self._free[position]
                 if buffer.shape[0] >= rows and sys.getrefcount(buffer) <= self._OURS:
                     del self._free[position]
                     return buffer[:rows]
-        return np.empty((rows, *self._spec.row_shape), self._spec.dtype)[:rows]
+        return np.empty((rows, *self._row_shape), self._dtype)[:rows]
 
     def give(self, routes: npt.NDArray[Any]) -> None:
         """Return a micro-batch's array once the consumer has moved past it."""
@@ -210,7 +216,11 @@ class Materializer:
     ``passes`` is how many times the trainer goes over them, in that order each time
     (see the module docstring): leases end after the last pass. ``release_each=False``
     ends them all at once after the last micro-batch (one call per shard), for leases
-    whose rows another holder keeps anyway (``leasing``).
+    whose rows another holder keeps anyway (``leasing``). ``layers`` (MoE layer indices,
+    increasing) reads only those layers' columns: a pipeline stage's
+    (``MegatronLayout.moe_layers(spec)``), so the rows a rank copies and holds scale with
+    1/PP; each micro-batch's ``layers`` says which MoE layer each column is, and the
+    replays map layers to columns by it.
 
     Example:
         >>> with Materializer(store, plan, coords, leases=leases, passes=2) as m:
@@ -232,6 +242,7 @@ class Materializer:
         passes: int = 1,
         name: str = "",
         release_each: bool = True,
+        layers: Sequence[int] | None = None,
     ) -> None:
         # The leases are ours from this call on: a refusal below releases them (the
         # caller has no object left to release them through).
@@ -241,6 +252,7 @@ class Materializer:
             self._setup(
                 store, plan, coords, prefetch=prefetch, order=order, passes=passes, name=name
             )
+            self._setup_reads(layers)
         except BaseException as exc:
             self._release_refused(exc)
             raise
@@ -257,6 +269,7 @@ class Materializer:
         order: Sequence[int] | None = None,
         passes: int = 1,
         name: str = "",
+        layers: Sequence[int] | None = None,
     ) -> Materializer:
         """The way a trainer rank takes its leases: one ``acquire_many`` (one call per
         store shard) over exactly the samples of this rank's micro-batches, under
@@ -293,6 +306,7 @@ class Materializer:
             passes=passes,
             name=name,
             release_each=False,  # the step's batch holds the rows anyway: one release
+            layers=layers,
         )
 
     def _setup(
@@ -332,7 +346,6 @@ class Materializer:
         # The longest padding run is one range (SP zero-padding may run past a pack's end).
         longest = max((b - a for ranges in self._ranges.values() for a, b in ranges), default=0)
         self._padding = InlineSource(array=padding_rows(plan.spec, longest))
-        self._buffers = _Buffers(plan.spec, keep=prefetch + 2)
         # The local store backend is plain Python without locks: this rank's reads (the
         # prefetch thread) and releases (the consumer) never touch it at the same time.
         self._store_lock = threading.Lock()
@@ -355,6 +368,15 @@ class Materializer:
             "peak": 0,
             "released": 0,
         }
+
+    def _setup_reads(self, layers: Sequence[int] | None) -> None:
+        spec = self._plan.spec
+        self._layers = None if layers is None else LayerSubset.of(layers, spec)
+        self._layer_tuple = None if self._layers is None else self._layers.layers
+        # Bytes of one row as read: a stage reading its layers copies and holds only those.
+        self._row_bytes = spec.row_nbytes * len(self._layer_tuple or range(spec.num_layers))
+        self._row_bytes //= spec.num_layers
+        self._buffers = _Buffers(spec, keep=self._prefetch + 2, layers=self._layers)
 
     def _release_refused(self, refusal: BaseException) -> None:
         """The constructor refused: release every lease it was given (all attempted);
@@ -447,18 +469,25 @@ class Materializer:
         packs = self._plan.micro_batches[mb]
         handle, mask, real_rows = self._rows_handle(packs)
         buffer = self._buffers.take(handle.rows)
+        # A reader that knows nothing of layer subsets still serves whole-row reads.
+        subset = {} if self._layers is None else {"layers": self._layers}
         with self._store_lock:
             [routes] = self._store.read_many(
-                [(handle, 0, handle.rows)], holder=self.name, out=[buffer]
+                [(handle, 0, handle.rows)], holder=self.name, out=[buffer], **subset
             )
         del buffer
         item = MicroBatchRoutes(
-            index=mb, packs=packs, routes=routes, mask=mask, pass_index=pass_index
+            index=mb,
+            packs=packs,
+            routes=routes,
+            mask=mask,
+            pass_index=pass_index,
+            layers=self._layer_tuple,
         )
         with self._stats_lock:
             c = self._counts
             c["reads"] += 1
-            c["bytes_read"] += self._plan.spec.nbytes(real_rows)
+            c["bytes_read"] += real_rows * self._row_bytes
             c["block_bytes"] += _block_bytes(handle, self._plan.spec)
             c["bytes_out"] += item.nbytes
             c["resident"] += item.nbytes

@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from routeplay.core.layers import LayerSubset
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import check_distinct, check_dtype, check_range, check_shape
@@ -192,7 +193,10 @@ class ReplaySource:
     many tokens it flattened. A repeated id would run that expert twice for the token and
     drop one of its K experts (zero padding rows do exactly this), so it is refused, never
     replayed. ``check_ids=False`` skips the id checks for routes already validated
-    (canonical ``Routes`` are never re-checked). ``ids`` takes a MoE layer index,
+    (canonical ``Routes`` are never re-checked). ``layers`` says which MoE layer each
+    column of an array is, when a pipeline stage read only its own
+    (``MicroBatchRoutes.layers``); a router of another layer is refused. ``ids`` takes a
+    MoE layer index,
     ``decoder_ids`` a decoder layer index (for routers a framework indexes over every
     decoder layer, as XTuner's do).
 
@@ -208,6 +212,7 @@ class ReplaySource:
         *,
         check_ids: bool = True,
         drift: DriftMeter | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.drift = drift
         """The meter this replay's routing drift goes to (None: not measured)."""
@@ -216,10 +221,19 @@ class ReplaySource:
         self._array: npt.NDArray[Any] | None = None
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
-        self._columns = tuple(range(spec.num_layers))
+        self._columns: dict[int, int] = {layer: layer for layer in range(spec.num_layers)}
+        self._subset = None if layers is None else LayerSubset.of(layers, spec)
+        if self._subset is not None:
+            self._columns = {layer: c for c, layer in enumerate(self._subset.layers)}
         self._lock = threading.Lock()
         self._calls = self._recomputes = self._rows = self._peak = 0
         if isinstance(routes, Routes):
+            if layers is not None:
+                raise MisuseError(
+                    "canonical Routes hold every MoE layer: give no layer subset",
+                    found=list(layers),
+                    hint="layers= describes a stage's read (MicroBatchRoutes.layers).",
+                )
             if routes.spec != spec:
                 raise SpecMismatch(
                     "the routes were validated for another model spec",
@@ -345,6 +359,27 @@ class ReplaySource:
             where=where or f"decoder layer {decoder_layer} (MoE layer {moe})",
         )
 
+    def column(self, layer: int) -> int:
+        """Column of MoE layer ``layer`` in the routes (a stage's read holds only its
+        layers; an engine may send every decoder layer). Refuses a layer the routes lack.
+
+        Example:
+            >>> ReplaySource(mb.routes, spec, layers=mb.layers).column(10)
+            2
+        """
+        column = self._columns.get(layer)
+        if column is not None:
+            return column
+        assert self._subset is not None  # every MoE layer has a column otherwise
+        raise MisuseError(
+            "these routes hold other MoE layers than the one a router asked for",
+            expected=f"one of MoE layers {list(self._subset.layers)} (the layers read)",
+            found=layer,
+            where=f"MoE layer {layer}",
+            hint="Read the layers of every model chunk this rank runs: "
+            "Materializer(layers=layout.moe_layers(spec)).",
+        )
+
     def stats(self) -> ReplayStats:
         """Calls, recomputes and widened bytes so far."""
         with self._lock:
@@ -377,7 +412,7 @@ class ReplaySource:
                     where=f"MoE layer {layer}",
                 )
             return block
-        column = self._columns[layer]
+        column = self.column(layer)
         if self._array is not None:
             return self._array[:, column, :]
         assert self._tensor is not None
@@ -385,19 +420,33 @@ class ReplaySource:
 
     def _check(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         check_dtype(dtype, self._spec, where="replay routes")
+        if self._subset is not None:
+            _check_subset_shape(shape, self._subset, self._spec)
+            return
         check_shape(shape, self._spec, where="replay routes")
-        if shape[1] != self._spec.num_layers:
-            self._columns = self._spec.moe_layer_indices()  # every decoder layer was sent
+        if shape[1] != self._spec.num_layers:  # every decoder layer was sent
+            self._columns = dict(enumerate(self._spec.moe_layer_indices()))
 
     def _moe_columns(self, data: _Data) -> _Data:
         # Indexing copies: skip it when every column is a MoE layer.
         if len(self._columns) == data.shape[1]:
             return data
-        return data[:, list(self._columns), :]
+        return data[:, list(self._columns.values()), :]
 
     def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str) -> None:
         """Range and distinct ids of one provider block ``[rows, K]``."""
         check_ids_of(block[:, None, :], self._spec, where=where)
+
+
+def _check_subset_shape(shape: tuple[int, ...], subset: LayerSubset, spec: RouteSpec) -> None:
+    if len(shape) != 3 or shape[1] != len(subset.layers) or shape[2] != spec.top_k:
+        raise SpecMismatch(
+            "routing shape does not match the layers read",
+            expected=f"[rows, {len(subset.layers)}, {spec.top_k}] (MoE layers "
+            f"{list(subset.layers)})",
+            found=list(shape),
+            where="replay routes",
+        )
 
 
 def check_ids_of(

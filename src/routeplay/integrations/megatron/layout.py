@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from routeplay.errors import MisuseError
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import MisuseError, SpecMismatch
 from routeplay.train.packing import RankCoords, seq_alignment
 
 __all__ = ["MegatronLayout", "QkvFormat"]
@@ -139,6 +140,18 @@ class MegatronLayout:
         """
         return seq_alignment(cp_size=self.cp_size, sp_size=self.tp_size)
 
+    def moe_layers(self, spec: RouteSpec) -> tuple[int, ...]:
+        """MoE layers (payload columns) of every model chunk this rank holds, in order:
+        what its ``Materializer(layers=...)`` reads (a stage copies and holds 1/PP of the
+        routing, not all of it). Empty for a stage with dense layers only.
+
+        Example:
+            >>> layout = MegatronLayout(pp_size=4, pp_rank=1, vp_size=2, num_layers=16)
+            >>> layout.moe_layers(spec)                  # every layer MoE
+            (2, 3, 10, 11)
+        """
+        return _stage_moe_layers(self, spec)
+
     def chunk_layers(self, vp_stage: int = 0) -> range:
         """Decoder layers (0-based) model chunk ``vp_stage`` of this rank builds."""
         if self.num_layers is None:
@@ -154,6 +167,18 @@ class MegatronLayout:
             return range(self.num_layers)
         offset, count = _split(self, vp_stage)
         return range(offset, offset + count)
+
+
+def _stage_moe_layers(layout: MegatronLayout, spec: RouteSpec) -> tuple[int, ...]:
+    decoders = [d for chunk in range(layout.chunks) for d in layout.chunk_layers(chunk)]
+    if layout.num_layers != spec.decoder_layers:
+        raise SpecMismatch(
+            "the pipeline splits another number of decoder layers than the spec has",
+            expected=f"num_layers = {spec.decoder_layers} (the spec's decoder layers)",
+            found=layout.num_layers,
+        )
+    moe = (spec.moe_layer(decoder) for decoder in sorted(decoders))
+    return tuple(layer for layer in moe if layer is not None)
 
 
 def _split(layout: MegatronLayout, vp_stage: int) -> tuple[int, int]:

@@ -429,19 +429,13 @@ class MegatronReplay:
         data = routes.routes if isinstance(routes, MicroBatchRoutes) else routes
         if callable(data) or isinstance(data, Routes):
             return ReplaySource(data, self.spec, check_ids=self._check_ids)
-        source = ReplaySource(data, self.spec, check_ids=False)  # shape and dtype
+        layers = routes.layers if isinstance(routes, MicroBatchRoutes) else None
+        source = ReplaySource(data, self.spec, check_ids=False, layers=layers)  # shape, dtype
+        # Every router of the chunk must find its layer before any of them runs.
+        columns = [source.column(r.moe_layer) for r in self.routers if r.chunk == chunk]
         if self._check_ids:
-            check_ids_of(self._owned_columns(data, chunk), self.spec)
+            check_ids_of(_owned_columns(data, columns), self.spec)
         return source
-
-    def _owned_columns(self, data: Any, chunk: int) -> Any:
-        """The routes' columns this chunk replays (PP ranks check only their layers)."""
-        layers = [r.moe_layer for r in self.routers if r.chunk == chunk]
-        if data.shape[1] != self.spec.num_layers:  # every decoder layer was sent
-            layers = [self.spec.moe_layer_indices()[layer] for layer in layers]
-        if layers == list(range(data.shape[1])):
-            return data
-        return data[:, layers, :]
 
     # -- hooks -------------------------------------------------------------------------------
     def _before(self, router: MegatronRouter) -> Any:
@@ -642,3 +636,10 @@ def _device_of(router: torch.nn.Module) -> torch.device:
     if weight.device.type == "cpu" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return weight.device
+
+
+def _owned_columns(data: Any, columns: list[int]) -> Any:
+    """The routes' columns a chunk replays (PP ranks check only their layers)."""
+    if columns == list(range(data.shape[1])):
+        return data
+    return data[:, columns, :]
