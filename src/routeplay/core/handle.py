@@ -218,8 +218,11 @@ class Handle:
         """Canonical bytes of the covered rows (what a full read copies)."""
         return self.spec.nbytes(self.rows)
 
-    def __len__(self) -> int:
-        return self.rows
+    def __bool__(self) -> bool:
+        # No __len__ on purpose: with __len__ and __getitem__ numpy takes a handle for a
+        # sequence of rows, so np.array(handles, dtype=object) (verl's batch columns)
+        # would iterate it. ``rows`` is the row count.
+        return self.rows > 0
 
     def append(self, segment: Segment, *, at_row: int | None = None) -> Handle:
         """Add rows after the last one; ``at_row`` asserts where they must start."""

@@ -5,12 +5,12 @@ history rows (with their own weight versions) are kept, and only rows the histor
 not have yet are stored and appended as a new segment:
 
 - a full-sequence response (vLLM, LMDeploy, SGLang without a start row) contributes
-  ``current[len(history):]`` (never the whole array again: no duplicated rows);
+  ``current[history.rows:]`` (never the whole array again: no duplicated rows);
 - a response whose request asked for rows from a start row (SGLang, vLLM) must start
-  at or before ``len(history)``;
+  at or before ``history.rows``;
 - an engine-store key (LMDeploy, XTuner's SGLang) holds the whole sequence: it is
-  adopted from row ``len(history)`` (``RouteStore.adopt_key(start_row=...)``), so the
-  store keeps only rows ``[len(history), T)``, sliced where the key is validated; the
+  adopted from row ``history.rows`` (``RouteStore.adopt_key(start_row=...)``), so the
+  store keeps only rows ``[history.rows, T)``, sliced where the key is validated; the
   history rows behind the key are dropped there (not compared with the history's own:
   ``routeplay.store.key_check`` says why).
 
