@@ -1,0 +1,166 @@
+"""routeplay's per-rank rows and masks against verl 0.9.1's own ``set_router_replay_data``.
+
+verl's Megatron engine (``transformer_impl.forward_step``, R3) aligns each sample's rollout
+routes with its input ids (``align_r3_router_replay_data``: one placeholder row for the
+last token), builds the replay mask (``build_r3_replay_mask``: every row but each
+sequence's last), then ``set_router_replay_data`` packs the sequences THD-style
+(``preprocess_thd_engine``: per-sequence padding to ``2 * cp * tp``, zigzag CP), scatters
+the CP-local rows over the TP ranks (sequence parallelism) and hands each router of the
+rank's model its layer's ids and the mask.
+
+Here verl's functions run unchanged in one process for every rank of a CP x TP x PP
+layout (uneven pipeline stages and virtual stages included): Megatron's parallel-state
+getters answer for the rank, the SP scatter is Megatron's split along the first dimension,
+and the routers are recorders found by verl's own model walk. routeplay's side is what a
+verl rank would run: the samples in the route store, ``pack_samples`` with the layout's
+alignment, and ``Materializer(layers=layout.moe_layers(spec))``. Every rank's rows (where
+either side replays) and masks must be equal, for every layer the rank's routers hold.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (make test)")
+rru = pytest.importorskip(
+    "verl.utils.megatron.router_replay_utils",
+    reason="verl is not installed (make test installs it)",
+)
+
+from routeplay.core import Routes, RouteSpec  # noqa: E402
+from routeplay.integrations.megatron import MegatronLayout  # noqa: E402
+from routeplay.store import RouteStore, StoreConfig  # noqa: E402
+from routeplay.train import Materializer, pack_samples  # noqa: E402
+
+SPEC = RouteSpec(num_layers=8, top_k=2, num_experts=16)
+TOKENS = [9, 14, 5, 11]  # each sample's input ids (prompt + response)
+RESPONSE = [4, 6, 2, 5]
+
+
+class _Recorder:
+    """What verl hands one router: its target ids and the replay mask."""
+
+    def __init__(self) -> None:
+        self.ids: Any = None
+        self.mask: Any = None
+
+    def set_target_indices(self, ids: Any, replay_mask: Any = None) -> None:
+        self.ids, self.mask = ids, replay_mask
+
+
+class _Router(torch.nn.Module):
+    """Stands for a ``TopKRouter`` in verl's own model walk (``iter_model_routers``)."""
+
+    def __init__(self, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.router_replay = _Recorder()
+
+
+@pytest.fixture
+def verl_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rru, "device_name", "cpu")
+    monkeypatch.setattr(rru, "TopKRouter", _Router)
+
+
+def _verl_rank(layout: MegatronLayout, routes: list[np.ndarray], monkeypatch: Any) -> dict:
+    """verl's ids and mask per global decoder layer, for one rank."""
+    tp, cp = layout.tp_size, layout.cp_size
+    mpu = rru.mpu
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda: layout.tp_rank)
+    monkeypatch.setattr(mpu, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(mpu, "get_context_parallel_rank", lambda: layout.cp_rank)
+    # Megatron's scatter to the SP region keeps this TP rank's part of the first dimension.
+    monkeypatch.setattr(
+        rru, "scatter_to_sequence_parallel_region", lambda x: x.chunk(tp)[layout.tp_rank]
+    )
+    input_ids = torch.nested.as_nested_tensor(
+        [torch.arange(t) for t in TOKENS], layout=torch.jagged
+    )
+    response_mask = torch.zeros(len(TOKENS), max(RESPONSE), dtype=torch.bool)
+    for i, n in enumerate(RESPONSE):
+        response_mask[i, :n] = True
+    nested = torch.nested.as_nested_tensor(
+        [torch.from_numpy(r.astype(np.int64)) for r in routes], layout=torch.jagged
+    )
+    aligned = rru.align_r3_router_replay_data(nested, input_ids)
+    mask = rru.build_r3_replay_mask(input_ids, response_mask)
+    chunks = [
+        torch.nn.ModuleList([_Router(d + 1) for d in layout.chunk_layers(v)])
+        for v in range(layout.chunks)
+    ]
+    config = types.SimpleNamespace(fp8=None, num_layers=SPEC.num_layers)
+    out = {}
+    for vp, chunk in enumerate(chunks):
+        rru.set_router_replay_data(aligned, None, config, vp, replay_mask=mask, model=chunk)
+        for router in chunk:
+            out[router.layer_number - 1] = (router.router_replay.ids, router.router_replay.mask)
+    return out
+
+
+LAYOUTS = [
+    {"cp_size": 2, "tp_size": 2},
+    {"cp_size": 1, "tp_size": 2},
+    {"cp_size": 2, "tp_size": 1},
+    {"cp_size": 2, "tp_size": 2, "pp_size": 2, "vp_size": 2},
+    {"cp_size": 1, "tp_size": 2, "pp_size": 3, "first_stage_layers": 2, "last_stage_layers": 2},
+]
+
+
+@pytest.mark.usefixtures("verl_on_cpu")
+@pytest.mark.parametrize("fields", LAYOUTS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
+def test_every_rank_gets_the_rows_and_mask_verl_gives_its_routers(
+    fields: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(0)
+    routes = [
+        np.argsort(rng.random((t - 1, SPEC.num_layers, SPEC.num_experts)), axis=-1)[
+            ..., : SPEC.top_k
+        ].astype(SPEC.dtype)
+        for t in TOKENS
+    ]
+    store = RouteStore.local(StoreConfig(run="verl-layout"))
+    # The driver's batch holds every sample's lease while the ranks read.
+    batch = [store.put_leased(Routes(array=r, spec=SPEC), "verl/batch") for r in routes]
+    samples = [
+        (f"s{i}", handle, t) for i, ((handle, _), t) in enumerate(zip(batch, TOKENS, strict=True))
+    ]
+    pp, tp, cp = fields.get("pp_size", 1), fields["tp_size"], fields["cp_size"]
+    for pp_rank in range(pp):
+        for cp_rank in range(cp):
+            for tp_rank in range(tp):
+                layout = MegatronLayout(
+                    **fields,
+                    pp_rank=pp_rank,
+                    cp_rank=cp_rank,
+                    tp_rank=tp_rank,
+                    sequence_parallel=tp > 1,
+                    qkv_format="thd",
+                    num_layers=SPEC.num_layers,
+                )
+                want = _verl_rank(layout, routes, monkeypatch)
+                align = layout.seq_align()
+                plan = pack_samples(
+                    samples, 1024, feeds_last_token=True, seq_align=align, pack_multiple=align
+                )
+                layers = layout.moe_layers(SPEC)
+                assert sorted(want) == list(layers)  # all-MoE spec: MoE layer = decoder layer
+                with Materializer.leasing(
+                    store, plan, layout.coords(), holder="verl/rank", layers=layers
+                ) as materializer:
+                    [mb] = list(materializer)
+                mask = torch.from_numpy(mb.mask)
+                for column, layer in enumerate(layers):
+                    ids, verl_mask = want[layer]
+                    assert torch.equal(verl_mask.bool(), mask), (layout, layer)
+                    got = torch.from_numpy(mb.routes[:, column].astype(np.int64))
+                    assert torch.equal(ids[mask], got[mask]), (layout, layer)
+    for _, lease in batch:
+        lease.release()
+    assert store.leaks() == []  # every rank's leases ended with its materializer
