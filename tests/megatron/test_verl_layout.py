@@ -32,6 +32,8 @@ rru = pytest.importorskip(
     reason="verl is not installed (make test installs it)",
 )
 
+from verl_rank import RecordingRouter, as_rank  # noqa: E402
+
 from routeplay.core import Routes, RouteSpec  # noqa: E402
 from routeplay.integrations.megatron import MegatronLayout  # noqa: E402
 from routeplay.store import RouteStore, StoreConfig  # noqa: E402
@@ -42,44 +44,10 @@ TOKENS = [9, 14, 5, 11]  # each sample's input ids (prompt + response)
 RESPONSE = [4, 6, 2, 5]
 
 
-class _Recorder:
-    """What verl hands one router: its target ids and the replay mask."""
-
-    def __init__(self) -> None:
-        self.ids: Any = None
-        self.mask: Any = None
-
-    def set_target_indices(self, ids: Any, replay_mask: Any = None) -> None:
-        self.ids, self.mask = ids, replay_mask
-
-
-class _Router(torch.nn.Module):
-    """Stands for a ``TopKRouter`` in verl's own model walk (``iter_model_routers``)."""
-
-    def __init__(self, layer_number: int) -> None:
-        super().__init__()
-        self.layer_number = layer_number
-        self.router_replay = _Recorder()
-
-
-@pytest.fixture
-def verl_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rru, "device_name", "cpu")
-    monkeypatch.setattr(rru, "TopKRouter", _Router)
-
-
 def _verl_rank(layout: MegatronLayout, routes: list[np.ndarray], monkeypatch: Any) -> dict:
     """verl's ids and mask per global decoder layer, for one rank."""
     tp, cp = layout.tp_size, layout.cp_size
-    mpu = rru.mpu
-    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: tp)
-    monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda: layout.tp_rank)
-    monkeypatch.setattr(mpu, "get_context_parallel_world_size", lambda: cp)
-    monkeypatch.setattr(mpu, "get_context_parallel_rank", lambda: layout.cp_rank)
-    # Megatron's scatter to the SP region keeps this TP rank's part of the first dimension.
-    monkeypatch.setattr(
-        rru, "scatter_to_sequence_parallel_region", lambda x: x.chunk(tp)[layout.tp_rank]
-    )
+    as_rank(rru, monkeypatch, tp=tp, tp_rank=layout.tp_rank, cp=cp, cp_rank=layout.cp_rank)
     input_ids = torch.nested.as_nested_tensor(
         [torch.arange(t) for t in TOKENS], layout=torch.jagged
     )
@@ -92,7 +60,7 @@ def _verl_rank(layout: MegatronLayout, routes: list[np.ndarray], monkeypatch: An
     aligned = rru.align_r3_router_replay_data(nested, input_ids)
     mask = rru.build_r3_replay_mask(input_ids, response_mask)
     chunks = [
-        torch.nn.ModuleList([_Router(d + 1) for d in layout.chunk_layers(v)])
+        torch.nn.ModuleList([RecordingRouter(d + 1) for d in layout.chunk_layers(v)])
         for v in range(layout.chunks)
     ]
     config = types.SimpleNamespace(fp8=None, num_layers=SPEC.num_layers)
@@ -113,7 +81,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.usefixtures("verl_on_cpu")
 @pytest.mark.parametrize("fields", LAYOUTS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
 def test_every_rank_gets_the_rows_and_mask_verl_gives_its_routers(
     fields: dict[str, int], monkeypatch: pytest.MonkeyPatch

@@ -157,6 +157,7 @@ NEEDS: dict[str, frozenset[str]] = {
             "routeplay.integrations.megatron.drift",
             "routeplay.integrations.megatron.routers",
             "routeplay.integrations.megatron.session",
+            "routeplay.integrations.verl",
             "routeplay.train.drift",
             "routeplay.train.hf",
             "routeplay.train.replay_check",

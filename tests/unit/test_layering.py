@@ -91,6 +91,7 @@ TORCH_HOMES = {
     "integrations/megatron/drift.py",
     "integrations/megatron/routers.py",
     "integrations/megatron/session.py",
+    "integrations/verl.py",
 }
 FREE_LAYERS = {"engine", "pipeline", "bench"}  # the top: a demo, a reference engine, benchmarks
 

@@ -42,9 +42,10 @@ BODY_FIELDS = frozenset(
         "token_logprobs",
     }
 )
-# verl's path in the bench builds verl's own DataProto, whose batch key for the routes is
-# the engine field's name: a trainer's format, not an engine body.
-TRAINER_FORMATS = {PACKAGE / "bench" / "verl_path.py"}
+# verl's path in the bench builds verl's own DataProto, and the verl integration fills
+# verl's model inputs, whose key for the routes is the engine field's name: a trainer's
+# format, not an engine body.
+TRAINER_FORMATS = {PACKAGE / "bench" / "verl_path.py", PACKAGE / "integrations" / "verl.py"}
 MODULES = sorted(
     p for p in PACKAGE.rglob("*.py") if WIRES not in p.parents and p not in TRAINER_FORMATS
 )
