@@ -11,6 +11,12 @@ a rank's micro-batch needs them:
   survives verl's batch operations (``repeat``, ``chunk``, ``concat``, ``reorder``,
   pickling). The step's ``TrainingBatch`` holds the leases until the last pass that
   replays, and closes in ``finally``;
+- **rollout**: a verl agent loop's generation (its prompt ids and the server's
+  ``TokenOutput``) goes through ``TOKEN_OUTPUT``, an engine adapter for the sample's
+  ``SampleRouting`` steps: each turn appends only the rows its history lacks, so a
+  multi-turn loop keeps every turn's rows from the turn that sampled them (verl's own
+  loop replaces the routes with the last turn's, verl#6054), in the canonical dtype, with
+  no zero-filled rows;
 - **trainer**: a Megatron engine class with ``StoreRoutedExperts`` first in its bases
   fills ``model_inputs["routed_experts"]`` from the store in ``prepare_model_inputs``, one
   read per micro-batch of exactly its samples, in the canonical dtype (1 byte an id under 256
@@ -26,6 +32,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -33,14 +40,111 @@ import numpy.typing as npt
 import torch
 
 from routeplay.core.handle import Handle
-from routeplay.errors import HandleError, MisuseError
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import canonicalize, check_row_count, expected_rows
+from routeplay.core.wires import Engine, EngineRouting
+from routeplay.errors import HandleError, MalformedPayload, MisuseError
+from routeplay.rollout.adapters import RoutesWriter, stitch
 from routeplay.train.materializer import RowReader
 
-__all__ = ["ROUTING_KEY", "StoreRoutedExperts", "handles_in", "routed_experts", "routing_column"]
+__all__ = [
+    "ROUTING_KEY",
+    "TOKEN_OUTPUT",
+    "StoreRoutedExperts",
+    "TokenOutputAdapter",
+    "VerlTurn",
+    "handles_in",
+    "routed_experts",
+    "routing_column",
+]
 
 ROUTING_KEY: Final = "routeplay_routing"
 """The batch column of routeplay handles (``DataProto.non_tensor_batch``; a
 ``NonTensorStack`` once verl turns the batch into a ``TensorDict``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerlTurn:
+    """One generation of a verl agent loop: the prompt ids it sent (every token of the
+    conversation so far) and the rollout server's ``TokenOutput`` (its response
+    ``token_ids`` and ``routed_experts``: ``[prompt + response - 1, L, K]``)."""
+
+    prompt_ids: Sequence[int]
+    """The request's prompt ids."""
+    output: Any
+    """verl's ``TokenOutput`` (``verl.workers.rollout.replica``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenOutputAdapter:
+    """Reads a ``VerlTurn`` (an ``EngineAdapter`` for ``RoutingContinuation.ingest``).
+
+    Example:
+        >>> with routing.continuation() as cont:
+        ...     handle = cont.ingest(TOKEN_OUTPUT, VerlTurn(prompt_ids, output), spec=spec,
+        ...                          writer=store, weight_version=version)
+        ...     routing = cont.finish(store, handle)
+    """
+
+    name: str = "verl-token-output"
+    """Adapter name (named in refusals)."""
+
+    def read(
+        self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
+    ) -> EngineRouting:
+        """The turn's routing, validated: every row of prompt and response but the last
+        (``start_row`` unused: verl's servers send every row).
+
+        Example:
+            >>> routing = TOKEN_OUTPUT.read(VerlTurn(prompt_ids, output), spec=spec)
+        """
+        where = where or "verl TokenOutput"
+        routes = getattr(response.output, "routed_experts", None)
+        if routes is None:
+            raise MalformedPayload(
+                "verl's TokenOutput carries no routed_experts",
+                expected="[prompt + response - 1, L, K] expert ids",
+                where=where,
+                hint="Turn on routing capture in the rollout server (R3).",
+            )
+        array = routes.cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
+        prompt, completion = len(response.prompt_ids), len(response.output.token_ids)
+        check_row_count(
+            int(array.shape[0]) if array.ndim else 0,
+            expected_rows(prompt, completion),
+            where=where,
+        )
+        return EngineRouting(
+            engine=Engine.VLLM,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            routes=canonicalize(array, spec, where=where),
+        )
+
+    def ingest(
+        self,
+        response: Any,
+        *,
+        spec: RouteSpec,
+        writer: RoutesWriter,
+        weight_version: int,
+        history: Handle | None = None,
+        where: str = "",
+        start_row: int = 0,
+    ) -> Handle:
+        """Read, validate, store the rows ``history`` lacks, stitch.
+
+        Example:
+            >>> handle = TOKEN_OUTPUT.ingest(turn, spec=spec, writer=store, weight_version=1)
+        """
+        routing = self.read(response, spec=spec, where=where)
+        return stitch(
+            routing, spec=spec, writer=writer, weight_version=weight_version, history=history
+        )
+
+
+TOKEN_OUTPUT: Final = TokenOutputAdapter()
+"""The adapter for verl's ``TokenOutput``."""
 
 
 def routing_column(handles: Sequence[Handle]) -> npt.NDArray[np.object_]:
