@@ -119,6 +119,8 @@ LONGEST_FIRST = (
     "ray/test_compaction.py",
     "ray/test_reliability_ray.py",
     "e2e/test_group_calls.py",
+    "e2e/test_verl_flow.py",
+    "ray/test_verl_ray.py",
     "ray/test_fast_paths_ray.py",
     "megatron/test_megatron_pipeline.py",
 )
