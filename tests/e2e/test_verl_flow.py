@@ -5,13 +5,8 @@ and mask), with exact rows on every rank and no lease left, also after a rank ra
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
-import ray
+from example_module import load_example
 
 pytestmark = pytest.mark.e2e
 
@@ -20,23 +15,10 @@ pytest.importorskip(
     reason="verl's Megatron engine does not import (make test installs its dependencies)",
 )
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "verl_flow.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("verl_flow", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # its actors, for Ray's workers
-    return module
-
 
 @pytest.mark.usefixtures("ray_local")
 def test_the_verl_flow_ends_with_exact_rows_and_nothing_left() -> None:
-    flow = load_example()
+    flow = load_example("verl_flow")
     report = flow.main()
     assert [rank.samples for rank in report.ranks] == [flow.PROMPTS * flow.N // flow.DP] * 2
     assert all(rank.micro_batches > 1 for rank in report.ranks)  # verl split by tokens

@@ -3,31 +3,15 @@ trie and trainer on routeplay, with exact rows on every rank and nothing left be
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from example_module import load_example
 
 pytestmark = pytest.mark.e2e
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "xtuner_flow.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("xtuner_flow", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.usefixtures("ray_local")
 def test_the_xtuner_flow_ends_with_exact_rows_and_nothing_left() -> None:
-    flow = load_example()
+    flow = load_example("xtuner_flow")
     report = flow.main()
     # The resumed member stored only its new rows (4 tokens past its abort), then was
     # aborted again and expired inside its group (the other two members stayed).
