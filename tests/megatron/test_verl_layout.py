@@ -19,7 +19,6 @@ either side replays) and masks must be equal, for every layer the rank's routers
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ rru = pytest.importorskip(
     reason="verl is not installed (make test installs it)",
 )
 
-from verl_rank import RecordingRouter, as_rank  # noqa: E402
+from verl_rank import as_rank, r3_targets  # noqa: E402
 
 from routeplay.core import Routes, RouteSpec  # noqa: E402
 from routeplay.integrations.megatron import MegatronLayout  # noqa: E402
@@ -48,28 +47,7 @@ def _verl_rank(layout: MegatronLayout, routes: list[np.ndarray], monkeypatch: An
     """verl's ids and mask per global decoder layer, for one rank."""
     tp, cp = layout.tp_size, layout.cp_size
     as_rank(rru, monkeypatch, tp=tp, tp_rank=layout.tp_rank, cp=cp, cp_rank=layout.cp_rank)
-    input_ids = torch.nested.as_nested_tensor(
-        [torch.arange(t) for t in TOKENS], layout=torch.jagged
-    )
-    response_mask = torch.zeros(len(TOKENS), max(RESPONSE), dtype=torch.bool)
-    for i, n in enumerate(RESPONSE):
-        response_mask[i, :n] = True
-    nested = torch.nested.as_nested_tensor(
-        [torch.from_numpy(r.astype(np.int64)) for r in routes], layout=torch.jagged
-    )
-    aligned = rru.align_r3_router_replay_data(nested, input_ids)
-    mask = rru.build_r3_replay_mask(input_ids, response_mask)
-    chunks = [
-        torch.nn.ModuleList([RecordingRouter(d + 1) for d in layout.chunk_layers(v)])
-        for v in range(layout.chunks)
-    ]
-    config = types.SimpleNamespace(fp8=None, num_layers=SPEC.num_layers)
-    out = {}
-    for vp, chunk in enumerate(chunks):
-        rru.set_router_replay_data(aligned, None, config, vp, replay_mask=mask, model=chunk)
-        for router in chunk:
-            out[router.layer_number - 1] = (router.router_replay.ids, router.router_replay.mask)
-    return out
+    return r3_targets(rru, layout, routes, TOKENS, RESPONSE, SPEC.num_layers)
 
 
 LAYOUTS = [

@@ -92,6 +92,7 @@ TORCH_HOMES = {
     "integrations/megatron/routers.py",
     "integrations/megatron/session.py",
     "integrations/verl.py",
+    "integrations/verl_replay.py",
 }
 FREE_LAYERS = {"engine", "pipeline", "bench"}  # the top: a demo, a reference engine, benchmarks
 
