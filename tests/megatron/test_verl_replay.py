@@ -135,3 +135,79 @@ def test_a_forward_before_its_rows_were_read_is_refused() -> None:
         pytest.raises(MisuseError, match="before its micro-batch's routes were read"),
     ):
         model(torch.randn(4, 1, HIDDEN))
+
+
+def _put(store: RouteStore, spec: RouteSpec, tokens: list[int]) -> list[Any]:
+    rng = np.random.default_rng(1)
+    rows = [
+        np.argsort(rng.random((t - 1, spec.num_layers, spec.num_experts)), axis=-1)[
+            ..., : spec.top_k
+        ].astype(spec.dtype)
+        for t in tokens
+    ]
+    return [store.put_leased(Routes(array=r, spec=spec), "verl/step")[0] for r in rows]
+
+
+def _handles_batch(handles: list[Any], tokens: list[int]) -> Any:
+    ids = torch.nested.as_nested_tensor([torch.arange(t) for t in tokens], layout=torch.jagged)
+    return tu.get_tensordict({"input_ids": ids, ROUTING_KEY: handles})
+
+
+def test_a_chunk_of_dense_layers_runs_natively_beside_a_replayed_one() -> None:
+    spec = RouteSpec(num_layers=6, top_k=2, num_experts=8, layer_map=tuple(range(2, 8)))
+    layout = MegatronLayout(pp_size=2, pp_rank=0, vp_size=2, num_layers=8)  # chunk 0: 0-1
+    chunks = [Model(transformer_config(spec), layout.chunk_layers(v), spec) for v in range(2)]
+    store = RouteStore.local(StoreConfig(run="verl-replay-dense"))
+    batch = _handles_batch(_put(store, spec, [5, 7]), [5, 7])
+    with (
+        MegatronReplay(chunks, spec, layout=layout) as session,
+        VerlReplay(store, session, layout, chunks) as replay,
+    ):
+        for chunk in chunks:  # verl prepares the micro-batch before each chunk's forward
+            replay.prepare(batch)
+            chunk(torch.randn(12, 1, HIDDEN))
+        assert session.stats().replayed == len(chunks[1].routers()) == 2
+
+
+def test_each_prepare_serves_one_forward_and_no_handles_runs_natively() -> None:
+    layout = MegatronLayout(num_layers=SPEC.num_layers)
+    model = Model(transformer_config(SPEC), layout.chunk_layers(0), SPEC)
+    store = RouteStore.local(StoreConfig(run="verl-replay-once"))
+    batch = _handles_batch(_put(store, SPEC, [5, 7]), [5, 7])
+    plain = tu.get_tensordict({"input_ids": batch["input_ids"]})
+    engine = object.__new__(Engine)
+    with (
+        MegatronReplay([model], SPEC, layout=layout) as session,
+        VerlReplay(store, session, layout, [model]) as replay,
+    ):
+        replay.prepare(batch)
+        model(torch.randn(12, 1, HIDDEN))
+        with pytest.raises(MisuseError, match="before its micro-batch's routes were read"):
+            model(torch.randn(12, 1, HIDDEN))  # never the last micro-batch's rows again
+        engine.routeplay_replay = replay
+        replay.prepare(batch)
+        with pytest.raises(KeyError):  # verl's own inputs want a loss mask: nothing read
+            engine.prepare_model_inputs(plain)
+        replay.prepare(plain)
+        model(torch.randn(20, 1, HIDDEN))  # native: no rows, no replay block
+        assert session.stats().replayed == len(model.routers())
+
+
+def test_a_forward_inside_an_except_block_keeps_its_recompute_markers() -> None:
+    layout = MegatronLayout(num_layers=SPEC.num_layers)
+    model = Model(transformer_config(SPEC), layout.chunk_layers(0), SPEC)
+    store = RouteStore.local(StoreConfig(run="verl-replay-except"))
+    batch = _handles_batch(_put(store, SPEC, [5, 7]), [5, 7])
+    with (
+        MegatronReplay([model], SPEC, layout=layout) as session,
+        VerlReplay(store, session, layout, [model]) as replay,
+    ):
+        replay.prepare(batch)
+        model(torch.randn(12, 1, HIDDEN))
+        kept = session.stats().pending
+        try:
+            raise ValueError("handled around the forward (a retry loop)")
+        except ValueError:
+            replay.prepare(batch)
+            model(torch.randn(12, 1, HIDDEN))
+        assert session.stats().pending == 2 * kept > 0

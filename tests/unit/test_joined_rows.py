@@ -76,3 +76,13 @@ def test_a_packed_group_is_joined_only_when_written_and_blocks_stay_unjoined() -
 def test_only_row_ranges_are_taken() -> None:
     with pytest.raises(ValueError, match="row ranges"):
         JoinedRows(_pieces([3, 3]))[::2]
+
+
+def test_misuse_is_refused_with_value_errors() -> None:
+    rows = JoinedRows(_pieces([3, 3]))
+    with pytest.raises(ValueError, match="without a copy"):
+        np.asarray(rows, copy=False)
+    with pytest.raises(ValueError, match="row ranges"):
+        rows[2]  # type: ignore[index]
+    with pytest.raises(ValueError, match="at least one piece"):
+        JoinedRows([])

@@ -75,6 +75,12 @@ def test_a_replay_source_maps_layers_to_columns_and_refuses_the_others() -> None
         ReplaySource(routes.array[:, :2], SPEC, layers=stage)
     with pytest.raises(MisuseError, match="every MoE layer"):
         ReplaySource(routes, SPEC, layers=stage)
+    whole = ReplaySource(routes, SPEC, layers=range(SPEC.num_layers))  # harmless: all of them
+    assert whole.column(7) == 7
+    with pytest.raises(SpecMismatch, match="out of range"):
+        ReplaySource(routes, SPEC).column(SPEC.num_layers)
+    with pytest.raises(SpecMismatch, match="out of range"):
+        source.column(-1)
 
 
 def test_a_stage_of_a_virtual_pipeline_reads_its_chunks_layers() -> None:

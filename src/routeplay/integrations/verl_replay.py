@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ class VerlReplay:
     def __init__(
         self,
         store: RowReader,
-        session: MegatronReplay,
+        session: MegatronReplay | None,
         layout: MegatronLayout,
         chunks: Sequence[torch.nn.Module],
         *,
@@ -66,12 +67,17 @@ class VerlReplay:
         self._store = store
         self._session = session
         self._layout = layout
-        self._layers = layout.moe_layers(session.spec)
+        # A stage of dense layers only has no routers (MegatronReplay refuses such a
+        # model: pass None): it reads and replays nothing.
+        self._layers = () if session is None else layout.moe_layers(session.spec)
         self._holder = holder
-        self._current: MicroBatchRoutes | None = None
-        self._open: dict[int, ExitStack] = {}
+        self._current: MicroBatchRoutes | object | None = None
+        self._open: dict[int, tuple[ExitStack, BaseException | None]] = {}
         self._hooks = []
+        routed = set() if session is None else {router.chunk for router in session.routers}
         for index, chunk in enumerate(chunks):
+            if index not in routed:  # a chunk of dense layers: its forwards stay native
+                continue
             self._hooks.append(chunk.register_forward_pre_hook(self._entering(index)))
             self._hooks.append(chunk.register_forward_hook(self._leaving(index), always_call=True))
 
@@ -99,28 +105,30 @@ class VerlReplay:
 
     def prepare(self, batch: Any) -> None:
         """Read the rows of verl's micro-batch ``batch`` (its handle column and its
-        nested ``input_ids``) for the forwards that follow.
+        nested ``input_ids``) for the forward that follows (one forward: verl prepares
+        a micro-batch before each model chunk's forward). A micro-batch without handles
+        runs natively, and so does every forward of a rank without MoE layers.
 
         Example:
             >>> replay.prepare(micro_batch)
         """
+        self._current = None  # never the previous micro-batch's rows, also on a refusal
         handles = handles_in(batch)
-        if handles is None:
-            raise MisuseError(
-                "the micro-batch carries no routeplay handles",
-                hint="Put routing_column(handles) in the step's DataProto.",
-            )
+        if handles is None or not self._layers:
+            self._current = _NATIVE
+            return
         tokens = batch["input_ids"].offsets().diff().tolist()
         self._current = self.micro_batch(handles, tokens)
 
     def close(self) -> None:
-        """Remove the hooks; a block a failed forward left open is closed (idempotent)."""
+        """Remove the hooks; a block an interrupted forward left open is closed as
+        failed (its recompute markers dropped). Idempotent."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        for stack in self._open.values():
-            stack.close()
-        self._open.clear()
+        while self._open:
+            _, (stack, _) = self._open.popitem()
+            _abort(stack)
 
     def __enter__(self) -> VerlReplay:
         return self
@@ -135,32 +143,57 @@ class VerlReplay:
 
     def _entering(self, chunk: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._current is None:
+            stale = self._open.pop(chunk, None)
+            if stale is not None:  # a forward interrupted (not an Exception) left it open
+                _abort(stale[0])
+            current, self._current = self._current, None  # one forward per prepare
+            if current is _NATIVE:
+                return
+            if not isinstance(current, MicroBatchRoutes):
                 raise MisuseError(
                     "a model chunk ran before its micro-batch's routes were read",
                     where=f"model chunk {chunk}",
                     hint="Call replay.prepare(micro_batch) (RouteplayReplay does, in "
-                    "prepare_model_inputs) before the forward.",
+                    "prepare_model_inputs) before each forward.",
                 )
+            assert self._session is not None  # a rank without a session hooks nothing
             stack = ExitStack()
-            stack.enter_context(self._session.replay(self._current, chunk=chunk))
-            self._open[chunk] = stack
+            stack.enter_context(self._session.replay(current, chunk=chunk))
+            # An exception already being handled around the forward is not the forward's.
+            self._open[chunk] = (stack, sys.exc_info()[1])
 
         return hook
 
     def _leaving(self, chunk: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            stack = self._open.pop(chunk, None)
-            if stack is not None:
-                stack.__exit__(*sys.exc_info())  # a failed forward: its markers go
+            entry = self._open.pop(chunk, None)
+            if entry is None:
+                return
+            stack, outer = entry
+            raised = sys.exc_info()[1]  # set when torch calls this for a failed forward
+            if raised is None or raised is outer:
+                stack.close()
+            else:
+                stack.__exit__(type(raised), raised, raised.__traceback__)  # markers go
 
         return hook
+
+
+_NATIVE = object()
+"""``prepare``'s mark for a forward that replays nothing (no handles, no MoE layers)."""
+
+
+def _abort(stack: ExitStack) -> None:
+    """Close a replay block as failed: its forward's recompute markers are dropped."""
+    aborted = MisuseError("the forward of this replay block did not complete")
+    with contextlib.suppress(MisuseError):  # the block re-raising the abort: it is closed
+        stack.__exit__(MisuseError, aborted, None)
 
 
 class RouteplayReplay:
     """Mixin for verl's Megatron engine (``MegatronEngineWithLMHead``) with verl's R3
     off: ``prepare_model_inputs`` has ``routeplay_replay`` read the micro-batch's rows
-    for the forward that follows. A micro-batch without handles is left to verl.
+    for the forward that follows. A micro-batch without handles runs natively.
 
     Example:
         >>> class Engine(RouteplayReplay, MegatronEngineWithLMHead):
@@ -172,12 +205,11 @@ class RouteplayReplay:
 
     def prepare_model_inputs(self, batch: Any) -> Any:
         inputs = super().prepare_model_inputs(batch)  # type: ignore[misc]
-        if handles_in(batch) is None:
-            return inputs
-        if self.routeplay_replay is None:
+        if self.routeplay_replay is not None:
+            self.routeplay_replay.prepare(batch)  # without handles: a native forward
+        elif handles_in(batch) is not None:
             raise MisuseError(
                 "a micro-batch carries routeplay handles but the engine has no replay",
                 hint="Set engine.routeplay_replay = VerlReplay(...) for the step.",
             )
-        self.routeplay_replay.prepare(batch)
         return inputs

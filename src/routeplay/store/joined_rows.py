@@ -36,6 +36,8 @@ class JoinedRows:
     __slots__ = ("dtype", "pieces", "shape")
 
     def __init__(self, pieces: Sequence[npt.NDArray[Any]]) -> None:
+        if not pieces:
+            raise ValueError("JoinedRows needs at least one piece (an empty one will do)")
         first = pieces[0]
         self.pieces = tuple(pieces)
         self.dtype = first.dtype
@@ -55,11 +57,15 @@ class JoinedRows:
         return self.join()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
+        if copy is False:  # numpy 2's protocol: joining pieces is always a copy
+            raise ValueError("JoinedRows cannot be viewed without a copy: its pieces are apart")
         out = self.join()
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def __getitem__(self, rows: slice) -> JoinedRows:
         """Rows ``[start, stop)`` (a block of a payload split in blocks), still unjoined."""
+        if not isinstance(rows, slice):
+            raise ValueError(f"JoinedRows takes row ranges only; found {rows!r}")
         start, stop, step = rows.indices(self.shape[0])
         if step != 1:
             raise ValueError(f"JoinedRows takes row ranges only; found step {step}")

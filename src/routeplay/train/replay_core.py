@@ -228,10 +228,10 @@ class ReplaySource:
         self._lock = threading.Lock()
         self._calls = self._recomputes = self._rows = self._peak = 0
         if isinstance(routes, Routes):
-            if layers is not None:
+            if self._subset is not None and not self._subset.whole:
                 raise MisuseError(
                     "canonical Routes hold every MoE layer: give no layer subset",
-                    found=list(layers),
+                    found=list(self._subset.layers),
                     hint="layers= describes a stage's read (MicroBatchRoutes.layers).",
                 )
             if routes.spec != spec:
@@ -370,7 +370,12 @@ class ReplaySource:
         column = self._columns.get(layer)
         if column is not None:
             return column
-        assert self._subset is not None  # every MoE layer has a column otherwise
+        if self._subset is None or not 0 <= layer < self._spec.num_layers:
+            raise SpecMismatch(
+                "MoE layer index out of range",
+                expected=f"0 <= layer < {self._spec.num_layers}",
+                found=layer,
+            )
         raise MisuseError(
             "these routes hold other MoE layers than the one a router asked for",
             expected=f"one of MoE layers {list(self._subset.layers)} (the layers read)",

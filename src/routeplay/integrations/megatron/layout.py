@@ -143,7 +143,8 @@ class MegatronLayout:
     def moe_layers(self, spec: RouteSpec) -> tuple[int, ...]:
         """MoE layers (payload columns) of every model chunk this rank holds, in order:
         what its ``Materializer(layers=...)`` reads (a stage copies and holds 1/PP of the
-        routing, not all of it). Empty for a stage with dense layers only.
+        routing, not all of it). Empty for a stage with dense layers only: it has no
+        routing to read or replay (``VerlReplay(store, None, ...)``).
 
         Example:
             >>> layout = MegatronLayout(pp_size=4, pp_rank=1, vp_size=2, num_layers=16)
