@@ -158,6 +158,7 @@ NEEDS: dict[str, frozenset[str]] = {
             "routeplay.integrations.megatron.routers",
             "routeplay.integrations.megatron.session",
             "routeplay.integrations.verl",
+            "routeplay.integrations.verl_fsdp",
             "routeplay.integrations.verl_replay",
             "routeplay.train.drift",
             "routeplay.train.hf",

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from tiny_moe import qwen3_moe  # noqa: E402
+
 from routeplay.core import RouteSpec, canonicalize  # noqa: E402
 from routeplay.core.layers import LayerSubset  # noqa: E402
 from routeplay.errors import MisuseError, SpecMismatch  # noqa: E402
@@ -91,27 +93,8 @@ def test_a_stage_of_a_virtual_pipeline_reads_its_chunks_layers() -> None:
         MegatronLayout(pp_size=2, pp_rank=0, num_layers=6).moe_layers(SPEC)
 
 
-def _qwen3_moe() -> Any:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(config).float().eval()
-
-
 def test_an_hf_model_replays_from_a_read_of_its_layers_and_refuses_a_missing_one() -> None:
-    model = _qwen3_moe()
+    model = qwen3_moe().eval()
     spec = find_routers(model).spec
     routes = _routes(12, spec, seed=3)
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(2))

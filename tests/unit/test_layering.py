@@ -93,6 +93,7 @@ TORCH_HOMES = {
     "integrations/megatron/session.py",
     "integrations/verl.py",
     "integrations/verl_replay.py",
+    "integrations/verl_fsdp.py",
 }
 FREE_LAYERS = {"engine", "pipeline", "bench"}  # the top: a demo, a reference engine, benchmarks
 
