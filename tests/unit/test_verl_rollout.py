@@ -32,6 +32,7 @@ from routeplay.integrations.verl import (  # noqa: E402
     routing_column,
 )
 from routeplay.rollout import SampleRouting  # noqa: E402
+from routeplay.rollout.routing_groups import discard_all, take_over_all  # noqa: E402
 from routeplay.store import RouteStore, StoreConfig  # noqa: E402
 
 SPEC = RouteSpec(num_layers=3, top_k=2, num_experts=16)
@@ -106,4 +107,46 @@ def test_a_bad_turn_is_refused_typed_and_writes_nothing(output: Any, error: type
             TOKEN_OUTPUT, VerlTurn([1, 2, 3, 4], output), spec=SPEC, writer=store, weight_version=1
         )
     assert store.stats().live_bytes == 0
+    assert store.leaks() == []
+
+
+def _internal_output(routing: SampleRouting, prompt: int, response: int) -> Any:
+    """What verl's ``_agent_loop_postprocess`` hands ``_postprocess`` for one sample:
+    padded tensors, no ``routed_experts``, the sample's routing in ``extra_fields``."""
+    agent_loop = pytest.importorskip("verl.experimental.agent_loop.agent_loop")
+    width = prompt + response
+    return agent_loop._InternalAgentLoopOutput(
+        prompt_ids=torch.zeros(1, prompt, dtype=torch.long),
+        response_ids=torch.zeros(1, response, dtype=torch.long),
+        response_mask=torch.ones(1, response, dtype=torch.long),
+        input_ids=torch.zeros(1, width, dtype=torch.long),
+        position_ids=torch.arange(width)[None],
+        attention_mask=torch.ones(1, width, dtype=torch.long),
+        num_turns=2,
+        metrics=agent_loop.AgentLoopMetrics(),
+        extra_fields={ROUTING_KEY: routing},
+    )
+
+
+def test_verls_agent_loop_batch_carries_each_samples_routing_to_the_driver() -> None:
+    """verl's own ``AgentLoopWorker._postprocess`` turns each output's ``extra_fields``
+    into a ``non_tensor_batch`` column: the samples' routings (handle and lease) reach the
+    driver, which takes their leases over (one call per shard) and puts the handles in
+    the batch."""
+    agent_loop = pytest.importorskip("verl.experimental.agent_loop.agent_loop")
+    store = RouteStore.local(StoreConfig(run="verl-agent-loop"))
+    routings, prompt = [], list(range(6))
+    for sample in range(3):
+        output = replica.TokenOutput(token_ids=[7, 8, 9], routed_experts=_rows(8, seed=sample))
+        routings.append(_turn(store, SampleRouting(sample_id=f"s{sample}"), prompt, output, 1))
+    worker = object.__new__(agent_loop.AgentLoopWorker)
+    worker.reward_loop_worker_handles = None
+    data = worker._postprocess([_internal_output(r, 6, 3) for r in routings])
+    column = data.non_tensor_batch[ROUTING_KEY]
+    assert [r.sample_id for r in column] == ["s0", "s1", "s2"]
+    batch = take_over_all(list(column), "train/step-1", store)
+    data.non_tensor_batch[ROUTING_KEY] = routing_column([r.handle for r in batch])
+    for sample, part in enumerate(routed_experts(store, handles_in(data)).unbind()):
+        np.testing.assert_array_equal(part.numpy(), _rows(8, seed=sample).astype(SPEC.dtype))
+    assert all(error is None for _, error in discard_all(batch))
     assert store.leaks() == []
