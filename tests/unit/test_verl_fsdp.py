@@ -1,40 +1,41 @@
 """R3 for verl 0.9.1's FSDP engine, which has none: ``RouteplayHFReplay`` around verl's own
-``FSDPEngineWithLMHead.forward_step`` (its ``prepare_model_inputs``, the padding-free
-token stream, its log-prob head) on a tiny transformers MoE with gradient checkpointing.
+``FSDPEngineWithLMHead`` (its ``prepare_model_inputs``, the padding-free token stream, its
+log-prob head, its ``forward_backward_batch`` with dynamic micro-batches) on a tiny
+transformers MoE with gradient checkpointing.
 
 The loss and every gradient equal those of the same forward and backward run inside
 routeplay's own ``replay`` block over the expected rows (each sample's routes, then a
 padding row for its last token), so the checkpointed recompute in the backward replayed
 the same experts. Closing the block before the backward makes the recompute route
 natively, which torch's checkpoint refuses: the comparison can fail. On CPU verl's device
-helpers answer "cpu" (a fixture).
+helpers answer "cpu" (a fixture); ``forward_backward_batch`` runs in a gloo world of one.
 """
 
 from __future__ import annotations
 
-import types
+import os
+import socket
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 fsdp_impl = pytest.importorskip(
     "verl.workers.engine.fsdp.transformer_impl",
     reason="verl's FSDP engine does not import (make test installs its dependencies)",
 )
-from tiny_moe import qwen3_moe  # noqa: E402
+import verl_fsdp_engine as verl_cpu  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 
 from routeplay.core import Routes  # noqa: E402
 from routeplay.errors import MisuseError  # noqa: E402
-from routeplay.integrations.verl import ROUTING_KEY  # noqa: E402
 from routeplay.integrations.verl_fsdp import RouteplayHFReplay, VerlHFReplay  # noqa: E402
 from routeplay.store import RouteStore, StoreConfig  # noqa: E402
 from routeplay.train.hf import find_routers, replay  # noqa: E402
 
-TOKENS = [5, 7, 4]
+TOKENS = [5, 7, 4, 6, 3]
 
 
 class Engine(RouteplayHFReplay, fsdp_impl.FSDPEngineWithLMHead):
@@ -42,117 +43,135 @@ class Engine(RouteplayHFReplay, fsdp_impl.FSDPEngineWithLMHead):
 
 
 @pytest.fixture(autouse=True)
-def verl_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fsdp_impl, "get_device_id", lambda: "cpu")
-    monkeypatch.setattr(fsdp_impl, "get_device_name", lambda: "cpu")
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    verl_cpu.on_cpu(monkeypatch)
 
 
-def _model() -> Any:
-    model = qwen3_moe()
-    model.gradient_checkpointing_enable()
-    model.train()
-    return model
+@pytest.fixture(scope="module")
+def one_rank_world() -> Iterator[None]:
+    """``torch.distributed`` with one gloo rank (verl's batch code all-reduces its token
+    count), made here unless a world exists already, and ended only if made here."""
+    made = not torch.distributed.is_initialized()
+    if made:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    if made:
+        torch.distributed.destroy_process_group()
 
 
-def _engine(cls: type, model: Any) -> Any:
-    engine = object.__new__(cls)  # forward_step needs these attributes only
-    engine.module = model
-    engine.pad_to_length = None
-    engine.use_ulysses_sp = False
-    engine.ulysses_sequence_parallel_size = 1
-    engine.ulysses_device_mesh = None
-    engine.engine_config = types.SimpleNamespace(
-        use_torch_compile=False, entropy_checkpointing=False
-    )
-    return engine
-
-
-def _micro_batch(handles: list[Any] | None) -> Any:
-    ids = [torch.randint(3, 64, (t,), generator=torch.Generator().manual_seed(t)) for t in TOKENS]
-    tensors = {
-        "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
-        "position_ids": torch.nested.as_nested_tensor(
-            [torch.arange(t) for t in TOKENS], layout=torch.jagged
-        ),
-        "temperature": torch.ones(len(TOKENS)),
-    }
-    if handles is not None:
-        tensors[ROUTING_KEY] = handles
-    return tu.get_tensordict(
-        tensors, non_tensor_dict={"use_remove_padding": True, "calculate_entropy": False}
-    )
-
-
-def _loss(model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, dict]:
-    return -model_output["log_probs"].values().sum(), {}
-
-
-def _grads(model: Any) -> list[Any]:
-    out = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def _routes(spec: Any) -> list[np.ndarray]:
-    rng = np.random.default_rng(3)
-    keys = [rng.random((t - 1, spec.num_layers, spec.num_experts)) for t in TOKENS]
-    return [np.argsort(k, axis=-1)[..., : spec.top_k].astype(spec.dtype) for k in keys]
+def _stored(store: RouteStore, spec: Any, seed: int) -> tuple[list[Any], list[Any]]:
+    rows = verl_cpu.routes(spec, TOKENS, seed)
+    return rows, [store.put_leased(Routes(array=r, spec=spec), "verl/step") for r in rows]
 
 
 def test_verls_fsdp_step_replays_the_stores_rows_through_the_recompute() -> None:
-    model = _model()
+    model = verl_cpu.checkpointed_model()
     spec = find_routers(model).spec
-    routes = _routes(spec)
     store = RouteStore.local(StoreConfig(run="verl-fsdp"))
-    batch = [store.put_leased(Routes(array=r, spec=spec), "verl/step") for r in routes]
-    handles = [h for h, _ in batch]
-
-    engine = _engine(Engine, model)
+    rows, leased = _stored(store, spec, seed=3)
+    engine = verl_cpu.engine(Engine, model)
     engine.routeplay_replay = VerlHFReplay(store, model)
-    loss, _ = engine.forward_step(_micro_batch(handles), _loss, forward_only=False)
+    micro = verl_cpu.batch(TOKENS, [h for h, _ in leased])
+    loss, _ = engine.forward_step(micro, verl_cpu.loss, forward_only=False)
     loss.backward()  # forward_backward_batch's backward: the block is still open
     engine.routeplay_replay.close()
-    got = _grads(model)
+    got = verl_cpu.grads(model)
 
-    # The reference: verl's own forward_step inside routeplay's replay block, over the
-    # expected rows (each sample's routes, then a padding row for its last token).
-    pad = (np.arange(spec.top_k) % spec.num_experts).astype(spec.dtype)
-    rows = np.concatenate(
-        [np.concatenate([r, np.broadcast_to(pad, (1, *r.shape[1:]))]) for r in routes]
-    )
-    plain = _engine(fsdp_impl.FSDPEngineWithLMHead, model)
-    with replay(model, rows):
-        want_loss, _ = plain.forward_step(_micro_batch(None), _loss, forward_only=False)
+    # The reference: verl's own forward_step inside routeplay's replay block.
+    plain = verl_cpu.engine(fsdp_impl.FSDPEngineWithLMHead, model)
+    every = verl_cpu.expected_rows(spec, rows, list(range(len(TOKENS))))
+    with replay(model, every):
+        want_loss, _ = plain.forward_step(
+            verl_cpu.batch(TOKENS, None), verl_cpu.loss, forward_only=False
+        )
         want_loss.backward()
-    want = _grads(model)
+    want = verl_cpu.grads(model)
     torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
     # Closed before the backward, the recompute routes natively: torch's checkpoint
     # finds a different forward (other experts ran) and refuses.
-    with replay(model, rows):
-        early_loss, _ = plain.forward_step(_micro_batch(None), _loss, forward_only=False)
+    with replay(model, every):
+        early, _ = plain.forward_step(verl_cpu.batch(TOKENS, None), verl_cpu.loss, False)
     with pytest.raises(torch.utils.checkpoint.CheckpointError):
-        early_loss.backward()
+        early.backward()
     model.zero_grad(set_to_none=True)
-
-    for _, lease in batch:
+    for _, lease in leased:
         lease.release()
     assert store.leaks() == []
 
 
 def test_a_micro_batch_without_handles_runs_natively_and_ulysses_is_refused() -> None:
-    model = _model()
+    model = verl_cpu.checkpointed_model()
     store = RouteStore.local(StoreConfig(run="verl-fsdp-2"))
-    engine = _engine(Engine, model)
+    engine = verl_cpu.engine(Engine, model)
     engine.routeplay_replay = VerlHFReplay(store, model)
+    plain = verl_cpu.engine(fsdp_impl.FSDPEngineWithLMHead, model)
     with torch.no_grad():
-        native, _ = _engine(fsdp_impl.FSDPEngineWithLMHead, model).forward_step(
-            _micro_batch(None), _loss, forward_only=True
-        )
-        through, _ = engine.forward_step(_micro_batch(None), _loss, forward_only=True)
+        native, _ = plain.forward_step(verl_cpu.batch(TOKENS, None), verl_cpu.loss, True)
+        through, _ = engine.forward_step(verl_cpu.batch(TOKENS, None), verl_cpu.loss, True)
     torch.testing.assert_close(through, native, rtol=0, atol=0)
     engine.use_ulysses_sp = True
     with pytest.raises(MisuseError, match="Ulysses"):
-        engine.forward_step(_micro_batch(None), _loss, forward_only=True)
+        engine.forward_step(verl_cpu.batch(TOKENS, None), verl_cpu.loss, forward_only=True)
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_verls_batch_replays_every_micro_batch_through_its_backward() -> None:
+    model = verl_cpu.checkpointed_model()
+    spec = find_routers(model).spec
+    store = RouteStore.local(StoreConfig(run="verl-fsdp-batch"))
+    rows, leased = _stored(store, spec, seed=5)
+    engine = verl_cpu.engine(Engine, model)
+    engine.routeplay_replay = VerlHFReplay(store, model)
+    seen: list[list[int]] = []
+
+    def loss_fn(model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, dict]:
+        seen.append(data["uid"].tolist())
+        return verl_cpu.loss(model_output, data)
+
+    engine.forward_backward_batch(verl_cpu.batch(TOKENS, [h for h, _ in leased]), loss_fn)
+    got = verl_cpu.grads(model)
+    assert len(seen) > 1  # verl split the batch into micro-batches by tokens
+    assert engine.routeplay_replay._block is None  # closed at the end of the batch
+
+    # The reference: the same micro-batches, each replayed in routeplay's own block.
+    plain = verl_cpu.engine(fsdp_impl.FSDPEngineWithLMHead, model)
+    for uids in seen:
+        micro = tu.index_select_tensor_dict(verl_cpu.batch(TOKENS, None), uids)
+        with replay(model, verl_cpu.expected_rows(spec, rows, uids)):
+            loss, _ = plain.forward_step(micro, verl_cpu.loss, forward_only=False)
+            loss.backward()
+    want = verl_cpu.grads(model)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for _, lease in leased:
+        lease.release()
+    assert store.leaks() == []
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_a_loss_that_raises_mid_batch_aborts_the_open_block() -> None:
+    model = verl_cpu.checkpointed_model()
+    spec = find_routers(model).spec
+    store = RouteStore.local(StoreConfig(run="verl-fsdp-raise"))
+    _, leased = _stored(store, spec, seed=7)
+    engine = verl_cpu.engine(Engine, model)
+    engine.routeplay_replay = VerlHFReplay(store, model)
+
+    def failing(model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, dict]:
+        raise RuntimeError("the loss failed")
+
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        engine.forward_backward_batch(verl_cpu.batch(TOKENS, [h for h, _ in leased]), failing)
+    assert engine.routeplay_replay._block is None
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 9)[None])  # native again: no replay left behind
+    for _, lease in leased:
+        lease.release()
+    assert store.leaks() == []
