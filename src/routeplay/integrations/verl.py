@@ -39,12 +39,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from routeplay.core.formats.lmdeploy import decode_lists
 from routeplay.core.handle import Handle
+from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
-from routeplay.core.validate import canonicalize, check_row_count, expected_rows
+from routeplay.core.validate import canonicalize, expected_rows
 from routeplay.core.wires import Engine, EngineRouting
-from routeplay.errors import HandleError, MalformedPayload, MisuseError
-from routeplay.rollout.adapters import RoutesWriter, stitch
+from routeplay.errors import DtypeError, HandleError, MalformedPayload, MisuseError
+from routeplay.rollout.adapters import ReadingAdapter
 from routeplay.train.materializer import RowReader
 
 __all__ = [
@@ -76,14 +78,14 @@ class VerlTurn:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TokenOutputAdapter:
+class TokenOutputAdapter(ReadingAdapter):
     """Reads a ``VerlTurn`` (an ``EngineAdapter`` for ``RoutingContinuation.ingest``).
 
     Example:
-        >>> with routing.continuation() as cont:
-        ...     handle = cont.ingest(TOKEN_OUTPUT, VerlTurn(prompt_ids, output), spec=spec,
-        ...                          writer=store, weight_version=version)
-        ...     routing = cont.finish(store, handle)
+        >>> with await routing.acontinuation() as cont:     # in an asyncio producer actor
+        ...     handle = await cont.aingest(TOKEN_OUTPUT, VerlTurn(prompt_ids, output),
+        ...         spec=spec, writer=self.writer, weight_version=version)  # ProducerWriter
+        ...     routing = await cont.afinish(store, handle)
     """
 
     name: str = "verl-token-output"
@@ -99,47 +101,12 @@ class TokenOutputAdapter:
             >>> routing = TOKEN_OUTPUT.read(VerlTurn(prompt_ids, output), spec=spec)
         """
         where = where or "verl TokenOutput"
-        routes = getattr(response.output, "routed_experts", None)
-        if routes is None:
-            raise MalformedPayload(
-                "verl's TokenOutput carries no routed_experts",
-                expected="[prompt + response - 1, L, K] expert ids",
-                where=where,
-                hint="Turn on routing capture in the rollout server (R3).",
-            )
-        array = routes.cpu().numpy() if isinstance(routes, torch.Tensor) else np.asarray(routes)
         prompt, completion = len(response.prompt_ids), len(response.output.token_ids)
-        check_row_count(
-            int(array.shape[0]) if array.ndim else 0,
-            expected_rows(prompt, completion),
-            where=where,
-        )
         return EngineRouting(
             engine=Engine.VLLM,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            routes=canonicalize(array, spec, where=where),
-        )
-
-    def ingest(
-        self,
-        response: Any,
-        *,
-        spec: RouteSpec,
-        writer: RoutesWriter,
-        weight_version: int,
-        history: Handle | None = None,
-        where: str = "",
-        start_row: int = 0,
-    ) -> Handle:
-        """Read, validate, store the rows ``history`` lacks, stitch.
-
-        Example:
-            >>> handle = TOKEN_OUTPUT.ingest(turn, spec=spec, writer=store, weight_version=1)
-        """
-        routing = self.read(response, spec=spec, where=where)
-        return stitch(
-            routing, spec=spec, writer=writer, weight_version=weight_version, history=history
+            routes=_routes_of(response.output, spec, expected_rows(prompt, completion), where),
         )
 
 
@@ -221,6 +188,32 @@ class StoreRoutedExperts:
             )
         inputs["routed_experts"] = routed_experts(self.routeplay_store, handles)
         return inputs
+
+
+def _routes_of(output: Any, spec: RouteSpec, rows: int, where: str) -> Routes:
+    """A ``TokenOutput``'s ``routed_experts`` (an array, a tensor or nested lists, as
+    verl's servers hand them over), validated as ``rows`` canonical rows."""
+    routes = getattr(output, "routed_experts", None)
+    if isinstance(routes, torch.Tensor):
+        if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+            raise DtypeError(
+                "routed_experts must hold integer expert ids",
+                expected="an integer tensor",
+                found=str(routes.dtype),
+                where=where,
+            )
+        routes = routes.detach().cpu().numpy()
+    if isinstance(routes, list):  # nesting and leaf types checked before numpy converts
+        return decode_lists(routes, spec, expected=rows, where=where)
+    if isinstance(routes, np.ndarray):
+        return canonicalize(routes, spec, expected=rows, where=where)
+    raise MalformedPayload(
+        "verl's TokenOutput carries no routed_experts array",
+        expected="[prompt + response - 1, L, K] expert ids (array, tensor or nested lists)",
+        found=type(routes).__name__,
+        where=where,
+        hint="Turn on routing capture in the rollout server (R3)." if routes is None else "",
+    )
 
 
 def _checked(value: Any, index: int) -> Handle:

@@ -27,6 +27,7 @@ Row counts are checked at every resume against the response's token counts.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -50,6 +51,7 @@ __all__ = [
     "EngineAdapter",
     "HttpAdapter",
     "ProducerWriter",
+    "ReadingAdapter",
     "RoutesWriter",
     "VllmInProcessAdapter",
     "astitch",
@@ -251,16 +253,17 @@ class EngineAdapter(Protocol):
     ) -> Handle: ...
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HttpAdapter:
-    """Reads a whole HTTP response body of one engine (its wire format, its fields)."""
+class ReadingAdapter(ABC):
+    """An engine adapter from its ``read``: ``ingest`` reads the answer, then stitches
+    its new rows onto the history (``stitch``)."""
 
-    name: str
-    """Adapter name (e.g. ``sglang``)."""
-    engine: Engine
-    """Engine whose response format this reads."""
-    choice: int = 0
-    """Choice index of OpenAI-style bodies."""
+    __slots__ = ()
+
+    @abstractmethod
+    def read(
+        self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
+    ) -> EngineRouting:
+        """The answer's routing, decoded and validated."""
 
     def ingest(
         self,
@@ -276,11 +279,27 @@ class HttpAdapter:
         """Decode, validate, store (or adopt the key) and stitch onto ``history``.
 
         ``start_row``: the first routing row the request asked for (engines never echo it).
+
+        Example:
+            >>> handle = ADAPTERS["sglang"].ingest(body, spec=spec, writer=store,  # doctest: +SKIP
+            ...                                    weight_version=2)
         """
         routing = self.read(response, spec=spec, where=where, start_row=start_row)
         return stitch(
             routing, spec=spec, writer=writer, weight_version=weight_version, history=history
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpAdapter(ReadingAdapter):
+    """Reads a whole HTTP response body of one engine (its wire format, its fields)."""
+
+    name: str
+    """Adapter name (e.g. ``sglang``)."""
+    engine: Engine
+    """Engine whose response format this reads."""
+    choice: int = 0
+    """Choice index of OpenAI-style bodies."""
 
     def read(
         self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
@@ -296,30 +315,13 @@ class HttpAdapter:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VllmInProcessAdapter:
+class VllmInProcessAdapter(ReadingAdapter):
     """Reads a vLLM ``RequestOutput`` (prompt rows + each completion's rows)."""
 
     name: str = "vllm-inprocess"
     """Adapter name."""
     choice: int = 0
     """Which completion of the request."""
-
-    def ingest(
-        self,
-        response: Any,
-        *,
-        spec: RouteSpec,
-        writer: RoutesWriter,
-        weight_version: int,
-        history: Handle | None = None,
-        where: str = "",
-        start_row: int = 0,
-    ) -> Handle:
-        """Concatenate prompt and completion routing, validate, store, stitch."""
-        routing = self.read(response, spec=spec, where=where, start_row=start_row)
-        return stitch(
-            routing, spec=spec, writer=writer, weight_version=weight_version, history=history
-        )
 
     def read(
         self, response: Any, *, spec: RouteSpec, where: str = "", start_row: int = 0
