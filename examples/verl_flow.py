@@ -1,7 +1,8 @@
 """A verl-shaped RL step on routeplay, through verl 0.9.1's own classes and batch functions.
 
-- **Rollout** (a Ray actor): GRPO groups of ``N`` samples per prompt. Each sample is a
-  two-turn tool loop, and each generation comes back as verl's own ``TokenOutput``
+- **Rollout** (an asyncio Ray actor, a coroutine per sample): GRPO groups of ``N``
+  samples per prompt; the samples' writes of one turn go out in one shard call. Each
+  sample is a two-turn tool loop, and each generation comes back as verl's own ``TokenOutput``
   (``routed_experts`` for the whole conversation so far, int16, as verl's servers send
   it). Each turn goes through ``TOKEN_OUTPUT``: it stores only the rows its history lacks,
   so turn 1's rows stay the ones turn 1 sampled (verl's loop overwrites them, verl#6054).
@@ -24,6 +25,7 @@ Run: ``.venv/bin/python examples/verl_flow.py`` (starts a local Ray instance).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +50,9 @@ from routeplay.integrations.verl import (
     VerlTurn,
     routing_column,
 )
-from routeplay.rollout import SampleRouting
+from routeplay.rollout import ProducerWriter, SampleRouting
 from routeplay.rollout.routing_groups import discard_all, take_over_all
-from routeplay.store import RouteStore, StoreConfig
+from routeplay.store import AsyncRoutesProducer, RouteStore, StoreConfig, producer_actor
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16, name="toy-moe")
 PROMPTS, N, DP = 4, 4, 2  # GRPO: 4 prompts x 4 samples, 2 data-parallel ranks
@@ -76,14 +78,20 @@ def truth(sample: int) -> np.ndarray:
     return np.concatenate([routing_of(sample, 1, kept), routing_of(sample, 2, whole)[kept:]])
 
 
-@ray.remote(num_cpus=0)
-class Rollout:
-    """verl's agent loop, one sample at a time: two generations with a tool answer between."""
+class _Rollout(AsyncRoutesProducer):
+    """verl's agent-loop worker: an asyncio actor, one coroutine per sample (as verl runs
+    its agent loops), each sample two generations with a tool answer between. The
+    samples' writes of one turn go out together (``ProducerWriter``: one shard call, the
+    rows staged in this actor and owned by the store), and so do their leases."""
 
     def __init__(self, store: RouteStore) -> None:
         self.store = store
+        self.writer = ProducerWriter(producer=self, store=store)
 
-    def run(self, sample: int) -> SampleRouting:
+    async def run(self, samples: list[int]) -> list[SampleRouting]:
+        return list(await asyncio.gather(*(self._sample(s) for s in samples)))
+
+    async def _sample(self, sample: int) -> SampleRouting:
         routing = SampleRouting(sample_id=f"s{sample}")
         prompt = list(range(PROMPT))
         for turn, generated in enumerate(lengths(sample), start=1):
@@ -91,17 +99,20 @@ class Rollout:
             output = TokenOutput(
                 token_ids=list(range(generated)), routed_experts=routing_of(sample, turn, rows)
             )
-            with routing.continuation() as cont:
-                handle = cont.ingest(
+            with await routing.acontinuation() as cont:
+                handle = await cont.aingest(
                     TOKEN_OUTPUT,
                     VerlTurn(prompt, output),
                     spec=SPEC,
-                    writer=self.store,
+                    writer=self.writer,
                     weight_version=1,
                 )
-                routing = cont.finish(self.store, handle)
+                routing = await cont.afinish(self.store, handle)
             prompt = prompt + output.token_ids + [99] * TOOL  # the tool's answer follows
         return routing
+
+
+Rollout: Any = producer_actor(_Rollout, num_cpus=0)
 
 
 class RouteplayEngine(StoreRoutedExperts, MegatronEngineWithLMHead):
@@ -189,6 +200,8 @@ class Report:
     """The run's end state."""
 
     ranks: list[RankReport]
+    rollout_calls: dict[str, int]
+    """Shard calls the rollout of the first step made, by operation (16 samples, 2 turns)."""
     leases_after_step: int
     live_bytes_after_step: int
     failed_step_error: str
@@ -199,7 +212,7 @@ def one_step(
     store: RouteStore, rollout: Any, trainers: list[Any], *, fail: bool = False
 ) -> list[RankReport]:
     """Rollout, driver, trainers; the step's leases end in ``finally``."""
-    routings = ray.get([rollout.run.remote(i) for i in range(PROMPTS * N)], timeout=120)
+    routings = ray.get(rollout.run.remote(list(range(PROMPTS * N))), timeout=120)
     batch = take_over_all(routings, "train/step", store)  # one call per shard
     try:
         data = DataProto.from_dict(
@@ -216,6 +229,11 @@ def one_step(
         discard_all(batch)
 
 
+def _rollout_ops(calls: dict[str, int]) -> dict[str, int]:
+    """The step's shard calls that the rollout made: its writes and its leases."""
+    return {op: n for op, n in calls.items() if op in ("adopt_from_many", "lease_many") and n}
+
+
 def main() -> Report:
     """Run two steps (the second one's rank 0 raises) and report the end state."""
     started = not ray.is_initialized()
@@ -230,14 +248,16 @@ def main() -> Report:
     try:
         rollout = Rollout.remote(store)
         trainers = [Trainer.remote(store) for _ in range(DP)]
+        before = dict(store.stats().calls_by_op)
         ranks = one_step(store, rollout, trainers)
+        calls = {op: n - before.get(op, 0) for op, n in store.stats().calls_by_op}
         leases, live = len(store.leaks()), store.stats().live_bytes
         try:
             one_step(store, rollout, trainers, fail=True)
             error = ""
         except ray.exceptions.RayTaskError as exc:
             error = str(exc.cause)
-        return Report(ranks, leases, live, error, len(store.leaks()))
+        return Report(ranks, _rollout_ops(calls), leases, live, error, len(store.leaks()))
     finally:
         store.shutdown()
         if started:
@@ -252,6 +272,7 @@ if __name__ == "__main__":
             f"read {seen.bytes_read} B of routing (verl's int16 padded chunk: "
             f"{seen.verl_chunk_bytes} B, {seen.verl_chunk_bytes / seen.bytes_read:.1f}x)"
         )
+    print(f"the rollout's shard calls for {PROMPTS * N} samples x 2 turns: {report.rollout_calls}")
     print(
         f"after the step: {report.leases_after_step} leases, "
         f"{report.live_bytes_after_step} live bytes; a rank that raised "

@@ -24,6 +24,10 @@ def test_the_verl_flow_ends_with_exact_rows_and_nothing_left() -> None:
     assert all(rank.micro_batches > 1 for rank in report.ranks)  # verl split by tokens
     rows = sum(flow.truth(s).shape[0] for s in range(flow.PROMPTS * flow.N))
     assert sum(rank.bytes_read for rank in report.ranks) == flow.SPEC.nbytes(rows)
+    # 16 samples x 2 turns written by one coroutine each: every turn's writes and leases
+    # go out together (2 + 2 calls here), never one call per sample (32 each).
+    assert set(report.rollout_calls) == {"adopt_from_many", "lease_many"}
+    assert all(1 <= calls <= 4 for calls in report.rollout_calls.values())
     assert report.leases_after_step == 0
     assert report.live_bytes_after_step == 0
     assert report.failed_step_error == "the rank's forward failed"

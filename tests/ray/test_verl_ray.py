@@ -1,5 +1,6 @@
-"""verl's pieces across Ray processes: a rollout worker actor writes each sample's turns
-through ``TOKEN_OUTPUT`` (verl's own ``TokenOutput``), the driver puts the handles in
+"""verl's pieces across Ray processes: an asyncio rollout worker actor (a coroutine per
+sample) writes each sample through ``TOKEN_OUTPUT`` (verl's own ``TokenOutput``) and its
+``ProducerWriter``, the driver puts the handles in
 verl's ``DataProto`` and ships each DP chunk to a trainer actor, which reads its
 micro-batch's routes from the store (``routed_experts``: the store pickled into it, no
 lease of its own, the driver's batch holding them). Every rank gets exactly its samples'
@@ -8,6 +9,7 @@ rows; after the step no lease and no payload is left.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -27,9 +29,14 @@ from routeplay.integrations.verl import (  # noqa: E402
     routed_experts,
     routing_column,
 )
-from routeplay.rollout import SampleRouting  # noqa: E402
+from routeplay.rollout import ProducerWriter, SampleRouting  # noqa: E402
 from routeplay.rollout.routing_groups import discard_all, take_over_all  # noqa: E402
-from routeplay.store import RouteStore, StoreConfig  # noqa: E402
+from routeplay.store import (  # noqa: E402
+    AsyncRoutesProducer,
+    RouteStore,
+    StoreConfig,
+    producer_actor,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -42,25 +49,32 @@ def _rows(sample: int) -> np.ndarray:
     return np.argsort(keys, axis=-1)[..., :2].astype(np.int16)
 
 
-@ray.remote(num_cpus=0)
-class Rollout:
-    """A rollout worker: each sample's generation as verl's server returns it."""
+class _Rollout(AsyncRoutesProducer):
+    """A rollout worker: an asyncio actor with a coroutine per sample, each generation as
+    verl's server returns it; writes go through the worker (owned by the store)."""
 
     def __init__(self, store: RouteStore) -> None:
         self.store = store
+        self.writer = ProducerWriter(producer=self, store=store)
 
-    def generate(self, sample: int) -> SampleRouting:
+    async def generate(self, samples: list[int]) -> list[SampleRouting]:
+        return list(await asyncio.gather(*(self._one(s) for s in samples)))
+
+    async def _one(self, sample: int) -> SampleRouting:
         output = replica.TokenOutput(token_ids=list(range(RESPONSE)), routed_experts=_rows(sample))
         routing = SampleRouting(sample_id=f"s{sample}")
-        with routing.continuation() as cont:
-            handle = cont.ingest(
+        with await routing.acontinuation() as cont:
+            handle = await cont.aingest(
                 TOKEN_OUTPUT,
                 VerlTurn(list(range(PROMPT)), output),
                 spec=SPEC,
-                writer=self.store,
+                writer=self.writer,
                 weight_version=1,
             )
-            return cont.finish(self.store, handle)
+            return await cont.afinish(self.store, handle)
+
+
+Rollout: Any = producer_actor(_Rollout, num_cpus=0)
 
 
 @ray.remote(num_cpus=0)
@@ -81,7 +95,7 @@ def test_a_verl_step_reads_each_ranks_rows_across_processes() -> None:
     store = StoreConfig(run="verl-ray", timeout_s=30).build()
     rollout, trainers = Rollout.remote(store), [Trainer.remote(store) for _ in range(2)]
     routings: list[SampleRouting] = ray.get(
-        [rollout.generate.remote(i) for i in range(SAMPLES)], timeout=60
+        rollout.generate.remote(list(range(SAMPLES))), timeout=60
     )
     # The driver's batch takes the samples' leases over (one call per shard); the
     # workers' copies hold none.
