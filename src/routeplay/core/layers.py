@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,8 +38,11 @@ class LayerSubset:
     """The MoE layers, in column order of what is read."""
     of_layers: int
     """MoE layers of the model (columns of a stored payload)."""
-    runs: tuple[tuple[int, int, int], ...]
-    """Contiguous column ranges: ``(first, stop, output column of first)``."""
+    runs: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
+    """Contiguous column ranges: ``(first, stop, output column of first)`` (derived)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runs", _runs(self.layers))  # computed once, kept
 
     @classmethod
     def of(cls, layers: Iterable[int], spec: RouteSpec) -> LayerSubset:
@@ -57,7 +60,7 @@ class LayerSubset:
                 found=list(chosen),
                 hint="A pipeline stage's MoE layers: MegatronLayout.moe_layers(spec).",
             )
-        return cls(layers=chosen, of_layers=spec.num_layers, runs=_runs(chosen))
+        return cls(layers=chosen, of_layers=spec.num_layers)
 
     @property
     def whole(self) -> bool:

@@ -372,10 +372,9 @@ class Materializer:
     def _setup_reads(self, layers: Sequence[int] | None) -> None:
         spec = self._plan.spec
         self._layers = None if layers is None else LayerSubset.of(layers, spec)
-        self._layer_tuple = None if self._layers is None else self._layers.layers
         # Bytes of one row as read: a stage reading its layers copies and holds only those.
-        self._row_bytes = spec.row_nbytes * len(self._layer_tuple or range(spec.num_layers))
-        self._row_bytes //= spec.num_layers
+        read = spec.num_layers if self._layers is None else len(self._layers.layers)
+        self._row_bytes = spec.row_nbytes * read // spec.num_layers
         self._buffers = _Buffers(spec, keep=self._prefetch + 2, layers=self._layers)
 
     def _release_refused(self, refusal: BaseException) -> None:
@@ -482,7 +481,7 @@ class Materializer:
             routes=routes,
             mask=mask,
             pass_index=pass_index,
-            layers=self._layer_tuple,
+            layers=None if self._layers is None else self._layers.layers,
         )
         with self._stats_lock:
             c = self._counts
