@@ -116,3 +116,18 @@ def test_a_verl_step_reads_each_ranks_rows_across_processes() -> None:
     finally:
         assert all(error is None for _, error in discard_all(batch))
     assert store.leaks() == []
+
+
+def test_samples_from_separate_calls_are_taken_over_in_one_call_per_shard() -> None:
+    """A driver gets its samples from many calls (workers, agent loops): each unpickles
+    its own copy of the store client. Their leases still move together."""
+    store = StoreConfig(run="verl-ray-takeover", timeout_s=30).build()
+    rollout = Rollout.remote(store)
+    routings = [ray.get(rollout.generate.remote([i]), timeout=60)[0] for i in range(SAMPLES)]
+    assert len({id(r.lease._store) for r in routings if r.lease}) == SAMPLES  # 8 clients
+    before = dict(store.stats().calls_by_op)
+    batch = take_over_all(routings, "train/step-1", store)
+    calls = {op: n - before.get(op, 0) for op, n in store.stats().calls_by_op}
+    assert sum(calls.values()) == 1, calls  # one transfer_many (one shard), not 8 + 8
+    assert all(error is None for _, error in discard_all(batch))
+    assert store.leaks() == []

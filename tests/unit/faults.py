@@ -60,6 +60,10 @@ class FaultyBackend:
     def shard_count(self) -> int:
         return self.inner.shard_count
 
+    @property
+    def identity(self) -> Any:
+        return self.inner.identity
+
     def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Every shard call goes through here (answered now, in process): a dead lease's
         release or an unclonable lease's clone is answered with ``RoutesLost``."""

@@ -17,7 +17,7 @@ import concurrent.futures
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -56,6 +56,11 @@ class Backend(Protocol):
 
     @property
     def shard_count(self) -> int: ...
+
+    @property
+    def identity(self) -> Hashable:
+        """The same for every copy of this backend (its shards), in any process."""
+        ...
 
     def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Send the calls; their pending results, one per call (nothing waited for)."""
@@ -183,6 +188,12 @@ class RayBackend:
     @property
     def shard_count(self) -> int:
         return len(self._shards)
+
+    @property
+    def identity(self) -> Hashable:
+        # Actor ids survive pickling: a client unpickled from another process's copy
+        # reaches the same shard actors.
+        return tuple(shard._actor_id.hex() for shard in self._shards)
 
     def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         return [call.send_to(self._shards[call.shard]) for call in calls]
@@ -348,6 +359,10 @@ class LocalBackend:
     @property
     def shard_count(self) -> int:
         return len(self._shards)
+
+    @property
+    def identity(self) -> Hashable:
+        return ("local", id(self))  # in process: this object is the shards
 
     def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         """Runs the calls now: in process there is nothing to overlap with."""

@@ -12,7 +12,7 @@ this core (the write path over the leases: a put can lease in the same call).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any, TypeAlias, TypeVar
@@ -57,6 +57,13 @@ class StoreCore:
     def run(self) -> str:
         """Run this client belongs to."""
         return self.config.run
+
+    @property
+    def identity(self) -> Hashable:
+        """The same for every client of this store, in any process (its run and shards):
+        leases granted through different copies of the client (unpickled one by one, as a
+        driver gets samples from many workers) move together, one call per shard."""
+        return (self.config.run, self._backend.identity)
 
     @property
     def backend(self) -> Backend:

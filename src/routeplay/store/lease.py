@@ -29,7 +29,7 @@ public lease methods (``RouteStore`` implements it): never through its internals
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -70,6 +70,11 @@ class LeaseOwner(Protocol):
     ``parts`` are a lease's ids per store shard; ``payload_ids`` name the payloads whose
     block references the client pinned for the lease in this process.
     """
+
+    @property
+    def identity(self) -> Hashable:
+        """The same for every client of one store (leases of several move together)."""
+        ...
 
     def read(
         self, handle: Handle, start: int = 0, stop: int | None = None, *, holder: str = ""
@@ -307,7 +312,7 @@ class Lease:
         Example:
             fast = Lease.one_shard(group_leases)
         """
-        stores = {id(lease._store) for lease in leases}
+        stores = {lease._store.identity for lease in leases}
         shards = {shard for lease in leases for shard in lease._parts}
         return len(stores) == 1 and len(shards) == 1 and all(len(x._parts) == 1 for x in leases)
 
@@ -454,11 +459,11 @@ def _by_store(
 ) -> list[tuple[LeaseOwner, list[tuple[int, Lease]]]]:
     """Leases grouped by the client that granted them, with their positions; ``action``
     (e.g. "clone") refuses a released one first."""
-    by_store: dict[int, tuple[LeaseOwner, list[tuple[int, Lease]]]] = {}
+    by_store: dict[Hashable, tuple[LeaseOwner, list[tuple[int, Lease]]]] = {}
     for at, lease in enumerate(leases):
         if action is not None:
             lease._check_live(action)
-        by_store.setdefault(id(lease._store), (lease._store, []))[1].append((at, lease))
+        by_store.setdefault(lease._store.identity, (lease._store, []))[1].append((at, lease))
     return list(by_store.values())
 
 
