@@ -35,7 +35,7 @@ from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import Handle, canonicalize, preset
 from routeplay.errors import RoutesLost
 from routeplay.store import RoutesProducer, RouteStore, StoreConfig, producer_actor
-from routeplay.store.accounting import node_store_stats
+from routeplay.store.remote.accounting import node_store_stats
 
 RESULTS = Path(__file__).parent / "results"
 SPEC = preset("qwen3-235b-a22b")

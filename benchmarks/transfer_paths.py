@@ -33,7 +33,7 @@ import routeplay
 from routeplay.bench.transfer_paths import Roles, actors_on
 from routeplay.core import preset
 from routeplay.store import StoreConfig, start_engine_store
-from routeplay.store.accounting import node_store_stats
+from routeplay.store.remote.accounting import node_store_stats
 
 RESULTS = Path(__file__).parent / "results"
 ROLES = ("head", "engine", "rollout", "trainer")

@@ -44,13 +44,13 @@ def test_one_bad_answer_costs_only_its_member() -> None:
         assert isinstance(out[0], MalformedPayload)
         done = [s for s in out[1:] if isinstance(s, RolloutState)]
         assert len(done) == 3
-        assert all(s.holds_lease and s.status is Status.COMPLETED for s in done)
+        assert all(s.routing.holds_lease and s.status is Status.COMPLETED for s in done)
         stats = svc.store.stats()
         assert stats.live_payloads - before.live_payloads == 1  # one write for the group
         assert stats.shared_prefix_bytes_saved > before.shared_prefix_bytes_saved
         for state in done:
-            assert state.routing is not None
-            assert svc.store.read(state.routing).shape[0] == state.tokens - 1
+            assert state.routing.handle is not None
+            assert svc.store.read(state.routing.handle).shape[0] == state.tokens - 1
             state.release()
         assert svc.store.leaks() == []
         ray.kill(worker)

@@ -38,7 +38,7 @@ from routeplay.pipeline.report import DemoReport
 from routeplay.pipeline.services import DemoServices
 from routeplay.rollout import RolloutState
 from routeplay.store import StoreConfig
-from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
+from routeplay.store.engine.service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
 pytestmark = pytest.mark.e2e
 
@@ -106,8 +106,8 @@ class TwoRuns:
         with svc.store.acquire(late, "test/after-b") as lease:
             np.testing.assert_array_equal(lease.read(), self.payloads["a"][: key.rows])
         state = _waiting_sample(svc)
-        assert state.routing is not None
-        assert svc.store.read(state.routing).shape[0] == state.routing.rows
+        assert state.routing.handle is not None
+        assert svc.store.read(state.routing.handle).shape[0] == state.routing.rows
         self.checked_after_b.append(svc.run)
 
 
@@ -131,7 +131,7 @@ def _lazy(key: EngineKey, svc: DemoServices) -> Handle:
 
 def _waiting_sample(svc: DemoServices) -> RolloutState:
     """A leased sample waiting in ``svc``'s replay buffer."""
-    waiting = [s for g in svc.buffer.groups() for s in g.states if s.lease is not None]
+    waiting = [s for g in svc.buffer.groups() for s in g.states if s.routing.lease is not None]
     assert waiting, f"run {svc.run} has no sample waiting in its buffer"
     return waiting[0]
 
@@ -140,9 +140,9 @@ def _probe(*, intruder: DemoServices, owner: DemoServices, key: EngineKey) -> No
     """``intruder`` tries to read, lease, release, adopt, consume and free ``owner``'s
     live data; each is refused with ``RunMismatch`` and ``owner``'s data stays intact."""
     state = _waiting_sample(owner)
-    assert state.routing is not None
-    assert state.lease is not None
-    handle, lease = state.routing, state.lease
+    handle, lease = state.routing.handle, state.routing.lease
+    assert handle is not None
+    assert lease is not None
     before = owner.store.read(handle)
     [leak] = [r for r in owner.store.leaks() if r.lease_id in lease.lease_ids]
     spec = owner.engine.spec

@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from routeplay.store.accounting import NodeStoreStats, node_store_stats
+from routeplay.store.remote.accounting import NodeStoreStats, node_store_stats
 
 
 def used_bytes() -> int:

@@ -26,12 +26,12 @@ from routeplay.store import (
     StoreConfig,
     aleave_engine_store,
     astart_engine_store,
-    ray_calls,
     start_engine_store,
 )
 from routeplay.store.flow import Wait
-from routeplay.store.producer import AsyncRoutesProducer, RoutesProducer, producer_actor
-from routeplay.store.writes import plan_batch
+from routeplay.store.remote import ray_calls
+from routeplay.store.remote.producer import AsyncRoutesProducer, RoutesProducer, producer_actor
+from routeplay.store.write_plan import plan_batch
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

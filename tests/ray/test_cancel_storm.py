@@ -38,8 +38,8 @@ from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import RouteplayError
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.lease import Lease
-from routeplay.store.producer import TAKE_GROUP, AsyncRoutesProducer, producer_actor
+from routeplay.store.client.lease import Lease
+from routeplay.store.remote.producer import TAKE_GROUP, AsyncRoutesProducer, producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

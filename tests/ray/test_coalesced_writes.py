@@ -19,7 +19,7 @@ from routeplay.core.wires import Engine, EngineRouting
 from routeplay.errors import DuplicateExperts
 from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
-from routeplay.store.producer import AsyncRoutesProducer, producer_actor
+from routeplay.store.remote.producer import AsyncRoutesProducer, producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

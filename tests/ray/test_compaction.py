@@ -21,7 +21,7 @@ from routeplay.rollout import CompactionPolicy, TraceStoreClient, TraceStoreConf
 from routeplay.rollout.trace_actor import TraceStoreShell
 from routeplay.store import Lease, RouteStore, StoreConfig
 from routeplay.store.flow import Flow
-from routeplay.store.producer import producer_actor
+from routeplay.store.remote.producer import producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

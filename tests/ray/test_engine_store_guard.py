@@ -26,8 +26,8 @@ from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, Handle, Segment, preset
 from routeplay.errors import ForeignEngineStore, ProtocolMismatch, RouteplayNotImportable
 from routeplay.store import StoreConfig, start_engine_store
-from routeplay.store.actors import EngineStoreActor, StoreShardActor
-from routeplay.store.protocol import PROTOCOL
+from routeplay.store.remote.actors import EngineStoreActor, StoreShardActor
+from routeplay.store.remote.protocol import PROTOCOL
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -179,7 +179,7 @@ def _routeplay_at(tmp_path: Path, protocol_line: str) -> dict[str, Any]:
     ``PROTOCOL`` line replaced: another routeplay, as on a node not yet upgraded."""
     copy = tmp_path / "routeplay"
     shutil.copytree(Path(routeplay.__file__).parent, copy, ignore=shutil.ignore_patterns("*.pyc"))
-    module = copy / "store" / "protocol.py"
+    module = copy / "store" / "remote" / "protocol.py"
     source = module.read_text(encoding="utf-8")
     assert f"PROTOCOL: Final = {PROTOCOL}\n" in source
     module.write_text(source.replace(f"PROTOCOL: Final = {PROTOCOL}\n", protocol_line))

@@ -22,10 +22,10 @@ from routeplay.store import (
     RouteStore,
     StoreConfig,
     producer_actor,
-    ray_calls,
     start_engine_store,
 )
-from routeplay.store.ray_calls import get_as_created
+from routeplay.store.remote import ray_calls
+from routeplay.store.remote.ray_calls import get_as_created
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

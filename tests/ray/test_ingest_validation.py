@@ -1,5 +1,5 @@
 """An engine store that knows the spec validates payloads as they are put: adopting a
-key then takes canonical rows that already exist (``routeplay.store.ingest``). Each
+key then takes canonical rows that already exist (``routeplay.store.engine.ingest``). Each
 test checks what a reader gets against the raw payload, and that the store returns to
 its baseline: the raw payload, the ingest result and the adopted block all go."""
 
@@ -17,8 +17,9 @@ from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, RouteSpec, preset
 from routeplay.errors import AlreadyConsumed, DuplicateExperts, LifetimeError, RoutesLost
-from routeplay.store import RouteStore, StoreConfig, ray_calls, start_engine_store
-from routeplay.store.ingest import Prepared, Validated, decide, settle
+from routeplay.store import RouteStore, StoreConfig, start_engine_store
+from routeplay.store.engine.ingest import Prepared, Validated, decide, settle
+from routeplay.store.remote import ray_calls
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

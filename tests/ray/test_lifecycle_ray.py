@@ -28,9 +28,9 @@ from routeplay.rollout import (
 )
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.fake_engines import FakeSglang
-from routeplay.store import RoutesProducer, RouteStore, StoreConfig, producer_actor
-from routeplay.store.shard import shard_of
-from routeplay.store.shard_api import ShardApi, shard_call
+from routeplay.store import Lease, RoutesProducer, RouteStore, StoreConfig, producer_actor
+from routeplay.store.shard.api import ShardApi, shard_call
+from routeplay.store.shard.shard import shard_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -76,6 +76,11 @@ def _state(
     return state.extend(response, (0.0,) * len(response), version).with_status(Status.COMPLETED)
 
 
+def _attached(state: RolloutState, handle: Handle, lease: Lease, origin: Origin) -> RolloutState:
+    """``state`` holding ``handle`` under ``lease`` (its routing's ``attach`` step)."""
+    return state.with_sample_routing(state.routing.attach(handle, lease, origin))
+
+
 def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     baseline = used_bytes()
     store = StoreConfig(run="run-lifecycle", block_rows=700, timeout_s=30).build()
@@ -87,15 +92,14 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     tokens1 = list(range(1601))
     ray.get(trace.insert.remote("s1", tokens1, h1))
     a = _state("a", "g1", 1601, 1000, 0, session_id="s1")
-    a = a.with_routing(h1, store.acquire(h1, "rollout/a"), Origin.PRODUCED)
+    a = _attached(a, h1, store.acquire(h1, "rollout/a"), Origin.PRODUCED)
 
     # partial rollout: interrupted, resumed from a start row; the input's lease released
     first = ray.get(worker.generate.remote(sample_b, 1200, 300, 0))
     first_lease = store.acquire(first, "rollout/b-partial")
     resumed = ray.get(worker.generate.remote(sample_b, 1200, 1000, 1, first))
-    b = _state("b", "g1", 2200, 1200, 1).with_routing(
-        resumed, store.acquire(resumed, "rollout/b"), Origin.PRODUCED
-    )
+    b_lease = store.acquire(resumed, "rollout/b")
+    b = _attached(_state("b", "g1", 2200, 1200, 1), resumed, b_lease, Origin.PRODUCED)
     first_lease.release()
     np.testing.assert_array_equal(store.read(resumed), sample_b[:2199])
 
@@ -104,7 +108,7 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
     exported = ray.get(trace.export.remote("s1", [*tokens1, *range(5000, 5400)], "rollout/c"))
     c_handle = ray.get(worker.generate.remote(turn2, 1700, 301, 2, exported.handle))
     c = _state("c", "g2", 2001, 1700, 2, session_id="s1")
-    c = c.with_routing(c_handle, store.acquire(c_handle, "rollout/c"), Origin.BORROWED)
+    c = _attached(c, c_handle, store.acquire(c_handle, "rollout/c"), Origin.BORROWED)
     exported.lease.release()
     np.testing.assert_array_equal(store.read(c_handle), turn2[:2000])
 
@@ -132,7 +136,7 @@ def test_a_full_lifecycle_leaves_nothing_behind(tmp_path: Path) -> None:
         with TrainingBatch(
             1, restored.sample(1, current_version=3), release_session=release
         ) as batch:
-            np.testing.assert_array_equal(store.read(batch.states[0].routing), turn2[:2000])  # type: ignore[arg-type]
+            np.testing.assert_array_equal(store.read(batch.states[0].routing.handle), turn2[:2000])  # type: ignore[arg-type]
             raise RuntimeError("optimizer step failed")
 
     with pytest.raises(RuntimeError, match="optimizer"):
@@ -155,7 +159,7 @@ def _on_shard(store: RouteStore, shard: int, sid: str, group: str, seed: int) ->
             break
         store.acquire(handle, "probe").release()  # the other shard's: dropped again
     state = _state(sid, group, 301, 200, 0)
-    return state.with_routing(handle, store.acquire(handle, f"rollout/{sid}"), Origin.PRODUCED)
+    return _attached(state, handle, store.acquire(handle, f"rollout/{sid}"), Origin.PRODUCED)
 
 
 def _holders_on(store: RouteStore, shard: int) -> dict[str, int]:
@@ -189,7 +193,7 @@ def test_b_a_dead_shard_loses_no_lease_of_the_live_one() -> None:
     assert buffer.stats().release_failed == 1
     for state in g1.states:  # the caller ends g1 as the buffer would have
         after, _ = state.try_release()
-        assert after.stuck == (state.sample_id == "b")
+        assert after.routing.stuck == (state.sample_id == "b")
     assert _holders_on(store, 0) == {}
     store.shutdown()
 

@@ -11,7 +11,8 @@ And ``routeplay bench --smoke --address``: the whole benchmark with tiny payload
 checks what the full run reports: every path delivers the same rows, the routeplay
 paths write each payload once (the adoption's writes counted), a GRPO group its prompt
 once, a rank holds only its share, each sample's adoption is timed apart from the step,
-and the results file carries the figures under the documented keys.
+and the results file carries the figures under the documented keys; verl's data path
+is measured against routeplay's, and the two deliver the same rows.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from routeplay.bench.measure import ROLES, node_roles
 from routeplay.bench.measure import cluster as bench_cluster
 from routeplay.bench.report import adoption_table
 from routeplay.bench.transfer_paths import actors_on
-from routeplay.bench.workloads import BenchConfig
+from routeplay.bench.verl_report import verl_step_table
+from routeplay.bench.workloads import BenchConfig, VerlStepShape
 from routeplay.cli.bench_command import EXIT_BROKEN, EXIT_OK
 from routeplay.cli.main import main
 from routeplay.core import preset
 from routeplay.store import StoreConfig, start_engine_store
-from routeplay.store.accounting import node_store_stats
+from routeplay.store.remote.accounting import node_store_stats
 
 SPEC = preset("qwen3-235b-a22b")
 ROWS = 4000
@@ -243,6 +245,49 @@ def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
     assert small["samples"] == 16  # type: ignore[index]
     assert small["put_many_per_s"] > 0  # type: ignore[index]
     assert results["store_end"] == {"live_payloads": 0, "leases": 0}
+
+
+def test_verl_data_path_is_measured_against_routeplays(results: dict[str, Any]) -> None:
+    """verl's padded int16 batch reaches the driver and, on every pass, each rank of its
+    DP chunk whole; routeplay's rows cross once from the rollout node, each rank taking
+    its own. The checked step compared every row of each stage."""
+    section = results["verl_step"]
+    shape = VerlStepShape(**section["shape"])
+    assert shape == BenchConfig.smoke().verl_step
+    rows = sum(sum(shape.lengths(s)) - 1 for s in range(shape.samples))
+    assert section["rows_identical_across_paths"] is True
+    assert section["rows_checked"] == shape.pp * rows  # each stage, its layers
+    assert section["store_end"] == {"live_payloads": 0, "leases": 0}
+    verl, ours = section["paths"]["verl"], section["paths"]["routeplay"]
+    for figures in (verl, ours):
+        assert figures["runs"] == 1
+        assert 0 < figures["min_ms"] <= figures["median_ms"] <= figures["max_ms"]
+    batch, passes = verl["driver_routing_bytes"], shape.passes
+    assert batch == shape.samples * (shape.prompt + shape.response) * shape.spec.row_nbytes * 2
+    assert verl["bytes_into_ranks"] == passes * shape.tp * shape.pp * batch
+    assert verl["rank_peak_bytes"] == batch // shape.dp  # its chunk, every layer
+    assert verl["bytes_into"]["head"] >= (1 + passes) * batch  # the batch, then each chunk
+    assert verl["bytes_into"]["trainer"] >= passes * batch
+    canonical = shape.spec.nbytes(rows)
+    assert canonical <= ours["bytes_into"]["trainer"] <= passes * canonical * METADATA
+    assert ours["driver_routing_bytes"] < 1024 * shape.samples  # handles, no rows
+    ratios = section["verl_over_routeplay"]
+    assert set(ratios) == {
+        "step_time",
+        "bytes_into_ranks",
+        "bytes_into_trainer_node",
+        "bytes_into_driver_node",
+        "rank_peak",
+        "driver_routing",
+    }
+    assert all(ratio > 0 for ratio in ratios.values())
+    assert ratios["bytes_into_trainer_node"] > 1
+    assert ratios["driver_routing"] > 100
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(verl_step_table(results))
+    text = console.export_text()
+    for label in ("verl (DataProto)", "routeplay", "verl / routeplay"):
+        assert f"│ {label} " in text
 
 
 def test_multi_turn_bytes_are_one_per_unique_row_after_compaction_on_every_wire(

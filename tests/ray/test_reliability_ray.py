@@ -21,7 +21,7 @@ from routeplay.store import (
     producer_actor,
     start_engine_store,
 )
-from routeplay.store.producer import TAKE_GROUP
+from routeplay.store.remote.producer import TAKE_GROUP
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -14,7 +14,7 @@ from store_probe import created_bytes, used_bytes, wait_until
 from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import RoutesExpired, RoutesLost, RunMismatch, StoreTimeout
 from routeplay.store import Lease, RoutesProducer, RouteStore, StoreConfig, producer_actor
-from routeplay.store.producer import TAKE_GROUP
+from routeplay.store.remote.producer import TAKE_GROUP
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

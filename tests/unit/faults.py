@@ -16,12 +16,12 @@ from typing import Any
 from routeplay.core import EngineKey, RouteSpec
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.adoption import KeyBatch
-from routeplay.store.backend import LocalBackend, Settled, settled_answers
+from routeplay.store.client.lease import Lease
 from routeplay.store.flow import Flow, Wait
-from routeplay.store.lease import Lease
-from routeplay.store.shard import Grant
-from routeplay.store.shard_api import ShardApi, ShardCall
+from routeplay.store.remote.backend import LocalBackend, Settled, settled_answers
+from routeplay.store.shard.adoption import KeyBatch
+from routeplay.store.shard.api import ShardApi, ShardCall
+from routeplay.store.shard.shard import Grant
 
 __all__ = ["FaultyBackend", "faulty_store"]
 

@@ -22,7 +22,7 @@ from routeplay.rollout.fake_engines import (
     FakeVllmInProcess,
 )
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.remote.backend import LocalBackend
 
 # Two decoder layers, the first dense: engines send both, the handle keeps the MoE one.
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8, layer_map=(1, 2), total_layers=3)

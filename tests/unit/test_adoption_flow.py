@@ -1,4 +1,4 @@
-"""The adoption flow's decisions (``routeplay.store.adoption``), without Ray.
+"""The adoption flow's decisions (``routeplay.store.shard.adoption``), without Ray.
 
 Fake steps answer each remote step with a settled value or error (what a Ray task would
 come to) and record what the flow sent; a resolver answers each ``Wait`` from those and
@@ -22,12 +22,17 @@ from routeplay.errors import (
     SpecMismatch,
     StoreTimeout,
 )
-from routeplay.store.adoption import GroupAnswer, IngestVerdict, adopt_keys, refuse_after_ingest
-from routeplay.store.backend import Settled, settled_answers
+from routeplay.store.engine.ingest import Prepared, Validated
 from routeplay.store.flow import Wait, drive
-from routeplay.store.ingest import Prepared, Validated
-from routeplay.store.shard import StoredPayload
-from routeplay.store.writes import Part
+from routeplay.store.remote.backend import Settled, settled_answers
+from routeplay.store.shard.adoption import (
+    GroupAnswer,
+    IngestVerdict,
+    adopt_keys,
+    refuse_after_ingest,
+)
+from routeplay.store.shard.shard import StoredPayload
+from routeplay.store.write_plan import Part
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 ROWS = 10

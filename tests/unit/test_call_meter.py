@@ -8,7 +8,7 @@ import pytest
 
 from routeplay.core import RouteSpec, canonicalize
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.call_meter import CallMeter
+from routeplay.store.shard.call_meter import CallMeter
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 

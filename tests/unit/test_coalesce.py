@@ -1,6 +1,6 @@
 """Concurrent awaitable lease calls of one process go out as one batch (one call per
 shard), each waiter gets its own result, a bad request fails only its caller, and a
-cancelled waiter's grant is revoked when the batch lands (``routeplay.store.coalesce``)."""
+cancelled waiter's grant is revoked when the batch lands (``routeplay.store.client.coalesce``)."""
 
 from __future__ import annotations
 

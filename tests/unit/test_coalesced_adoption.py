@@ -14,7 +14,7 @@ import numpy.typing as npt
 from routeplay.core import EngineKey, Handle, RouteSpec
 from routeplay.errors import DuplicateExperts, RouteplayError
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.remote.backend import LocalBackend
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, ROWS, GROUP = 6, 10, 3

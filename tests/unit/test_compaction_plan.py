@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from routeplay.core import Handle, Routes, RouteSpec, Segment, StoreRef, canonicalize
 from routeplay.rollout import CompactionPolicy, TraceStore, session_holder
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.compaction import (
+from routeplay.store.client.compaction import (
     compact_handles,
     plan_compaction,
     segments_of_runs,

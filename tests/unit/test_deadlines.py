@@ -3,7 +3,7 @@ worker, a shard) raises a typed timeout instead of hanging the job (issue 12).
 
 An AST walk over every module (``pipeline/`` and ``bench/`` included): ``ray.get(...)``
 and ``ray.wait(...)`` must pass a ``timeout=`` that is not ``None``
-(``routeplay.store.ray_calls.get``, which the store uses, requires one)."""
+(``routeplay.store.remote.ray_calls.get``, which the store uses, requires one)."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_the_jobs_of_one_group_and_kind_run_as_one_batch() -> None:
         if kind == "resume":
             state = state.with_status(Status.ABORTED, "abort")
         if kind == "retry":
-            state = dataclasses.replace(state, retries=1)
+            state = state.with_sample_routing(dataclasses.replace(state.routing, retries=1))
         turn = (3,) if session and not kind else None
         return Job(state=state, sampling=Sampling(max_new_tokens=2), user_turn=turn)
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from routeplay.errors import AlreadyConsumed, MisuseError, RoutesExpired
-from routeplay.store.engine_store import EngineStore
+from routeplay.store.engine.engine_store import EngineStore
 
 HEX56 = re.compile(r"[0-9a-f]{56}")
 TTL = 10.0

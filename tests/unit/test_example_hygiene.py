@@ -70,7 +70,7 @@ def test_the_scan_finds_each_kind_of_violation() -> None:
             "s = routeplay.rollout.RolloutState(sample_id='a')",
             "from routeplay.rollout.state import _step",
             "from routeplay.store._hidden import x",
-            "from routeplay.rollout.lifecycle import ingest_group",
+            "from routeplay.rollout.group_ingest import ingest_routing_group",
             "from routeplay.rollout.checkpoint import ROLLOUT_STATE_CODEC",
         ]
     )

@@ -1,4 +1,4 @@
-"""``ingest_group``: the new rows of a whole GRPO group written as one payload.
+"""``ingest_routing_group``: the new rows of a whole GRPO group written as one payload.
 
 A fresh group stores its verified-equal prompt rows once; a group of resumes stores
 only the rows each history lacks; every member still holds and ends its own lease, and
@@ -22,13 +22,12 @@ from routeplay.rollout import (
     SampleRouting,
     Status,
     aingest_routing_group,
-    continuation,
     ingest_routing_group,
+    sample_holder,
 )
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
-from routeplay.rollout.lifecycle import ingest_group, sample_holder
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.remote.backend import LocalBackend
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, FIRST, SECOND = 12, 5, 3
@@ -64,7 +63,7 @@ def step(
     version: int,
 ) -> list[RolloutState]:
     """One group request, as a rollout worker makes it: one write for all members."""
-    conts = [continuation(s) for s in states]
+    conts = [s.routing.continuation(prompt_ids=s.prompt_ids) for s in states]
     routings = [
         read_response(
             Engine.SGLANG,
@@ -76,11 +75,11 @@ def step(
         )
         for s, c, rows in zip(states, conts, truths, strict=True)
     ]
-    handles = ingest_group(conts, routings, writer=store, weight_version=version)
+    handles = ingest_routing_group(conts, routings, writer=store, weight_version=version)
     tokens = tuple(range(500, 500 + new_tokens))
     return [
-        c.finish(store, h).extend(tokens, (0.0,) * new_tokens, version)
-        for c, h in zip(conts, handles, strict=True)
+        s.with_sample_routing(c.finish(store, h)).extend(tokens, (0.0,) * new_tokens, version)
+        for s, c, h in zip(states, conts, handles, strict=True)
         if isinstance(h, Handle)
     ]
 
@@ -97,9 +96,9 @@ def test_a_fresh_group_is_one_payload_with_its_prompt_once() -> None:
         stats.shared_prefix_bytes_saved
     )
     for state, rows in zip(done, truths, strict=True):
-        assert state.routing is not None
-        assert state.origin is Origin.PRODUCED
-        np.testing.assert_array_equal(store.read(state.routing), rows[: PROMPT + FIRST - 1])
+        assert state.routing.handle is not None
+        assert state.routing.origin is Origin.PRODUCED
+        np.testing.assert_array_equal(store.read(state.routing.handle), rows[: PROMPT + FIRST - 1])
     assert dict(stats.leases_by_holder) == {sample_holder(f"m{i}"): 1 for i in range(4)}
     for state in done[:3]:
         state.release()
@@ -120,9 +119,9 @@ def test_a_group_of_resumes_writes_only_the_rows_each_history_lacks() -> None:
     assert stats.live_payloads == 2  # the group's first payload and its resumes' one
     assert stats.live_bytes - bytes_before == 3 * SPEC.nbytes(SECOND)  # new rows only
     for state, rows in zip(resumed, truths, strict=True):
-        assert state.routing is not None
-        np.testing.assert_array_equal(store.read(state.routing), rows)
-        versions = state.routing.weight_versions()
+        assert state.routing.handle is not None
+        np.testing.assert_array_equal(store.read(state.routing.handle), rows)
+        versions = state.routing.handle.weight_versions()
         assert set(versions[: PROMPT + FIRST - 1]) == {0}
         assert set(versions[-SECOND:]) == {1}
         state.release()
@@ -140,7 +139,7 @@ def key_step(
 ) -> list[RolloutState | RouteplayError]:
     """One group request on the LMDeploy key path: every answer's key holds the whole
     sequence; the group's keys are adopted in one call."""
-    conts = [continuation(s) for s in states]
+    conts = [s.routing.continuation(prompt_ids=s.prompt_ids) for s in states]
     routings = [
         read_response(
             Engine.LMDEPLOY,
@@ -149,15 +148,16 @@ def key_step(
         )
         for s, rows in zip(states, truths, strict=True)
     ]
-    out = ingest_group(conts, routings, writer=store, weight_version=version, spec=SPEC)
+    out = ingest_routing_group(conts, routings, writer=store, weight_version=version, spec=SPEC)
     tokens = tuple(range(500, 500 + new_tokens))
     finished: list[RolloutState | RouteplayError] = []
-    for cont, result in zip(conts, out, strict=True):
+    for state, cont, result in zip(states, conts, out, strict=True):
         if isinstance(result, RouteplayError):
             cont.abandon()
             finished.append(result)
         else:
-            finished.append(cont.finish(store, result).extend(tokens, (0.0,) * new_tokens, version))
+            done = state.with_sample_routing(cont.finish(store, result))
+            finished.append(done.extend(tokens, (0.0,) * new_tokens, version))
     return finished
 
 
@@ -187,11 +187,11 @@ def test_a_group_of_engine_keys_stores_its_prompt_once_then_only_new_rows() -> N
     assert after.live_payloads == 2
     assert after.live_bytes - stats.live_bytes == 4 * SPEC.nbytes(SECOND)  # new rows only
     for state, rows in zip(resumed, truths, strict=True):
-        assert state.routing is not None
+        assert state.routing.handle is not None
         np.testing.assert_array_equal(
-            store.read(state.routing), rows[: PROMPT + FIRST + SECOND - 1]
+            store.read(state.routing.handle), rows[: PROMPT + FIRST + SECOND - 1]
         )
-        versions = state.routing.weight_versions()
+        versions = state.routing.handle.weight_versions()
         assert set(versions[: PROMPT + FIRST - 1]) == {0}
         assert set(versions[-SECOND:]) == {1}
         state.release()
@@ -215,9 +215,9 @@ def test_a_bad_key_in_a_group_costs_only_its_member() -> None:
     assert stats.live_payloads == 1  # the three others: still one payload, prompt once
     assert stats.shared_prefix_bytes_saved == 2 * SPEC.nbytes(PROMPT)
     for state in good:
-        assert state.routing is not None
+        assert state.routing.handle is not None
         np.testing.assert_array_equal(
-            store.read(state.routing), rows[int(state.sample_id[1])][: PROMPT + FIRST - 1]
+            store.read(state.routing.handle), rows[int(state.sample_id[1])][: PROMPT + FIRST - 1]
         )
         state.release()
     assert store.leaks() == []
@@ -230,8 +230,8 @@ def test_a_group_of_keys_needs_the_spec() -> None:
     [state] = members(1)
     body = fake.respond(truth(PROMPT + FIRST, 3), prompt_tokens=PROMPT, completion_tokens=FIRST)
     with pytest.raises(MisuseError, match="spec"):
-        ingest_group(
-            [continuation(state)],
+        ingest_routing_group(
+            [state.routing.continuation(prompt_ids=state.prompt_ids)],
             [read_response(Engine.LMDEPLOY, body, SPEC)],
             writer=store,
             weight_version=0,

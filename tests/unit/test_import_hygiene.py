@@ -2,7 +2,7 @@
 
 A Megatron or FSDP trainer process may run without Ray (an optional extra), a rollout
 process without torch, and the plain classes (packing, the materializer, the rollout
-state, buffer, trie and lifecycle steps, the lease tables) need neither. Each case
+state, buffer, trie and the routing holder's steps, the lease tables) need neither. Each case
 imports modules with some packages *blocked* (a meta-path finder that refuses them, as
 if not installed) and checks what got loaded.
 
@@ -48,7 +48,7 @@ def run_blocked(body: str, blocked: tuple[str, ...]) -> list[str]:
 
 def test_the_blocker_really_blocks() -> None:
     # Guard against a vacuous test: with Ray blocked, importing the store must fail.
-    code = _BLOCKER.format(blocked={"ray"}, body="import routeplay.store.client")
+    code = _BLOCKER.format(blocked={"ray"}, body="import routeplay.store.client.route_store")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "blocked by the test" in out.stderr
@@ -101,20 +101,20 @@ NEEDS: dict[str, frozenset[str]] = {
         [
             f"routeplay.store.{name}"
             for name in (
-                "accounting",
-                "actors",
-                "backend",
-                "client",
-                "client_core",
-                "client_keys",
-                "client_leases",
-                "client_writes",
-                "engine_service",
-                "producer",
-                "protocol",
-                "ray_calls",
-                "reads",
-                "releases",
+                "remote.accounting",
+                "remote.actors",
+                "remote.backend",
+                "client.route_store",
+                "client.core",
+                "client.keys",
+                "client.leases",
+                "client.write_path",
+                "engine.service",
+                "remote.producer",
+                "remote.protocol",
+                "remote.ray_calls",
+                "client.read_path",
+                "client.releases",
             )
         ],
         RAY,
@@ -133,6 +133,8 @@ NEEDS: dict[str, frozenset[str]] = {
                 "session_roles",
                 "sessions",
                 "transfer_paths",
+                "verl_roles",
+                "verl_step",
             )
         ],
         RAY,
@@ -155,6 +157,7 @@ NEEDS: dict[str, frozenset[str]] = {
             "routeplay.engine.server",
             "routeplay.engine.wide_experts",
             "routeplay.integrations.megatron.drift",
+            "routeplay.integrations.megatron.recording",
             "routeplay.integrations.megatron.routers",
             "routeplay.integrations.megatron.session",
             "routeplay.integrations.verl",
@@ -172,7 +175,7 @@ NEEDS: dict[str, frozenset[str]] = {
     **dict.fromkeys(
         [
             f"routeplay.pipeline.{name}"
-            for name in ("config", "demo", "services", "soak", "trainer")
+            for name in ("config", "demo", "services", "soak", "soak_config", "trainer")
         ],
         RAY | TORCH,
     ),
@@ -227,7 +230,7 @@ def test_each_module_imports_without_what_it_does_not_use(
 
 def test_the_module_list_is_real() -> None:
     # Guard against a walk that finds nothing, and a table naming modules that are gone.
-    assert {"routeplay.rollout.lifecycle", "routeplay.train.packing"} <= set(MODULES)
+    assert {"routeplay.rollout.sample_routing", "routeplay.train.packing"} <= set(MODULES)
     assert set(NEEDS) <= set(MODULES)
 
 
@@ -235,7 +238,7 @@ def test_the_plain_rollout_and_store_names_resolve_without_ray_or_torch() -> Non
     body = (
         "from routeplay.rollout import (RolloutState, ReplayBuffer, TrainingBatch,\n"
         "    TokenTrie, TraceStore, SessionLedger, load_buffer, save_buffer,\n"
-        "    continuation, Continuation, store_turn, ADAPTERS, stitch)\n"
+        "    SampleRouting, RoutingContinuation, ingest_routing_group, ADAPTERS, stitch)\n"
         "from routeplay.store import Lease, LeaseTable, EngineStore\n"
         "import routeplay.core, routeplay.core.wires, routeplay.train\n"
         "try:\n"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from routeplay.core import Routes, RouteSpec, canonicalize
 from routeplay.store.joined_rows import JoinedRows
-from routeplay.store.writes import plan_batch, split_blocks
+from routeplay.store.write_plan import plan_batch, split_blocks
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
 

@@ -74,12 +74,12 @@ def test_the_layering_check_sees_modules() -> None:
 # the modules that make tensors. Everything else takes their objects as arguments, so a
 # process pays for neither until it uses them (test_import_hygiene checks the result).
 RAY_HOMES = {
-    "store/accounting.py",
-    "store/actors.py",
-    "store/backend.py",
-    "store/engine_service.py",
-    "store/producer.py",
-    "store/ray_calls.py",
+    "store/remote/accounting.py",
+    "store/remote/actors.py",
+    "store/remote/backend.py",
+    "store/engine/service.py",
+    "store/remote/producer.py",
+    "store/remote/ray_calls.py",
     "rollout/trace_actor.py",
 }
 TORCH_HOMES = {
@@ -90,6 +90,7 @@ TORCH_HOMES = {
     "train/routers.py",
     "integrations/megatron/drift.py",
     "integrations/megatron/routers.py",
+    "integrations/megatron/recording.py",
     "integrations/megatron/session.py",
     "integrations/verl.py",
     "integrations/verl_replay.py",

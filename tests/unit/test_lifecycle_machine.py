@@ -88,9 +88,9 @@ from routeplay.rollout.fake_engines import (
     FakeVllmHttp,
     FakeVllmInProcess,
 )
-from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
-from routeplay.store.shard import shard_of
+from routeplay.store import Lease, RouteStore, StoreConfig
+from routeplay.store.remote.backend import LocalBackend
+from routeplay.store.shard.shard import shard_of
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 CONFIG = BufferConfig(max_staleness=1, max_retries=1)
@@ -148,6 +148,11 @@ def payloads(handle: Handle) -> set[str]:
 def lease_ids(handle: Handle) -> int:
     """Lease ids one Lease over ``handle`` holds: one per store shard it touches."""
     return len({shard_of(pid) for pid in payloads(handle)})
+
+
+def attached(state: RolloutState, handle: Handle, lease: Lease, origin: Origin) -> RolloutState:
+    """``state`` holding ``handle`` under ``lease`` (its routing's ``attach`` step)."""
+    return state.with_sample_routing(state.routing.attach(handle, lease, origin))
 
 
 def counted(method: Rule) -> Rule:
@@ -265,14 +270,16 @@ class LifecycleMachine(RuleBasedStateMachine):
     def keep(self, state: RolloutState, leased: Handle, full: npt.NDArray[np.uint8]) -> None:
         """Record a sample that holds its own ``rollout/<sid>`` lease."""
         sid = state.sample_id
-        assert state.holds_lease
-        assert state.lease is not None
-        assert state.lease.holder == f"rollout/{sid}"
+        routing = state.routing
+        assert routing.holds_lease
+        assert routing.lease is not None
+        assert routing.lease.holder == f"rollout/{sid}"
         self.expected[sid] = full
         self.versions[sid] = state.weight_versions
-        assert state.routing is not None
-        if state.routing.segments:  # prompt rows borrowed from a session count as well
-            self.row_versions[sid] = min(seg.weight_version for seg in state.routing.segments)
+        assert routing.response_versions == state.weight_versions
+        assert routing.handle is not None
+        if routing.handle.segments:  # prompt rows borrowed from a session count as well
+            self.row_versions[sid] = min(seg.weight_version for seg in routing.handle.segments)
         self.retries.setdefault(sid, 0)
         self.leased[sid] = leased
         (self.pending if state.status is Status.COMPLETED else self.partials)[sid] = state
@@ -357,7 +364,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         status = Status.ABORTED if partial else Status.COMPLETED
         state = self.make_state(sid, prompt, response, status=status)
         lease = self.store.acquire(handle, f"rollout/{sid}")
-        self.keep(state.with_routing(handle, lease, Origin.PRODUCED), handle, full)
+        self.keep(attached(state, handle, lease, Origin.PRODUCED), handle, full)
 
     @precondition(lambda self: bool(self.partials))
     @rule(
@@ -375,15 +382,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         before ending the old lease (the post-processing must not free the history)."""
         sid = data.draw(st.sampled_from(sorted(self.partials)))
         state = self.partials.pop(sid)
-        assert state.routing is not None
+        history = state.routing.handle
+        assert history is not None
         token_ids = state.prompt_ids + state.response_ids + more
         full = sample_rows(self.salt[sid], token_ids)
         completion = len(state.response_ids) + len(more)
-        handle = self.ingest(
-            name, full, len(state.prompt_ids), completion, state.routing, use_start
-        )
+        handle = self.ingest(name, full, len(state.prompt_ids), completion, history, use_start)
         lease = self.store.acquire(handle, f"rollout/{sid}")
-        state = state.release().with_routing(handle, lease, state.origin)
+        state = attached(state.release(), handle, lease, state.routing.origin)
         state = state.extend(more, (-0.5,) * len(more), self.version)
         if finish:
             state = state.with_status(Status.COMPLETED, "stop")
@@ -435,7 +441,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         model.keys[prompt + response] = handle
         origin = Origin.BORROWED if exported is not None else Origin.PRODUCED
         state = self.make_state(sid, prompt, response, session=session)
-        self.keep(state.with_routing(handle, lease, origin), handle, full)
+        self.keep(attached(state, handle, lease, origin), handle, full)
 
     # -- the trace store --------------------------------------------------------------
     @precondition(lambda self: any(s.keys for s in self.sessions.values()))
@@ -485,7 +491,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             state = self.make_state(sid, query[:split], query[split:], session=session)
             self.salt[sid] = model.salt
             full = sample_rows(model.salt, query)
-            borrowed = state.with_routing(routing, exported.lease, Origin.BORROWED)
+            borrowed = attached(state, routing, exported.lease, Origin.BORROWED)
             self.keep(borrowed, exported.handle, full)
             return
         query = key[:cut] + extra
@@ -522,7 +528,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         states = [self.pending.pop(sid) for sid in sids]
         gid = self.new_id("g")
         self.buffer.add(gid, states)
-        assert not any(s.holds_lease for s in states)  # transferred, not copied
+        assert not any(s.routing.holds_lease for s in states)  # transferred, not copied
         self.groups[gid] = sids
 
     @rule(
@@ -552,10 +558,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.retry_queue = []
         for state in states:
             sid = state.sample_id
-            assert not state.holds_lease
-            assert state.routing is None
+            assert not state.routing.holds_lease
+            assert state.routing.handle is None
             assert state.status is Status.PENDING
-            assert state.retries == self.retries[sid]
+            assert state.routing.retries == self.retries[sid]
             response = data.draw(tokens(1, 3))
             token_ids = state.prompt_ids + response
             full = sample_rows(self.salt[sid], token_ids)
@@ -571,7 +577,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 exported.lease.release()
             origin = Origin.BORROWED if exported is not None else Origin.PRODUCED
             state = state.extend(response, (-1.0,) * len(response), self.version)
-            state = state.with_status(Status.COMPLETED, "stop").with_routing(handle, lease, origin)
+            state = attached(state.with_status(Status.COMPLETED, "stop"), handle, lease, origin)
             self.keep(state, handle, full)
 
     @precondition(lambda self: bool(self.groups))
@@ -593,8 +599,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         gid = data.draw(st.sampled_from(list(self.groups)))
         [group] = [g for g in self.buffer.groups() if g.group_id == gid]
         doomed = data.draw(st.sampled_from(group.states))
-        assert doomed.lease is not None
-        self.faults.lose_releases(doomed.lease)
+        assert doomed.routing.lease is not None
+        self.faults.lose_releases(doomed.routing.lease)
         try:
             self.buffer.discard(gid)
         except RoutesLost:
@@ -618,8 +624,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         taken = self.buffer.take_release_failed()
         assert [s.sample_id for s in taken] == list(self.release_failed)
         for state in taken:
-            assert state.stuck
-            assert not state.holds_lease
+            assert state.routing.stuck
+            assert not state.routing.holds_lease
             state.release()
             self.forget(state.sample_id)
         self.release_failed.clear()
@@ -633,7 +639,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.tmp = Path(tempfile.mkdtemp(prefix="routeplay-machine-"))
         folder = self.tmp / self.new_id("ckpt-")
         before = {
-            s.sample_id: (s.routing.weight_versions().tolist() if s.routing else None)
+            s.sample_id: (s.routing.handle.weight_versions().tolist() if s.routing.handle else None)
             for g in self.buffer.groups()
             for s in g.states
         }
@@ -651,14 +657,15 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert [s.sample_id for s in group.states] == self.groups[group.group_id]
             for state in group.states:
                 sid = state.sample_id
-                assert state.routing is not None
-                assert state.origin is Origin.RESTORED
-                assert state.lease is not None
-                assert state.lease.holder == f"buffer/{group.group_id}"
-                assert state.routing.weight_versions().tolist() == before[sid]
+                routing = state.routing
+                assert routing.handle is not None
+                assert routing.origin is Origin.RESTORED
+                assert routing.lease is not None
+                assert routing.lease.holder == f"buffer/{group.group_id}"
+                assert routing.handle.weight_versions().tolist() == before[sid]
                 assert state.weight_versions == self.versions[sid]
-                assert state.retries == self.retries[sid]
-                self.leased[sid] = state.routing
+                assert routing.retries == self.retries[sid]
+                self.leased[sid] = routing.handle
 
     # -- training ---------------------------------------------------------------------
     @precondition(lambda self: bool(self.groups))
@@ -697,8 +704,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             with batch:
                 for state in batch.states:
-                    assert state.routing is not None
-                    rows = self.store.read(state.routing, holder=batch.holder)
+                    assert state.routing.handle is not None
+                    rows = self.store.read(state.routing.handle, holder=batch.holder)
                     np.testing.assert_array_equal(rows, self.expected[state.sample_id])
                 if fail:
                     raise StepFailed(f"step {step}")
@@ -728,25 +735,22 @@ class LifecycleMachine(RuleBasedStateMachine):
     def live(self) -> list[tuple[str, str, Handle, Handle, npt.NDArray[np.uint8]]]:
         """(holder, what, routing, leased handle, truth) of everything the model holds."""
         out = []
+
+        def held(holder: str, state: RolloutState) -> None:
+            sid = state.sample_id
+            assert state.routing.handle is not None
+            out.append((holder, sid, state.routing.handle, self.leased[sid], self.expected[sid]))
+
         for sid, state in [*self.pending.items(), *self.partials.items()]:
-            assert state.routing is not None
-            out.append((f"rollout/{sid}", sid, state.routing, self.leased[sid], self.expected[sid]))
+            held(f"rollout/{sid}", state)
         for group in self.buffer.groups():
             for state in group.states:
-                sid = state.sample_id
-                assert state.routing is not None
-                holder = f"buffer/{group.group_id}"
-                out.append((holder, sid, state.routing, self.leased[sid], self.expected[sid]))
+                held(f"buffer/{group.group_id}", state)
         for batch, _ in self.batches.values():
             for state in batch.states:
-                sid = state.sample_id
-                assert state.routing is not None
-                out.append((batch.holder, sid, state.routing, self.leased[sid], self.expected[sid]))
+                held(batch.holder, state)
         for state in self.buffer.release_failed():
-            sid = state.sample_id
-            assert state.routing is not None
-            holder = self.release_failed[sid]
-            out.append((holder, sid, state.routing, self.leased[sid], self.expected[sid]))
+            held(self.release_failed[state.sample_id], state)
         for name, (exported, truth) in self.exports.items():
             out.append((name, name, exported.handle, exported.handle, truth))
         for session, model in self.sessions.items():

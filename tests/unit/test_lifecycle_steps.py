@@ -1,4 +1,5 @@
-"""The sample lifecycle steps (``routeplay.rollout.lifecycle``) on the in-process store.
+"""A ``RolloutState``'s routing steps (its embedded ``SampleRouting``: ``continuation``,
+``ingest``, ``finish``, ``borrow_prefix``, ``store_turn``) on the in-process store.
 
 Each ownership rule has a test that fails if the rule is broken. The central one (take
 the new lease before releasing the borrowed one) is observed through the store's own
@@ -19,21 +20,13 @@ from faults import faulty_store
 
 from routeplay.core import Handle, RouteSpec, StoreRef, canonicalize
 from routeplay.errors import EngineUnavailable, HandleError, MisuseError, RoutesLost, RunMismatch
-from routeplay.rollout import (
-    ADAPTERS,
-    Origin,
-    RolloutState,
-    Status,
-    TraceStore,
-    continuation,
-    store_turn,
-)
+from routeplay.rollout import ADAPTERS, Origin, RolloutState, Status, TraceStore
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
-from routeplay.rollout.lifecycle import borrow_prefix, prefix_holder, sample_holder
+from routeplay.rollout.routing_terms import prefix_holder, sample_holder
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
-from routeplay.store.lease_table import TableStats
-from routeplay.store.shard_api import ShardApi, ShardCall, shard_call
+from routeplay.store.remote.backend import LocalBackend
+from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
+from routeplay.store.shard.lease_table import TableStats
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, FIRST, SECOND = 6, 5, 4  # prompt tokens, generated before and after a resume
@@ -131,7 +124,7 @@ def _request(
     new_tokens: int,
     version: int,
 ) -> RolloutState:
-    with continuation(state, traces) as cont:
+    with state.routing.continuation(traces, state.prompt_ids) as cont:
         body = FakeSglang(spec=SPEC).respond(
             full, prompt_tokens=state.tokens, completion_tokens=new_tokens, start_row=cont.rows
         )
@@ -143,9 +136,15 @@ def _request(
             weight_version=version,
             start_row=cont.rows,
         )
-        routed = cont.finish(store, handle)
+        routed = state.with_sample_routing(cont.finish(store, handle))
     tokens = tuple(range(1000, 1000 + new_tokens))
     return routed.extend(tokens, (0.0,) * new_tokens, version)
+
+
+def store_turn(traces: TraceStore, state: RolloutState) -> RolloutState:
+    """``state``'s finished turn handed to its session (the routing's ``store_turn``)."""
+    turn = state.routing.store_turn(traces, state.prompt_ids + state.response_ids)
+    return state.with_sample_routing(turn)
 
 
 def fresh(sid: str = "a", session: str | None = None) -> RolloutState:
@@ -161,18 +160,18 @@ def test_a_resume_keeps_its_history_rows_leased_throughout(
     store, backend = watched
     full = truth(PROMPT + FIRST + SECOND - 1)
     first = generate(store, fresh(), full, FIRST, version=0).with_status(Status.ABORTED, "abort")
-    assert first.origin is Origin.PRODUCED
+    assert first.routing.origin is Origin.PRODUCED
     resumed = generate(store, first, full, SECOND, version=1)
 
     assert backend.most_released() == 0  # the first payload never reached zero leases
     assert holders(store) == {sample_holder("a"): 1}  # the input's lease ended, once
-    assert resumed.routing is not None
-    assert resumed.holds_lease
-    np.testing.assert_array_equal(store.read(resumed.routing), full)
+    assert resumed.routing.handle is not None
+    assert resumed.routing.holds_lease
+    np.testing.assert_array_equal(store.read(resumed.routing.handle), full)
     # the resume stored only the rows its history lacked, under the new version
-    assert [s.weight_version for s in resumed.routing.segments] == [0, 1]
+    assert [s.weight_version for s in resumed.routing.handle.segments] == [0, 1]
     assert store.stats().live_bytes == SPEC.nbytes(full.shape[0])
-    assert resumed.origin is Origin.PRODUCED  # a resume keeps its origin
+    assert resumed.routing.origin is Origin.PRODUCED  # a resume keeps its origin
     resumed.release()
     assert store.leaks() == []
 
@@ -193,7 +192,7 @@ def test_a_borrowed_prefix_that_is_its_only_lease_survives_finish(
         prompt_ids=turn1.prompt_ids + turn1.response_ids + (7, 8),
         session_id="s",
     )
-    with continuation(turn2, traces) as cont:
+    with turn2.routing.continuation(traces, turn2.prompt_ids) as cont:
         assert cont.borrowed is not None
         assert cont.borrowed.holder == prefix_holder("b")
         traces.release_session("s")
@@ -209,11 +208,11 @@ def test_a_borrowed_prefix_that_is_its_only_lease_survives_finish(
             weight_version=1,
             start_row=cont.rows,
         )
-        routed = cont.finish(store, handle)
+        routed = turn2.with_sample_routing(cont.finish(store, handle))
 
     assert backend.most_released() == 0
     assert holders(store) == {sample_holder("b"): 1}
-    assert routed.origin is Origin.BORROWED
+    assert routed.routing.origin is Origin.BORROWED
     np.testing.assert_array_equal(store.read(handle), full[: turn2.tokens + SECOND - 1])
     routed.release()
     assert store.leaks() == []
@@ -226,11 +225,11 @@ def test_the_watch_sees_a_payload_dropped_by_the_wrong_order(
     # The control of the tests above: release first, then lease, and the watch sees it.
     store, backend = watched
     first = generate(store, fresh(), truth(PROMPT + FIRST - 1), FIRST, version=0)
-    assert first.routing is not None
+    assert first.routing.handle is not None
     first.release()
     assert backend.most_released() == 1
     with pytest.raises(RoutesLost, match="last lease was released"):
-        store.acquire(first.routing, sample_holder("a"))
+        store.acquire(first.routing.handle, sample_holder("a"))
 
 
 # -- a trace session's export is the sample's own lease ------------------------------------
@@ -239,7 +238,7 @@ def test_an_export_and_the_session_release_independently() -> None:
     traces = TraceStore(store)
     turn1 = generate(store, fresh("t1", session="s"), truth(PROMPT + FIRST - 1), FIRST, 0)
     after = store_turn(traces, turn1)
-    assert not after.holds_lease
+    assert not after.routing.holds_lease
     assert holders(store) == {"session/s": 1}
 
     turn2 = RolloutState(
@@ -248,18 +247,19 @@ def test_an_export_and_the_session_release_independently() -> None:
         prompt_ids=turn1.prompt_ids + turn1.response_ids,
         session_id="s",
     )
-    exported = borrow_prefix(traces, turn2)
+    exported = turn2.routing.borrow_prefix(traces, turn2.prompt_ids)
     assert exported is not None
     assert exported.lease.holder == prefix_holder("b")
     traces.release_session("s")  # the sample's lease keeps the rows
     np.testing.assert_array_equal(
         store.read(exported.handle), truth(PROMPT + FIRST - 1)[: exported.rows]
     )
-    traces.insert("s", turn2.prompt_ids, turn1.routing)  # type: ignore[arg-type]
+    traces.insert("s", turn2.prompt_ids, turn1.routing.handle)  # type: ignore[arg-type]
     exported.lease.release()  # and releasing the sample leaves the session alone
     assert holders(store) == {"session/s": 1}
     traces.close()
-    assert borrow_prefix(traces, fresh("c")) is None  # no session: nothing borrowed
+    no_session = fresh("c")
+    assert no_session.routing.borrow_prefix(traces, no_session.prompt_ids) is None
     assert store.leaks() == []
 
 
@@ -275,7 +275,7 @@ def test_a_failed_request_ends_the_borrowed_lease_and_leaves_the_input_to_the_ca
         prompt_ids=turn1.prompt_ids + turn1.response_ids,
         session_id="s",
     )
-    cont = continuation(turn2, traces)
+    cont = turn2.routing.continuation(traces, turn2.prompt_ids)
     assert holders(store) == {"session/s": 1, prefix_holder("b"): 1}
     with pytest.raises(EngineUnavailable), cont:
         raise EngineUnavailable("the engine could not be reached")
@@ -284,9 +284,9 @@ def test_a_failed_request_ends_the_borrowed_lease_and_leaves_the_input_to_the_ca
     assert holders(store) == {"session/s": 1}
 
     interrupted = generate(store, fresh("a"), truth(PROMPT + FIRST - 1), FIRST, 0)
-    with pytest.raises(EngineUnavailable), continuation(interrupted) as cont:
+    with pytest.raises(EngineUnavailable), interrupted.routing.continuation() as cont:
         raise EngineUnavailable("the engine could not be reached")
-    assert interrupted.holds_lease  # the caller still holds (and releases) its input
+    assert interrupted.routing.holds_lease  # the caller still holds (and releases) its input
     assert holders(store) == {"session/s": 1, sample_holder("a"): 1}
     interrupted.release()
     traces.close()
@@ -306,14 +306,14 @@ def test_a_refused_new_lease_ends_the_borrowed_one_and_not_the_input() -> None:
         prompt_ids=turn1.prompt_ids + turn1.response_ids,
         session_id="s",
     )
-    with pytest.raises(RunMismatch), continuation(turn2, traces) as cont:
+    with pytest.raises(RunMismatch), turn2.routing.continuation(traces, turn2.prompt_ids) as cont:
         cont.finish(store, foreign)
     assert holders(store) == {"session/s": 1}
 
     interrupted = generate(store, fresh("a"), truth(PROMPT + FIRST - 1), FIRST, 0)
-    with pytest.raises(RunMismatch), continuation(interrupted) as cont:
+    with pytest.raises(RunMismatch), interrupted.routing.continuation() as cont:
         cont.finish(store, foreign)
-    assert interrupted.holds_lease
+    assert interrupted.routing.holds_lease
     assert holders(store)[sample_holder("a")] == 1
     interrupted.release()
     traces.close()
@@ -332,7 +332,7 @@ def test_a_replaced_lease_that_cannot_be_released_rides_along() -> None:
         prompt_ids=turn1.prompt_ids + turn1.response_ids + (1,),
         session_id="s",
     )
-    with continuation(turn2, traces) as cont:
+    with turn2.routing.continuation(traces, turn2.prompt_ids) as cont:
         assert cont.borrowed is not None
         faults.lose_releases(cont.borrowed)
         body = FakeSglang(spec=SPEC).respond(
@@ -346,10 +346,10 @@ def test_a_replaced_lease_that_cannot_be_released_rides_along() -> None:
             weight_version=1,
             start_row=cont.rows,
         )
-        routed = cont.finish(store, handle)  # does not raise: the new lease is kept
-    assert routed.holds_lease
-    assert routed.stuck
-    assert [lease.holder for lease in routed.unreleased] == [prefix_holder("b")]
+        routed = turn2.with_sample_routing(cont.finish(store, handle))  # the new lease is kept
+    assert routed.routing.holds_lease
+    assert routed.routing.stuck
+    assert [lease.holder for lease in routed.routing.unreleased] == [prefix_holder("b")]
     faults.heal()
     routed.release()
     traces.close()
@@ -365,23 +365,23 @@ def test_an_engine_key_is_adopted_unread_and_a_resume_keeps_its_history() -> Non
     full = truth(PROMPT + FIRST + SECOND - 1)
 
     def request(state: RolloutState, new: int, version: int) -> RolloutState:
-        with continuation(state) as cont:
+        with state.routing.continuation() as cont:
             body = fake.respond(full, prompt_tokens=state.tokens, completion_tokens=new)
             handle = cont.ingest(
                 ADAPTERS["lmdeploy"], body, spec=SPEC, writer=store, weight_version=version
             )
-            routed = cont.finish(store, handle)
+            routed = state.with_sample_routing(cont.finish(store, handle))
         return routed.extend(tuple(range(new)), (0.0,) * new, version)
 
     first = request(fresh(), FIRST, 0)
-    assert first.routing is not None
-    [source] = first.routing.sources()
+    assert first.routing.handle is not None
+    [source] = first.routing.handle.sources()
     assert isinstance(source, StoreRef)  # adopted: validated once, now a store payload
     assert engine.stats().live_keys == 0  # the key was consumed by the adoption
     resumed = request(first, SECOND, 1)
-    assert resumed.routing is not None
-    assert [s.weight_version for s in resumed.routing.segments] == [0, 1]
-    np.testing.assert_array_equal(store.read(resumed.routing), full)
+    assert resumed.routing.handle is not None
+    assert [s.weight_version for s in resumed.routing.handle.segments] == [0, 1]
+    np.testing.assert_array_equal(store.read(resumed.routing.handle), full)
     resumed.release()
     assert store.leaks() == []
 
@@ -395,7 +395,7 @@ def test_store_turn_leases_for_the_session_before_ending_the_sample(
     turn1 = generate(store, fresh("t1", session="s"), truth(PROMPT + FIRST - 1), FIRST, 0)
     after = store_turn(traces, turn1)
     assert backend.most_released() == 0
-    assert not after.holds_lease
+    assert not after.routing.holds_lease
     assert holders(store) == {"session/s": 1}
     traces.close()
     assert backend.most_released() == 1  # the session's release was the last one
@@ -405,9 +405,10 @@ def test_store_turn_ends_the_sample_even_when_the_insert_is_refused() -> None:
     store = RouteStore.local(StoreConfig(run="refused"))
     traces = TraceStore(store)
     sample = generate(store, fresh("t1", session="s"), truth(PROMPT + FIRST - 1), FIRST, 0)
-    short = sample.release().with_routing(
-        Handle(SPEC), store.acquire(Handle(SPEC), "rollout/t1"), Origin.PRODUCED
-    )
+    released = sample.release()
+    empty = Handle(SPEC)
+    lease = store.acquire(empty, "rollout/t1")
+    short = released.with_sample_routing(released.routing.attach(empty, lease, Origin.PRODUCED))
     with pytest.raises(HandleError):  # 0 rows for 11 tokens
         store_turn(traces, short)
     assert store.leaks() == []
@@ -419,16 +420,16 @@ def test_store_turn_ends_the_sample_even_when_the_insert_is_refused() -> None:
 def test_a_continuation_is_single_use() -> None:
     store = RouteStore.local(StoreConfig(run="once"))
     sample = generate(store, fresh(), truth(PROMPT + FIRST - 1), FIRST, 0)
-    cont = continuation(sample)
+    cont = sample.routing.continuation()
     assert cont.rows == PROMPT + FIRST - 1
-    assert sample.routing is not None
-    resumed = cont.finish(store, sample.routing)  # same rows, a new lease
+    assert sample.routing.handle is not None
+    resumed = sample.with_sample_routing(cont.finish(store, sample.routing.handle))  # a new lease
     with pytest.raises(MisuseError):
-        cont.finish(store, sample.routing)
+        cont.finish(store, sample.routing.handle)
     with pytest.raises(MisuseError):
         cont.ingest(ADAPTERS["sglang"], {}, spec=SPEC, writer=store, weight_version=0)
     resumed.release()
-    with continuation(fresh("b")) as unused:
+    with fresh("b").routing.continuation() as unused:
         assert (unused.rows, unused.history, unused.origin) == (0, None, Origin.PRODUCED)
     assert store.leaks() == []
 
@@ -437,13 +438,13 @@ def test_a_lost_store_call_inside_finish_leaves_nothing_unnamed() -> None:
     # The input's own lease cannot be released (a dead shard): the result names it.
     store, faults = faulty_store("lost-input")
     interrupted = generate(store, fresh(), truth(PROMPT + FIRST - 1), FIRST, 0)
-    assert interrupted.lease is not None
-    assert interrupted.routing is not None
-    faults.lose_releases(interrupted.lease)
-    with continuation(interrupted) as cont:
-        routed = cont.finish(store, interrupted.routing)
-    assert routed.holds_lease
-    assert routed.stuck
+    assert interrupted.routing.lease is not None
+    assert interrupted.routing.handle is not None
+    faults.lose_releases(interrupted.routing.lease)
+    with interrupted.routing.continuation() as cont:
+        routed = interrupted.with_sample_routing(cont.finish(store, interrupted.routing.handle))
+    assert routed.routing.holds_lease
+    assert routed.routing.stuck
     with pytest.raises(RoutesLost):
         routed.release()
     faults.heal()

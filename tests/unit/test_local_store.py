@@ -19,8 +19,8 @@ from routeplay.errors import (
     StoreTimeout,
 )
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
-from routeplay.store.shard import shard_of
+from routeplay.store.remote.backend import LocalBackend
+from routeplay.store.shard.shard import shard_of
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
 

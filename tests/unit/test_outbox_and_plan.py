@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from routeplay.core import EngineKey, Handle, InlineSource, RouteSpec, Segment, StoreRef
 from routeplay.errors import AlreadyConsumed
-from routeplay.store.outbox import PayloadOutbox, split_blocks
-from routeplay.store.read_plan import DirectCopy, ReadPlan, plan_reads
-from routeplay.store.shard import StoreShard, shard_of
+from routeplay.store.client.read_plan import DirectCopy, ReadPlan, plan_reads
+from routeplay.store.remote.outbox import PayloadOutbox, split_blocks
+from routeplay.store.shard.shard import StoreShard, shard_of
 
 RUN = "run-a"
 SPEC = RouteSpec(num_layers=3, top_k=2, num_experts=1000)  # uint16: room for row tags

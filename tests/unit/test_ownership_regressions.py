@@ -38,6 +38,7 @@ from routeplay.rollout import (
     Origin,
     ReplayBuffer,
     RolloutState,
+    SampleRouting,
     SessionLedger,
     Status,
     TraceStore,
@@ -57,10 +58,10 @@ from routeplay.rollout.fake_engines import (
 )
 from routeplay.rollout.token_trie import TokenTrie
 from routeplay.rollout.trace_store import TraceEntry
-from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
-from routeplay.store.shard import shard_of
-from routeplay.store.shard_api import ShardApi, shard_call
+from routeplay.store import Lease, RouteStore, StoreConfig
+from routeplay.store.remote.backend import LocalBackend
+from routeplay.store.shard.api import ShardApi, shard_call
+from routeplay.store.shard.shard import shard_of
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 TURN = tuple(range(100, 110))  # 10 tokens: prompt 6 + response 4 -> rows [0, 9)
@@ -126,6 +127,11 @@ def completed(
     return state.extend(response, (-0.5,) * len(response), version).with_status(status, "stop")
 
 
+def attached(state: RolloutState, handle: Handle, lease: Lease, origin: Origin) -> RolloutState:
+    """``state`` holding ``handle`` under ``lease`` (its routing's ``attach`` step)."""
+    return state.with_sample_routing(state.routing.attach(handle, lease, origin))
+
+
 def attempt(read: Callable[[], npt.NDArray[Any]]) -> npt.NDArray[Any] | str:
     """The rows a read returns, or the name of the lifetime error it raised."""
     try:
@@ -168,7 +174,7 @@ def force_free(store: RouteStore, handle: Handle | None) -> None:
 
 def unleased(state: RolloutState) -> RolloutState:
     """The state with its lease reference dropped (naive code never asks who holds it)."""
-    return dataclasses.replace(state, lease=None)
+    return state.with_sample_routing(dataclasses.replace(state.routing, lease=None))
 
 
 class NaiveBuffer:
@@ -188,7 +194,7 @@ class NaiveBuffer:
             if max(s.staleness(current_version) for s in states) > 1:
                 del self._groups[group_id]
                 for state in states:
-                    force_free(self.store, state.routing)  # "the old response is garbage"
+                    force_free(self.store, state.routing.handle)  # "the old response is garbage"
                     self.retry_queue.append(unleased(state).reset_response())
                     retried.append(state.sample_id)
         return retried, []
@@ -196,7 +202,7 @@ class NaiveBuffer:
     def discard(self, group_id: str) -> bool:
         states = self._groups.pop(group_id, None)
         for state in states or ():
-            force_free(self.store, state.routing)
+            force_free(self.store, state.routing.handle)
         return states is not None
 
     def groups(self) -> list[Group]:
@@ -241,7 +247,7 @@ class Routeplay:
     def resume(store: RouteStore, state: RolloutState, resumed: Handle) -> RolloutState:
         """Partial-rollout post-processing: lease the new handle, end only our old lease."""
         lease = store.acquire(resumed, f"rollout/{state.sample_id}")
-        return state.release().with_routing(resumed, lease, state.origin)
+        return attached(state.release(), resumed, lease, state.routing.origin)
 
     @staticmethod
     def train(
@@ -283,8 +289,8 @@ class Naive:
         """Materialize history + new rows as a fresh object, then free the input routing."""
         fresh = store.put(canonicalize(store.read(resumed), SPEC))
         lease = store.acquire(fresh, f"rollout/{state.sample_id}")
-        force_free(store, state.routing)  # "the input is not needed any more"
-        return unleased(state).with_routing(fresh, lease, Origin.PRODUCED)
+        force_free(store, state.routing.handle)  # "the input is not needed any more"
+        return attached(unleased(state), fresh, lease, Origin.PRODUCED)
 
     @staticmethod
     def train(
@@ -295,7 +301,12 @@ class Naive:
     ) -> None:
         holder = f"train/step-{step}"
         states = [
-            s.with_lease(s.lease.transfer(holder)) for g in groups for s in g.states if s.lease
+            s.with_sample_routing(
+                dataclasses.replace(s.routing, lease=s.routing.lease.transfer(holder))
+            )
+            for g in groups
+            for s in g.states
+            if s.routing.lease
         ]
         run_step(states)  # releases below only run when the step succeeds
         for state in states:
@@ -322,8 +333,9 @@ class Naive:
                             logprobs=tuple(rec["logprobs"]),
                             weight_versions=tuple(rec["weight_versions"]),
                             status=Status(rec["status"]),
-                            routing=routing,
-                            origin=Origin.RESTORED,
+                            routing=SampleRouting(
+                                sample_id=rec["sample_id"], handle=routing, origin=Origin.RESTORED
+                            ),
                         )
                     )
                 buffer.add(group["group_id"], states)
@@ -359,7 +371,7 @@ def borrowed(traces: TraceStore, sid: str, *, group: str = "g", version: int = 0
     assert exported is not None
     assert exported.rows == len(TURN) - 1
     state = completed(sid, TURN, group=group, version=version, session="s")
-    return state.with_routing(exported.handle, exported.lease, Origin.BORROWED)
+    return attached(state, exported.handle, exported.lease, Origin.BORROWED)
 
 
 # -- (a) ------------------------------------------------------------------------------
@@ -411,15 +423,16 @@ def test_b_partial_resume_does_not_free_the_borrowed_history(
 
     resumed = ingest(
         store, full, prompt=PROMPT, completion=len(TURN) - PROMPT + 3, version=1,
-        history=aborted.routing, name=name,
+        history=aborted.routing.handle, name=name,
     )  # fmt: skip
-    assert aborted.routing is not None
-    assert resumed[: aborted.routing.rows] == aborted.routing  # history segments kept as-is
+    assert aborted.routing.handle is not None
+    assert resumed[: aborted.routing.rows] == aborted.routing.handle  # history segments kept
     done = impl.resume(store, aborted, resumed)
     done = done.extend((1, 2, 3), (-0.1, -0.2, -0.3), 1).with_status(Status.COMPLETED, "stop")
 
-    assert done.routing is not None
-    assert_rows(attempt(lambda: store.read(done.routing)), full)  # its own rows: fine in both
+    handle = done.routing.handle
+    assert handle is not None
+    assert_rows(attempt(lambda: store.read(handle)), full)  # its own rows: fine in both
     sibling_rows = attempt(sibling.lease.read)
     session_rows = attempt(lambda: store.read(traces.longest_prefix("s", TURN).handle))
     if impl is Naive:
@@ -482,7 +495,7 @@ def test_d_a_step_that_raises_still_releases_leases_and_sessions(
 
     def failing_step(states: Sequence[RolloutState]) -> None:
         assert holders(store) == {"session/s": 1, "train/step-1": 2}
-        seen.extend(store.read(s.routing) for s in states if s.routing is not None)
+        seen.extend(store.read(s.routing.handle) for s in states if s.routing.handle is not None)
         raise RuntimeError("step failed")
 
     with pytest.raises(RuntimeError, match="step failed"):
@@ -555,7 +568,7 @@ def test_f_checkpoint_restored_routing_is_owned_by_the_buffer(
         store, full, prompt=PROMPT, completion=len(TURN) - PROMPT + 2, version=1, history=first
     )
     partial = completed("p", (*TURN, 1, 2), group="g2", version=1)
-    partial = partial.with_routing(resumed, store.acquire(resumed, "rollout/p"), Origin.PRODUCED)
+    partial = attached(partial, resumed, store.acquire(resumed, "rollout/p"), Origin.PRODUCED)
     buffer.add("g1", [borrowed(traces, "a", group="g1"), borrowed(traces, "b", group="g1")])
     buffer.add("g2", [partial])
     buffer.requeue([completed("r", TURN, group="g3")])  # a queued retry: no routing
@@ -570,9 +583,10 @@ def test_f_checkpoint_restored_routing_is_owned_by_the_buffer(
     expect = {"a": session_rows, "b": session_rows, "p": full}
     for group in restored.groups():
         for state in group.states:
-            assert state.origin is Origin.RESTORED
-            assert state.routing is not None
-            assert_rows(attempt(lambda s=state: store.read(s.routing)), expect[state.sample_id])
+            assert state.routing.origin is Origin.RESTORED
+            handle = state.routing.handle
+            assert handle is not None
+            assert_rows(attempt(lambda h=handle: store.read(h)), expect[state.sample_id])
     owners = holders(store)
     restored.close()
     observed = (owners, store.leaks(), store.stats().live_payloads)
@@ -639,8 +653,10 @@ def test_h_a_session_outlives_the_first_batch_while_another_sample_waits(
     assert again is not None
     assert_rows(attempt(again.lease.read), rows)
     redo = completed("b", TURN, group="g2", version=2, session="s")
-    redo = dataclasses.replace(redo, retries=retry.retries)
-    buffer.add("g2", [redo.with_routing(again.handle, again.lease, Origin.BORROWED)])
+    redo = redo.with_sample_routing(
+        dataclasses.replace(redo.routing, retries=retry.routing.retries)
+    )
+    buffer.add("g2", [attached(redo, again.handle, again.lease, Origin.BORROWED)])
     # Its prompt rows were routed by version 0's weights: the retry is 2 versions stale.
     assert buffer.groups()[0].staleness(2) == 2
     assert traces.sessions() == ["s"]
@@ -657,9 +673,8 @@ def test_bug_a_checkpoint_that_fails_to_load_leaves_no_lease(
     buffer = BufferConfig().build(store)
     for i, gid in enumerate(("g1", "g2")):
         handle = store.put(canonicalize(truth(len(TURN) - 1, seed=10 + i), SPEC))
-        state = completed(f"s{i}", TURN, group=gid).with_routing(
-            handle, store.acquire(handle, f"rollout/s{i}"), Origin.PRODUCED
-        )
+        lease = store.acquire(handle, f"rollout/s{i}")
+        state = attached(completed(f"s{i}", TURN, group=gid), handle, lease, Origin.PRODUCED)
         buffer.add(gid, [state])
     save_buffer(buffer, tmp_path, SPEC)
     buffer.close()
@@ -677,20 +692,20 @@ def test_bug_a_group_that_fails_to_enter_the_buffer_leaves_no_lease(store: Route
     before the failing one is released, the caller's own lease stays with the caller."""
     rows = truth(len(TURN) - 1, seed=20)
     good_handle = store.put(canonicalize(rows, SPEC))
-    good = completed("good", TURN).with_routing(
-        good_handle, store.acquire(good_handle, "rollout/good"), Origin.PRODUCED
-    )
+    good_lease = store.acquire(good_handle, "rollout/good")
+    good = attached(completed("good", TURN), good_handle, good_lease, Origin.PRODUCED)
     lost_handle = store.put(canonicalize(truth(len(TURN) - 1, seed=21), SPEC))
     store.acquire(lost_handle, "rollout/lost").release()  # its payload is gone
     # Routing without a lease: the buffer acquires one for it, and that raises.
-    lost = dataclasses.replace(completed("lost", TURN), routing=lost_handle)
+    unrouted = completed("lost", TURN)
+    lost = unrouted.with_sample_routing(dataclasses.replace(unrouted.routing, handle=lost_handle))
     buffer = BufferConfig().build(store)
     with pytest.raises(RoutesLost):
         buffer.add("g", [good, lost])
     # The buffer holds nothing (its claim on "good" was rolled back); the caller keeps its own.
     assert holders(store) == {"rollout/good": 1}
     assert len(buffer) == 0
-    assert good.holds_lease
+    assert good.routing.holds_lease
     good.release()
     assert store.leaks() == []
 
@@ -700,15 +715,15 @@ def test_bug_a_zero_row_routing_checkpoint_round_trips(store: RouteStore, tmp_pa
     state = RolloutState(sample_id="z", group_id="g", prompt_ids=(1,)).with_status(
         Status.ABORTED, "abort"
     )
-    state = state.with_routing(empty, store.acquire(empty, "rollout/z"), Origin.PRODUCED)
+    state = attached(state, empty, store.acquire(empty, "rollout/z"), Origin.PRODUCED)
     buffer = BufferConfig().build(store)
     buffer.add("g", [state])
     save_buffer(buffer, tmp_path, SPEC)
     buffer.close()
     restored = load_buffer(tmp_path, store, BufferConfig())
     [back] = restored.groups()[0].states
-    assert back.routing is not None
-    assert back.routing.rows == 0
+    assert back.routing.handle is not None
+    assert back.routing.handle.rows == 0
     restored.close()
     assert store.stats().live_payloads == 0
 

@@ -1,5 +1,5 @@
 """The protocol number moves with the calls between routeplay's processes, and a peer's
-answer is judged exactly (``routeplay.store.protocol``; the Ray side, with a copy of
+answer is judged exactly (``routeplay.store.remote.protocol``; the Ray side, with a copy of
 routeplay of another protocol, is in ``tests/ray/test_engine_store_guard.py``)."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from routeplay import __version__
 from routeplay.core import EngineKey, RouteSpec, StoreRef
 from routeplay.errors import ProtocolMismatch
-from routeplay.store.actors import EngineStoreShell, StoreShardShell
-from routeplay.store.engine_store import EngineStoreStats, PayloadMeta
-from routeplay.store.ingest import Prepared, Validated
-from routeplay.store.lease_table import LeakRecord, TableStats
-from routeplay.store.protocol import PROTOCOL, _question, check_answer
-from routeplay.store.shard import Grant, StoredPayload
+from routeplay.store.engine.engine_store import EngineStoreStats, PayloadMeta
+from routeplay.store.engine.ingest import Prepared, Validated
+from routeplay.store.remote.actors import EngineStoreShell, StoreShardShell
+from routeplay.store.remote.protocol import PROTOCOL, _question, check_answer
+from routeplay.store.shard.lease_table import LeakRecord, TableStats
+from routeplay.store.shard.shard import Grant, StoredPayload
 
 SURFACE_BY_PROTOCOL = {1: "208d16fe", 2: "e694b8b5"}
 """The first 8 hex digits of ``_surface``'s digest, per protocol number."""
@@ -65,7 +65,7 @@ def test_a_changed_call_between_processes_bumps_the_protocol() -> None:
     digest = hashlib.sha256(_surface().encode()).hexdigest()[:8]
     assert SURFACE_BY_PROTOCOL.get(PROTOCOL) == digest, (
         "a shard's or an engine store's calls changed: an older peer would answer them "
-        f"another way. Bump PROTOCOL in routeplay/store/protocol.py to {PROTOCOL + 1} and "
+        f"another way. Bump PROTOCOL in routeplay/store/remote/protocol.py to {PROTOCOL + 1} and "
         f"add {PROTOCOL + 1}: {digest!r} to SURFACE_BY_PROTOCOL (keep the old entries)."
     )
 
@@ -78,7 +78,7 @@ def test_the_question_tells_an_old_routeplay_from_an_actor_without_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     question = _question()
-    monkeypatch.delitem(sys.modules, "routeplay.store.protocol")
+    monkeypatch.delitem(sys.modules, "routeplay.store.remote.protocol")
     before = question(object())
     monkeypatch.delitem(sys.modules, "routeplay")
     foreign = question(object())

@@ -19,7 +19,7 @@ from strategies import random_routing
 from routeplay.core import Handle, RouteSpec, canonicalize
 from routeplay.errors import StoreTimeout
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.remote.backend import LocalBackend
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 

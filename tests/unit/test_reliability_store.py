@@ -12,8 +12,8 @@ import pytest
 from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
 from routeplay.errors import AlreadyConsumed, MisuseError, RoutesLost, RunMismatch
 from routeplay.store import LeaseTable, RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
-from routeplay.store.key_check import take_checked_many
+from routeplay.store.engine.key_check import take_checked_many
+from routeplay.store.remote.backend import LocalBackend
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
 HEX56 = re.compile(r"[0-9a-f]{56}")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from faults import FaultyBackend, faulty_store
 
-from routeplay.core import Routes, RouteSpec, canonicalize
+from routeplay.core import Handle, Routes, RouteSpec, canonicalize
 from routeplay.errors import (
     AlreadyReleased,
     HandleError,
@@ -33,9 +33,8 @@ from routeplay.rollout import (
     load_buffer,
     save_buffer,
 )
-from routeplay.rollout.state import release_states
-from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.shard_api import ShardApi, shard_call
+from routeplay.store import Lease, RouteStore, StoreConfig
+from routeplay.store.shard.api import ShardApi, shard_call
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 
@@ -57,7 +56,12 @@ def sample(store: RouteStore, sid: str, group: str, version: int, seed: int = 0)
         Status.COMPLETED, "stop"
     )
     handle = store.put(routing(state.tokens - 1, seed), weight_version=version)
-    return state.with_routing(handle, store.acquire(handle, f"rollout/{sid}"), Origin.PRODUCED)
+    return attached(state, handle, store.acquire(handle, f"rollout/{sid}"), Origin.PRODUCED)
+
+
+def attached(state: RolloutState, handle: Handle, lease: Lease, origin: Origin) -> RolloutState:
+    """``state`` holding ``handle`` under ``lease`` (its routing's ``attach`` step)."""
+    return state.with_sample_routing(state.routing.attach(handle, lease, origin))
 
 
 def test_dense_and_missing_routing_are_distinguishable() -> None:
@@ -74,30 +78,50 @@ def test_a_dense_state_refuses_routing_whichever_way_it_comes(store: RouteStore)
     dense = RolloutState(
         sample_id="m", group_id="g", prompt_ids=(1,), routing_kind=RoutingKind.DENSE
     )
-    handle = moe.routing
+    handle = moe.routing.handle
     assert handle is not None
     with pytest.raises(MisuseError, match="dense"):
-        dense.with_routing(handle, store.acquire(handle, "rollout/dense"), Origin.PRODUCED)
+        attached(dense, handle, store.acquire(handle, "rollout/dense"), Origin.PRODUCED)
     with pytest.raises(MisuseError, match="dense"):
         dense.with_sample_routing(moe.sample_routing)  # the containers' way in
     with pytest.raises(MisuseError, match="dense"):
         dataclasses.replace(moe, routing_kind=RoutingKind.DENSE)  # built with routing
     with pytest.raises(MisuseError, match="belongs to that sample"):
         moe.with_sample_routing(dataclasses.replace(moe.sample_routing, sample_id="other"))
-    store.revoke_holder("rollout/dense")  # the lease with_routing refused to take over
+    store.revoke_holder("rollout/dense")  # the lease the dense state refused to hold
     moe.release()
     assert store.leaks() == []
 
 
 def test_reset_is_pure_and_refuses_to_drop_a_live_lease(store: RouteStore) -> None:
     state = sample(store, "s1", "g1", version=0)
-    with pytest.raises(MisuseError, match="release"):
+    with pytest.raises(MisuseError, match="cannot reset the routing while") as refused:
         state.reset_response()
+    assert "release" in str(refused.value)  # the hint: release first
     fresh = state.release().reset_response()
     assert fresh.response_ids == ()
-    assert fresh.routing is None
-    assert fresh.retries == 1
+    assert fresh.routing.handle is None
+    assert fresh.routing.retries == 1
     assert fresh.status is Status.PENDING
+    assert store.leaks() == []
+
+
+def test_the_states_session_and_weight_versions_are_copied_into_its_routing(
+    store: RouteStore,
+) -> None:
+    empty = RolloutState(sample_id="e", group_id="g", prompt_ids=(1,), session_id="s")
+    assert (empty.routing.sample_id, empty.routing.session_id) == ("e", "s")
+    state = sample(store, "a", "g", version=2)
+    assert (state.routing.session_id, state.routing.response_versions) == (None, (2, 2, 2))
+    moved = dataclasses.replace(state, session_id="s")  # the routing rides along
+    assert moved.routing.session_id == "s"
+    assert moved.routing.handle == state.routing.handle
+    assert moved.routing.lease is state.routing.lease
+    assert state.extend((8,), (-0.4,), 3).routing.response_versions == (2, 2, 2, 3)
+    other = dataclasses.replace(state.routing, session_id="t", response_versions=(9,))
+    built = RolloutState(**{**_fields(state), "routing": other})
+    assert (built.routing.session_id, built.routing.response_versions) == (None, (2, 2, 2))
+    state.release()
     assert store.leaks() == []
 
 
@@ -114,8 +138,8 @@ def test_buffer_takes_over_leases_and_retries_stale_groups(store: RouteStore) ->
     assert (sorted(retried), discarded) == (["a", "b"], [])
     assert store.leaks() == []  # the buffer released its own leases
     again = buffer.take_retries()
-    assert [s.retries for s in again] == [1, 1]
-    assert all(s.routing is None and s.status is Status.PENDING for s in again)
+    assert [s.routing.retries for s in again] == [1, 1]
+    assert all(s.routing.handle is None and s.status is Status.PENDING for s in again)
 
 
 def test_a_group_max_staleness_behind_is_kept_and_one_more_is_stale(store: RouteStore) -> None:
@@ -151,9 +175,7 @@ def test_groups_out_of_retries_are_discarded(store: RouteStore) -> None:
     tired = sample(store, "a", "g1", version=0).release().reset_response()
     redo = tired.extend((9,), (-0.5,), 0).with_status(Status.COMPLETED, "stop")
     handle = store.put(routing(redo.tokens - 1, 1))
-    buffer.add(
-        "g1", [redo.with_routing(handle, store.acquire(handle, "rollout/a"), Origin.PRODUCED)]
-    )
+    buffer.add("g1", [attached(redo, handle, store.acquire(handle, "rollout/a"), Origin.PRODUCED)])
     assert buffer.refresh(current_version=1) == ([], ["g1"])
     assert store.stats().live_payloads == 0
 
@@ -189,7 +211,7 @@ def test_training_batch_releases_leases_and_sessions_when_the_step_raises(
         groups = buffer.sample(1, current_version=0)
         with TrainingBatch(7, groups, release_session=released.append) as batch:
             assert dict(store.stats().leases_by_holder) == {"train/step-7": 1}
-            rows = store.read(batch.states[0].routing)  # type: ignore[arg-type]
+            rows = store.read(batch.states[0].routing.handle)  # type: ignore[arg-type]
             np.testing.assert_array_equal(rows, routing(6, 0).array)
             raise RuntimeError("boom")
 
@@ -212,10 +234,10 @@ def test_checkpoint_round_trip_recreates_leases_and_versions(
     restored = load_buffer(tmp_path, store, BufferConfig())
     [group] = restored.groups()
     [back] = group.states
-    assert back.origin is Origin.RESTORED
-    assert back.routing is not None
-    assert back.routing.weight_versions().tolist() == [4] * 6
-    np.testing.assert_array_equal(store.read(back.routing), routing(6, 3).array)
+    assert back.routing.origin is Origin.RESTORED
+    assert back.routing.handle is not None
+    assert back.routing.handle.weight_versions().tolist() == [4] * 6
+    np.testing.assert_array_equal(store.read(back.routing.handle), routing(6, 3).array)
     assert dict(store.stats().leases_by_holder) == {"buffer/g1": 1}
     assert [s.sample_id for s in restored.pending_retries()] == ["b"]
     restored.close()
@@ -242,9 +264,9 @@ def test_an_older_checkpoint_without_ownership_fields_still_loads(
     (tmp_path / "buffer.json").write_text(json.dumps(meta), encoding="utf-8")
     restored = load_buffer(tmp_path, store, BufferConfig())
     [back] = restored.groups()[0].states
-    assert back.origin is Origin.RESTORED
-    assert back.retries == 0
-    np.testing.assert_array_equal(store.read(back.routing), routing(3, 5).array)  # type: ignore[arg-type]
+    assert back.routing.origin is Origin.RESTORED
+    assert back.routing.retries == 0
+    np.testing.assert_array_equal(store.read(back.routing.handle), routing(3, 5).array)  # type: ignore[arg-type]
     restored.close()
     assert store.leaks() == []
 
@@ -298,40 +320,48 @@ def test_a_failed_release_leaves_a_resettable_state_that_still_names_the_lease(
 ) -> None:
     store, backend = faulty
     state = sample(store, "a", "g", version=0)
-    assert state.lease is not None
-    backend.lose_releases(state.lease)
+    lease = state.routing.lease
+    assert lease is not None
+    backend.lose_releases(lease)
     with pytest.raises(RoutesLost):
         state.release()
-    assert state.holds_lease  # release() raised: the caller's state is unchanged
+    assert state.routing.holds_lease  # release() raised: the caller's state is unchanged
     after, error = state.try_release()
     assert isinstance(error, RoutesLost)
-    assert (after.holds_lease, after.stuck, after.lease) == (False, True, None)
+    assert (after.routing.holds_lease, after.routing.stuck, after.routing.lease) == (
+        False,
+        True,
+        None,
+    )
     retry = after.reset_response()  # a stuck lease does not block the reset
-    assert retry.stuck
-    assert [lease.lease_ids for lease in retry.unreleased] == [state.lease.lease_ids]
+    assert retry.routing.stuck
+    assert retry.routing.retries == 1
+    assert [stuck.lease_ids for stuck in retry.routing.unreleased] == [lease.lease_ids]
     assert holders(store) == {"rollout/a": 1}  # the store still counts it
     with pytest.raises(RoutesLost):
         retry.release()
     backend.heal()
     done = retry.release()  # retries the stuck lease
-    assert (done.stuck, done.unreleased) == (False, ())
+    assert (done.routing.stuck, done.routing.unreleased) == (False, ())
     assert store.leaks() == []
     assert store.stats().live_payloads == 0
 
 
-def test_release_states_ends_every_lease_it_can_and_returns_the_ones_it_could_not(
+def test_try_release_of_each_state_ends_every_lease_it_can_and_keeps_the_stuck_one(
     faulty: tuple[RouteStore, FaultyBackend],
 ) -> None:
     store, backend = faulty
     states = [sample(store, sid, "g", version=0, seed=i) for i, sid in enumerate("abc")]
-    backend.lose_releases(states[1].lease)  # type: ignore[arg-type]
-    failed, errors = release_states(states)
+    backend.lose_releases(states[1].routing.lease)  # type: ignore[arg-type]
+    released = [state.try_release() for state in states]
+    failed = [after for after, error in released if error is not None]
     assert [f.sample_id for f in failed] == ["b"]
-    assert [type(e) for e in errors] == [RoutesLost]
-    assert (failed[0].holds_lease, failed[0].stuck) == (False, True)
+    assert [type(error) for _, error in released] == [type(None), RoutesLost, type(None)]
+    assert (failed[0].routing.holds_lease, failed[0].routing.stuck) == (False, True)
     assert holders(store) == {"rollout/b": 1}  # a and c ended, b's still counted
     backend.heal()
-    assert release_states(failed) == ([], [])  # retried: the stuck lease ends
+    again, error = failed[0].try_release()  # retried: the stuck lease ends
+    assert (error, again.routing.stuck, again.routing.unreleased) == (None, False, ())
     assert store.leaks() == []
     assert store.stats().live_payloads == 0
 
@@ -341,10 +371,11 @@ def test_take_unreleased_hands_the_stuck_lease_over(
 ) -> None:
     store, backend = faulty
     state = sample(store, "a", "g", version=0)
-    backend.lose_releases(state.lease)  # type: ignore[arg-type]
+    backend.lose_releases(state.routing.lease)  # type: ignore[arg-type]
     after, _ = state.try_release()
-    clean, stuck = after.take_unreleased()
-    assert (clean.stuck, clean.unreleased, len(stuck)) == (False, (), 1)
+    routing, stuck = after.routing.take_unreleased()
+    clean = after.with_sample_routing(routing)
+    assert (clean.routing.stuck, clean.routing.unreleased, len(stuck)) == (False, (), 1)
     backend.heal()
     stuck[0].release()  # whoever took it over ends it
     assert store.leaks() == []
@@ -357,7 +388,7 @@ def test_buffer_discard_releases_every_sample_and_keeps_the_failed_one(
     buffer = BufferConfig().build(store)
     buffer.add("g", [sample(store, sid, "g", version=0, seed=i) for i, sid in enumerate("abc")])
     [group] = buffer.groups()
-    backend.lose_releases(group.states[0].lease)  # type: ignore[arg-type]
+    backend.lose_releases(group.states[0].routing.lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost):
         buffer.discard("g")
     assert holders(store) == {"buffer/g": 1}  # b and c were released all the same
@@ -380,7 +411,7 @@ def test_buffer_close_raises_the_first_error_with_the_others_as_notes_and_retrie
     buffer.add("g1", [sample(store, "a", "g1", version=0), sample(store, "b", "g1", version=0)])
     buffer.add("g2", [sample(store, "c", "g2", version=0)])
     for group in buffer.groups():
-        backend.lose_releases(group.states[0].lease)  # type: ignore[arg-type]
+        backend.lose_releases(group.states[0].routing.lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost) as first:
         buffer.close()
     assert "1 more failure while closing the replay buffer: RoutesLost" in first.value.__notes__[0]
@@ -404,11 +435,11 @@ def test_take_release_failed_hands_the_samples_and_their_live_leases_over(
     store, backend = faulty
     buffer = BufferConfig().build(store)
     buffer.add("g", [sample(store, "a", "g", version=0)])
-    backend.lose_releases(buffer.groups()[0].states[0].lease)  # type: ignore[arg-type]
+    backend.lose_releases(buffer.groups()[0].states[0].routing.lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost):
         buffer.close()
     [taken] = buffer.take_release_failed()
-    assert taken.stuck
+    assert taken.routing.stuck
     buffer.close()  # nothing left to retry: the caller owns the sample now
     backend.heal()
     taken.release()
@@ -421,11 +452,11 @@ def test_refresh_retries_a_stale_sample_whose_release_failed(
     store, backend = faulty
     buffer = BufferConfig(max_staleness=1, max_retries=1).build(store)
     buffer.add("g", [sample(store, "a", "g", version=0), sample(store, "b", "g", version=0)])
-    backend.lose_releases(buffer.groups()[0].states[0].lease)  # type: ignore[arg-type]
+    backend.lose_releases(buffer.groups()[0].states[0].routing.lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost):
         buffer.refresh(current_version=2)
     retries = buffer.take_retries()
-    assert [(s.sample_id, s.retries, s.stuck) for s in retries] == [
+    assert [(s.sample_id, s.routing.retries, s.routing.stuck) for s in retries] == [
         ("a", 1, False),
         ("b", 1, False),
     ]
@@ -447,13 +478,13 @@ def test_a_group_whose_callers_lease_is_on_a_dead_shard_stays_with_the_caller(
     test_routing_groups.)"""
     store, backend = faulty
     state = sample(store, "a", "g", version=0)
-    backend.lose_releases(state.lease)  # type: ignore[arg-type]
+    backend.lose_releases(state.routing.lease)  # type: ignore[arg-type]
     buffer = BufferConfig().build(store)
     with pytest.raises(RoutesLost):
         buffer.add("g", [state])
     assert len(buffer) == 0
     assert holders(store) == {"rollout/a": 1}
-    assert state.holds_lease
+    assert state.routing.holds_lease
     backend.heal()
     buffer.add("g", [state])
     assert holders(store) == {"buffer/g": 1}
@@ -468,13 +499,13 @@ def test_training_batch_takes_every_lease_or_none(store: RouteStore) -> None:
     groups = buffer.sample(2, current_version=0)
     # c's lease was released elsewhere (e.g. a pickled copy in another process): this
     # Lease object still looks live, but its shard refuses to clone it.
-    late = groups[1].states[0].lease
+    late = groups[1].states[0].routing.lease
     assert late is not None
     store.backend.call([shard_call(0, ShardApi.release, late.lease_ids[0])], "released elsewhere")
     with pytest.raises(AlreadyReleased):
         TrainingBatch(5, groups)
     assert holders(store) == {"buffer/g1": 2}  # nothing moved to train/step-5
-    assert all(s.holds_lease for s in groups[0].states)
+    assert all(s.routing.holds_lease for s in groups[0].states)
     with TrainingBatch(6, groups[:1]) as batch:  # the caller can still hand them over
         assert holders(store) == {"train/step-6": 2}
         assert len(batch) == 2
@@ -488,7 +519,7 @@ def test_training_batch_rolls_back_when_a_clone_fails_on_a_dead_shard(
     buffer = BufferConfig().build(store)
     buffer.add("g", [sample(store, sid, "g", version=0) for sid in "abc"])
     [group] = buffer.sample(1, current_version=0)
-    backend.lose_clones(group.states[2].lease)  # type: ignore[arg-type]
+    backend.lose_clones(group.states[2].routing.lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost):
         TrainingBatch(1, [group])
     assert holders(store) == {"buffer/g": 3}
@@ -507,7 +538,7 @@ def test_training_batch_keeps_a_lease_that_fails_to_end_and_retries_it(
     [group] = buffer.sample(1, current_version=0)
     batch = TrainingBatch(3, [group])
     assert holders(store) == {"train/step-3": 2}
-    backend.lose_releases(batch.states[0].lease)  # type: ignore[arg-type]
+    backend.lose_releases(batch.states[0].routing.lease)  # type: ignore[arg-type]
     with pytest.raises(RoutesLost):
         batch.close()
     assert holders(store) == {"train/step-3": 1}  # the other sample's lease ended
@@ -527,7 +558,7 @@ def test_staleness_counts_routing_rows_not_only_response_tokens(store: RouteStor
     handle = old + new[4:6]
     state = RolloutState(sample_id="r", group_id="g", prompt_ids=(1, 2, 3, 4, 5))
     state = state.extend((6, 7), (-0.1, -0.2), 2).with_status(Status.COMPLETED, "stop")
-    state = state.with_routing(handle, store.acquire(handle, "rollout/r"), Origin.BORROWED)
+    state = attached(state, handle, store.acquire(handle, "rollout/r"), Origin.BORROWED)
     assert state.staleness(2) == 2
     assert state.oldest_version() == 0
     buffer = BufferConfig(max_staleness=1, max_retries=1).build(store)

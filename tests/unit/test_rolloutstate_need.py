@@ -1,8 +1,8 @@
 """No routeplay module outside ``RolloutState``'s own needs ``RolloutState``.
 
 *Needs* means: imports the name ``RolloutState``, or anything from
-``routeplay.rollout.state`` (its codec, ``Status``, ``RoutingKind``, ``release_states``:
-parts of routeplay's own sample), at run time or under ``TYPE_CHECKING``. Naming it in a
+``routeplay.rollout.state`` (its codec, ``Status``, ``RoutingKind``: parts of
+routeplay's own sample), at run time or under ``TYPE_CHECKING``. Naming it in a
 docstring or comment is not a need. So the containers (buffer, batch, ledger, trace
 store, checkpoint) and the lifecycle steps (``SampleRouting``) work on any
 ``RoutedSample``, and a framework's own sample never drags ``RolloutState`` in.
@@ -10,11 +10,8 @@ store, checkpoint) and the lifecycle steps (``SampleRouting``) work on any
 Allowed, each for a stated reason:
 
 - ``rollout/state.py``: ``RolloutState`` itself;
-- ``rollout/state_checkpoint.py``: the checkpoint calls with ``RolloutState``'s codec as
-  their default (the generic ones in ``rollout/checkpoint.py`` take any codec);
-- ``rollout/lifecycle.py``: ``RolloutState``'s face of the lifecycle steps
-  (``continuation``, ``Continuation``, ``store_turn``: each takes a ``RolloutState`` and
-  delegates to ``SampleRouting``);
+- ``rollout/checkpoint.py``: its calls take ``RolloutState``'s codec as their default
+  (``codec=``; any sample type passes its own, and nothing else there names the state);
 - ``rollout/__init__.py``: the package facade re-exports it (names only, resolved lazily);
 - ``pipeline/``: the demo, a user of the library that picked ``RolloutState`` as its
   sample type, as XTuner picks its own;
@@ -31,8 +28,7 @@ import routeplay
 PACKAGE = Path(routeplay.__file__).parent
 ALLOWED = {
     "rollout/state.py",
-    "rollout/state_checkpoint.py",
-    "rollout/lifecycle.py",
+    "rollout/checkpoint.py",
     "rollout/__init__.py",
 }
 ALLOWED_FOLDERS = ("pipeline/", "bench/")

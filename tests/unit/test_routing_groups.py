@@ -37,7 +37,7 @@ from routeplay.rollout.routing_groups import (
     take_over_all,
 )
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.remote.backend import LocalBackend
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, RESPONSE = 6, 4
@@ -233,7 +233,7 @@ def test_the_awaitable_steps_make_the_same_calls() -> None:
 
 
 def test_a_shards_batched_move_is_all_or_none() -> None:
-    from routeplay.store.shard import StoreShard
+    from routeplay.store.shard.shard import StoreShard
 
     shard = StoreShard("moves", 0, ttl_s=None)
     ref = shard.adopt(["block"], rows=3, nbytes=12, block_rows=0)

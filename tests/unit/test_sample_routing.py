@@ -64,7 +64,7 @@ from routeplay.rollout.fake_engines import FakeSglang
 from routeplay.rollout.sample_routing import prefix_holder, sample_holder
 from routeplay.rollout.trace_store import Exported
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.lease import Lease
+from routeplay.store.client.lease import Lease
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, FIRST, SECOND = 5, 4, 3
@@ -469,7 +469,7 @@ def test_one_routing_records_and_restores_by_value(store: RouteStore) -> None:
     partial = request(store, SampleRouting(sample_id="a", session_id="s"), full, 5, 4, 0)
     resumed = request(store, partial, full, PROMPT + FIRST, SECOND, 3)
     resumed = resumed.complete(prompt_tokens=PROMPT, response_tokens=FIRST + SECOND)
-    record = resumed.record(store)
+    record = RoutingRecord.of(resumed, store)
     resumed.release()
     assert store.stats().live_payloads == 0
     again = RoutingRecord.from_json(record.to_json(), record.array)
@@ -497,12 +497,13 @@ def test_one_sample_of_any_type_records_and_restores(store: RouteStore) -> None:
     record, rows = record_sample(state, store)
     state.release()
     back = restore_sample(json.loads(json.dumps(record)), rows, store, SPEC)
-    assert (back.response_ids, back.weight_versions, back.origin) == (
+    assert (back.response_ids, back.weight_versions, back.routing.origin) == (
         state.response_ids,
         state.weight_versions,
         Origin.RESTORED,
     )
-    np.testing.assert_array_equal(store.read(back.routing), truth(8))
+    assert back.routing.response_versions == state.weight_versions
+    np.testing.assert_array_equal(store.read(back.routing.handle), truth(8))  # type: ignore[arg-type]
     assert holders(store) == {"rollout/a": 1}
     back.release()
     sample = XSample(uid=3, group_uid=1, prompt_ids=[1, 2], routing=SampleRouting(sample_id="3"))

@@ -9,7 +9,7 @@ import pytest
 
 from routeplay.core import StoreRef
 from routeplay.errors import MisuseError, RoutesExpired, RoutesLost, RunMismatch
-from routeplay.store.shard import StoredPayload, StoreShard, shard_of
+from routeplay.store.shard.shard import StoredPayload, StoreShard, shard_of
 
 RUN = "run-a"
 

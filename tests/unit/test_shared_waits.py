@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from routeplay.errors import ReleaseFailed, RoutesLost, StoreFailure, StoreTimeout
-from routeplay.store import ray_calls
-from routeplay.store.backend import RayBackend
+from routeplay.store.client.releases import PendingReleases
 from routeplay.store.flow import Wait, adrive
-from routeplay.store.releases import PendingReleases
+from routeplay.store.remote import ray_calls
+from routeplay.store.remote.backend import RayBackend
 
 
 async def started(*waits: Awaitable[Any]) -> list[asyncio.Task[Any]]:

@@ -22,9 +22,10 @@ from routeplay.errors import (
     SpecMismatch,
     StoreTimeout,
 )
-from routeplay.store import RouteStore, StoreConfig, writes
-from routeplay.store.backend import LocalBackend
-from routeplay.store.writes import plan_batch
+from routeplay.store import RouteStore, StoreConfig
+from routeplay.store import write_plan as writes
+from routeplay.store.remote.backend import LocalBackend
+from routeplay.store.write_plan import plan_batch
 
 SPEC = RouteSpec(num_layers=4, top_k=2, num_experts=16)
 

@@ -20,8 +20,8 @@ from faults import FaultyBackend
 from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
 from routeplay.errors import ReleaseFailed, RoutesExpired, RoutesLost, StoreTimeout
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import Backend, LocalBackend, RayBackend
 from routeplay.store.flow import Flow, Wait, adrive, awaiting, drive
+from routeplay.store.remote.backend import Backend, LocalBackend, RayBackend
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 

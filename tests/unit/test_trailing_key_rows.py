@@ -16,7 +16,7 @@ from routeplay.core import RouteSpec
 from routeplay.core.wires import Answer, BodyOptions, engine_wire
 from routeplay.rollout.adapters import ADAPTERS
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.backend import LocalBackend
+from routeplay.store.remote.backend import LocalBackend
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8, layer_map=(1, 2), total_layers=3)
 PROMPT, GENERATED = 6, 5

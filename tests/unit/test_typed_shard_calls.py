@@ -1,4 +1,4 @@
-"""Shard calls go through the typed layer (``routeplay.store.shard_api``) only.
+"""Shard calls go through the typed layer (``routeplay.store.shard.api``) only.
 
 No store module outside ``shard_api`` passes a shard operation's name as a string to
 the call machinery: not in a tuple (the old ``(shard, "release", args)`` shape), not to
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import routeplay.store
-from routeplay.store.actors import StoreShardShell
-from routeplay.store.shard import StoreShard
-from routeplay.store.shard_api import ShardApi, shard_call
+from routeplay.store.remote.actors import StoreShardShell
+from routeplay.store.shard.api import ShardApi, shard_call
+from routeplay.store.shard.shard import StoreShard
 
 STORE = Path(routeplay.store.__file__).parent
 OPERATIONS = frozenset(name for name in vars(ShardApi) if not name.startswith("_"))

@@ -40,8 +40,8 @@ from routeplay.bench.workloads import BenchConfig, Workload
 from routeplay.core import Handle, canonicalize, preset
 from routeplay.errors import MisuseError
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
-from routeplay.store.accounting import node_store_stats
-from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
+from routeplay.store.engine.service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
+from routeplay.store.remote.accounting import node_store_stats
 
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
@@ -144,7 +144,7 @@ class Bench:
         another (``adopt_each``; a GRPO group in one call), each call timed on its clock
         (``adoption_ms``, one figure per sample adopted). Its step is then the hop that
         hands the adopted handles on and every rank's acquire and read. The engine store
-        validates each payload as the engine puts it (``routeplay.store.ingest``; an
+        validates each payload as the engine puts it (``routeplay.store.engine.ingest``; an
         adoption waits for a validation still running), unless ``ingest`` is False: then
         each payload is validated near the engine when adopted, and waited for."""
         # A GRPO group's layout is made at adoption from its members' raw rows.
@@ -472,7 +472,7 @@ def segment_overhead(store: RouteStore, segments: int, runs: int) -> dict[str, A
     classes: routeplay's own per-segment metadata cost), and against Ray's floor for the
     same number of objects in the same run (``ray_floor_ms``: an actor hands the
     references out, one ``ray.get`` fetches them all, the views are dropped). Then the
-    same handle compacted (``routeplay.store.compaction``): what compacting costs
+    same handle compacted (``routeplay.store.client.compaction``): what compacting costs
     (``compact_ms``: read every row once, write one payload, lease it) and what the
     compacted handle costs to acquire and read (``compacted_*``)."""
     spec = preset("qwen3-30b-a3b")

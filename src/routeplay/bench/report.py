@@ -92,7 +92,7 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             ),
             "adopt": (
                 "the adopted-key path with the engine store validating each payload as the "
-                "engine puts it (start_engine_store(spec=...); routeplay.store.ingest); "
+                "engine puts it (start_engine_store(spec=...); routeplay.store.engine.ingest); "
                 "adopt_at_step (the name kept from when this adoption ran on the step; "
                 "shown as 'adopt validated at adoption'): the engine store without a spec, "
                 "each payload validated near the engine when adopted; a GRPO group's keys "

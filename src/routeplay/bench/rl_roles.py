@@ -14,7 +14,7 @@ hands each group on one of four ways:
   prompt's rows once), then ``afinish_all`` (each member's own lease) and each member's
   ``complete``. The groups answered together are written together: their payloads in
   one shard call, their leases in another (``AsyncRoutesProducer``,
-  ``routeplay.store.coalesce``). The driver gets each member's ``SampleRouting`` (a
+  ``routeplay.store.client.coalesce``). The driver gets each member's ``SampleRouting`` (a
   handle and a lease: small).
 - **adopt** (routeplay, LMDeploy keys): the same, each group's keys adopted together
   (``aadopt_keys_each(..., shared_prefix=..., pack=True)`` underneath; the groups whose

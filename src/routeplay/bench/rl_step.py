@@ -21,7 +21,7 @@ on the driver's clock, one after the other:
   and ``releases`` (the batch closes; verl and Ray drop their references).
 
 Between two phases (not timed) the store's ``stats()`` is read, so each phase gets its
-shard calls per operation and their CPU (``routeplay.store.call_meter``); after the
+shard calls per operation and their CPU (``routeplay.store.shard.call_meter``); after the
 step every lease and payload must be gone (a leak fails the run, ``RuntimeError``), and
 on the LMDeploy-key path every engine key too. The first run of each path is checked
 (every path must deliver the same rows, by a digest of each sample's rows) and not
@@ -54,7 +54,7 @@ from routeplay.bench.workloads import RLStepShape
 from routeplay.core import Handle
 from routeplay.rollout import BufferConfig, ReplayBuffer, SampleRouting, TrainingBatch
 from routeplay.store import RouteStore, StoreConfig, StoreStats, start_engine_store
-from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
+from routeplay.store.engine.service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 from routeplay.train import pack_samples
 
 _DEADLINE_S = 600.0

@@ -1,7 +1,7 @@
 """The actors of the multi-turn bytes workloads: an engine and a rollout worker.
 
 The rollout worker (on the rollout node) runs a session's turns and a partial rollout
-through routeplay's own lifecycle (``continuation`` -> ``Continuation.ingest`` ->
+through the steps of routeplay's routing holder (``continuation`` -> ``ingest`` ->
 ``finish`` -> ``store_turn``, a resume continuing the sample's own routing), over a
 trace-store actor, writing through its producer (one write per payload, owned by a
 store shard). Every answer is the engine's wire body as that engine sends it, built by
@@ -34,10 +34,9 @@ from routeplay.core import RouteSpec, canonicalize, preset
 from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.core.wires import wire
-from routeplay.rollout import ADAPTERS, RolloutState, Status, continuation
+from routeplay.rollout import ADAPTERS, RolloutState, Status
 from routeplay.rollout.adapters import ProducerWriter
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang, FakeVllmHttp
-from routeplay.rollout.lifecycle import store_turn
 from routeplay.rollout.routing_terms import sample_holder
 from routeplay.rollout.trace_actor import TraceStoreClient
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
@@ -183,7 +182,9 @@ class _SessionWorker(RoutesProducer):
         )
         blocks = (*before.blocks, (user + self.shape.answer_tokens, seed))
         done = self._generate(wire_name, state, blocks, self.shape.answer_tokens, version)
-        stored = store_turn(self.traces, done.complete("length"))
+        done = done.complete("length")
+        tokens = done.prompt_ids + done.response_ids
+        stored = done.with_sample_routing(done.routing.store_turn(self.traces, tokens))
         tokens = stored.prompt_ids + stored.response_ids
         return _Context(tokens=tokens, blocks=blocks, versions=(*before.versions, version))
 
@@ -212,7 +213,7 @@ class _SessionWorker(RoutesProducer):
 
     def partial_layout(self) -> dict[str, Any]:
         """Segments and payloads of the resumed sample's handle."""
-        return _layout([self._partial_state().routing or Handle(self.spec)])
+        return _layout([self._partial_state().routing.handle or Handle(self.spec)])
 
     def compact_partial(self) -> dict[str, Any]:
         """The sample's rows copied once into one payload (``RouteStore.compact``,
@@ -236,12 +237,13 @@ class _SessionWorker(RoutesProducer):
     def check_partial(self) -> bool:
         """The resumed sample reads exactly its rows at each piece's weight version."""
         state = self._partial_state()
-        assert state.routing is not None
-        rows = self.store.read(state.routing)
+        handle = state.routing.handle
+        assert handle is not None
+        rows = self.store.read(handle)
         pieces = _Context(blocks=self._partial_blocks, versions=tuple(range(self.shape.pieces)))
         return bool(
             np.array_equal(rows, self._canonical(self._partial_blocks)[:-1])
-            and np.array_equal(state.routing.weight_versions(), pieces.row_versions())
+            and np.array_equal(handle.weight_versions(), pieces.row_versions())
         )
 
     def end_partial(self) -> None:
@@ -260,7 +262,8 @@ class _SessionWorker(RoutesProducer):
         """The engine continues ``state`` by ``new_tokens``; only the rows its routing
         (a borrowed session prefix, or its own history) lacks are stored."""
         engine = wire(wire_name)
-        with continuation(state, self.traces if state.session_id else None) as cont:
+        traces = self.traces if state.session_id else None
+        with state.routing.continuation(traces, state.prompt_ids) as cont:
             start = engine.routing_start(cont.rows)  # the request's start field, if any
             body = self._answer(wire_name, blocks, state.tokens, new_tokens, start)
             completion = engine.read_completion(body)
@@ -272,7 +275,7 @@ class _SessionWorker(RoutesProducer):
                 weight_version=version,
                 start_row=start,
             )
-            routed = cont.finish(self.store, handle)
+            routed = state.with_sample_routing(cont.finish(self.store, handle))
         return routed.extend(completion.token_ids, completion.logprobs, version)
 
     def _answer(

@@ -46,7 +46,7 @@ from routeplay.core import preset
 from routeplay.rollout.session_compaction import CompactionPolicy
 from routeplay.rollout.trace_actor import TraceStoreActor, TraceStoreClient, TraceStoreConfig
 from routeplay.store import RouteStore
-from routeplay.store.accounting import node_store_stats
+from routeplay.store.remote.accounting import node_store_stats
 
 __all__ = ["session_bytes"]
 

@@ -14,7 +14,7 @@ import numpy as np
 from routeplay.core import RouteSpec, preset
 from routeplay.errors import MisuseError
 
-__all__ = ["BenchConfig", "RLStepShape", "SessionShape", "Workload"]
+__all__ = ["BenchConfig", "RLStepShape", "SessionShape", "VerlStepShape", "Workload"]
 
 MiB = 1024 * 1024
 
@@ -186,6 +186,95 @@ class RLStepShape:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class VerlStepShape:
+    """verl's R3 data path against routeplay's (``routeplay.bench.verl_step``): one
+    trainer step of ``passes`` passes over ``samples`` samples, on ``dp`` x ``tp`` x
+    ``pp`` Megatron rank actors (sequence parallel over TP), scaled down from verl's
+    235B example (512 samples x 16k tokens, TP4 PP8 DP2).
+
+    Example:
+        >>> shape = VerlStepShape(samples=8, prompt=64, response=128, dp=2, tp=1, pp=2)
+        >>> shape.ranks, shape.stage_layers(), shape.lengths(0)
+        (4, (None, None), (63, 96))
+    """
+
+    model: str = "qwen3-235b-a22b"
+    """Preset name (``routeplay.core.preset``): verl's example model."""
+    samples: int = 32
+    """Samples in the step, dealt to the DP ranks in verl's chunks (consecutive)."""
+    prompt: int = 1024
+    """verl's ``prompt_length``: prompts (random lengths, at least half of it) are
+    left-padded to it."""
+    response: int = 3072
+    """verl's ``response_length``: responses (random lengths, at least a third of it)
+    are right-padded to it."""
+    dp: int = 2
+    """Data-parallel ranks: each gets one chunk of the batch."""
+    tp: int = 2
+    """Tensor-parallel ranks per DP rank (sequence parallel: each sees 1/TP of the rows)."""
+    pp: int = 4
+    """Pipeline stages per DP rank (each reads its stage's MoE layers only)."""
+    passes: int = 3
+    """Passes over the batch per step: old log-probs, reference, update (verl's trainer)."""
+    pack_tokens: int = 8192
+    """Positions per micro-batch pack on routeplay's path (``pack_samples``)."""
+    runs: int = 5
+    """Timed steps per path (after one checked warm-up step each); medians kept."""
+    store_bytes: int = 3072 * MiB
+    """Object store of each node of the step's own local cluster (verl's padded int16
+    batch sits on the driver's node and, per chunk, on the trainer's)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt < 2 or self.response < 3 or self.prompt + self.response > self.pack_tokens:
+            raise MisuseError(
+                "a sample needs a prompt, a response, and a pack it fits in",
+                expected="prompt >= 2, response >= 3, prompt + response <= pack_tokens",
+                found=f"prompt {self.prompt}, response {self.response}, pack {self.pack_tokens}",
+            )
+        if min(self.dp, self.tp, self.pp, self.passes, self.runs) < 1 or self.samples % self.dp:
+            raise MisuseError(
+                "each DP rank needs a whole chunk, and a step a rank, a pass and a timed run",
+                expected=f"samples a positive multiple of dp={self.dp}; dp, tp, pp, passes, "
+                "runs >= 1",
+                found=f"samples {self.samples}, dp {self.dp}, tp {self.tp}, pp {self.pp}, "
+                f"passes {self.passes}, runs {self.runs}",
+            )
+        self.stage_layers()  # refuses a pipeline the model's layers do not split over
+
+    @property
+    def spec(self) -> RouteSpec:
+        """The model's routing geometry."""
+        return preset(self.model)
+
+    @property
+    def ranks(self) -> int:
+        """Trainer rank actors: DP x TP x PP."""
+        return self.dp * self.tp * self.pp
+
+    def lengths(self, sample: int) -> tuple[int, int]:
+        """(prompt tokens, response tokens) of a sample: random, within the padding, the
+        same in every process."""
+        rng = np.random.default_rng([7, sample])
+        prompt = int(rng.integers(self.prompt // 2, self.prompt + 1))
+        return prompt, int(rng.integers(self.response // 3, self.response + 1))
+
+    def stage_layers(self) -> tuple[int | None, int | None]:
+        """Megatron's first and last stage layers when the decoder layers do not split
+        evenly over ``pp`` (the middle stages even, the first and last alike)."""
+        layers = self.spec.decoder_layers
+        if layers % self.pp == 0:
+            return None, None
+        for edge in range(layers // self.pp, 0, -1):
+            if self.pp > 2 and (layers - 2 * edge) % (self.pp - 2) == 0:
+                return edge, edge
+        raise MisuseError(
+            "the model's decoder layers do not split over the pipeline stages",
+            expected=f"pp dividing {layers}, or middle stages that share the rest evenly",
+            found=f"pp={self.pp}",
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One benchmark run."""
 
@@ -212,6 +301,9 @@ class BenchConfig:
     """The multi-turn bytes workloads (a long branching session, a resumed rollout)."""
     rl_step: RLStepShape = field(default_factory=RLStepShape)
     """The realistic RL step (``routeplay.bench.rl_step``), on a local cluster of its own."""
+    verl_step: VerlStepShape = field(default_factory=VerlStepShape)
+    """verl's R3 data path against routeplay's (``routeplay.bench.verl_step``), on a
+    local cluster of its own."""
     mode: str = "full"
     """Which preset this is: ``full``, ``quick`` or ``smoke``."""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -256,6 +348,16 @@ class BenchConfig:
             small_samples=256,
             scale_runs=3,
             rl_step=RLStepShape(samples=(64, 256), runs=2, store_bytes=512 * MiB),
+            verl_step=VerlStepShape(
+                samples=8,
+                prompt=512,
+                response=1536,
+                dp=2,
+                tp=2,
+                pp=2,
+                runs=2,
+                store_bytes=512 * MiB,
+            ),
             mode="quick",
         )
 
@@ -292,5 +394,19 @@ class BenchConfig:
                 pieces=3,
             ),
             rl_step=RLStepShape(samples=(64,), runs=1, store_bytes=192 * MiB),
+            # a sample's padded int16 rows stay over 100 KiB (Ray keeps smaller objects
+            # out of plasma, and out of the node counters); two stages (each process that
+            # loads verl costs ~3 CPU-s: TP x PP x DP splits are tested in process)
+            verl_step=VerlStepShape(
+                samples=4,
+                prompt=64,
+                response=128,
+                dp=1,
+                tp=1,
+                pp=2,
+                pack_tokens=256,
+                runs=1,
+                store_bytes=96 * MiB,
+            ),
             mode="smoke",
         )

@@ -3,7 +3,10 @@
 A thin command over ``routeplay.bench`` (``benchmarks/data_path.py`` is the same run as
 a script): eager vs routeplay's producer path vs the adopted-key path vs the physical
 limit, measured in one run, then the realistic RL step (``routeplay.bench.rl_step``:
-routeplay vs Ray's floor vs verl's path at several step sizes, on a cluster of its own);
+routeplay vs Ray's floor vs verl's path at several step sizes, on a cluster of its own),
+then verl's R3 data path against routeplay's on verl's DP x TP x PP Megatron ranks
+(``routeplay.bench.verl_step``: step time, bytes into the driver's and the trainer's
+node and into the ranks, a rank's peak, the driver's routing, on a cluster of its own);
 prints the tables, writes the results file (named for what, where and when) into
 ``--out-dir``, a copy to ``--json`` and the scaling PNG.
 Exit status: 0 on success, 2 when the paths delivered different rows, a step leaked or a
@@ -28,7 +31,9 @@ def bench_command(
     smoke: Annotated[bool, typer.Option("--smoke", help="Seconds: tiny payloads (tests).")] = False,
     runs: Annotated[
         int | None,
-        typer.Option(min=1, help="Timed runs per path (default 5; the RL step's: 3)."),
+        typer.Option(
+            min=1, help="Timed runs per path (default 5; the RL step's: 3; verl's path: 5)."
+        ),
     ] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the results here.")
@@ -64,6 +69,8 @@ def bench_command(
     )
     from routeplay.bench.rl_report import rl_calls_table, rl_step_table
     from routeplay.bench.rl_step import rl_steps
+    from routeplay.bench.verl_report import verl_step_table
+    from routeplay.bench.verl_step import verl_steps
     from routeplay.bench.workloads import BenchConfig
     from routeplay.errors import MisuseError
 
@@ -76,7 +83,8 @@ def bench_command(
     config = BenchConfig.smoke() if smoke else BenchConfig.quick() if quick else BenchConfig.full()
     if runs is not None:
         rl_step = dataclasses.replace(config.rl_step, runs=runs)
-        config = dataclasses.replace(config, runs=runs, rl_step=rl_step)
+        verl_step = dataclasses.replace(config.verl_step, runs=runs)
+        config = dataclasses.replace(config, runs=runs, rl_step=rl_step, verl_step=verl_step)
 
     def progress(line: str) -> None:
         console.print(line, markup=False)
@@ -84,6 +92,7 @@ def bench_command(
     try:
         results = run_bench(config, address=address, progress=progress)
         results["rl_step"] = rl_steps(config.rl_step, address=address, progress=progress)
+        results["verl_step"] = verl_steps(config.verl_step, address=address, progress=progress)
     except MisuseError as exc:  # --address: a cluster without a node per role
         Console(stderr=True).print(f"usage error: {exc}", markup=False)
         return EXIT_USAGE
@@ -98,6 +107,7 @@ def bench_command(
     wide.print(sessions_table(results))
     wide.print(rl_step_table(results))
     wide.print(rl_calls_table(results))
+    wide.print(verl_step_table(results))
     path = write_results(results, config, out_dir, json_path=json_path)
     console.print(f"results: {path}", markup=False)
     if plot:

@@ -1,4 +1,9 @@
-"""``routeplay inspect``: decode and validate one engine HTTP response body from a file."""
+"""``routeplay inspect``: decode and validate one engine HTTP response body.
+
+The body comes from a file, or from standard input (``-`` or no path), read with a cap
+(``routeplay.cli.body``); the geometry from a model's ``config.json``, a preset or three
+counts (``routeplay.cli.geometry``).
+"""
 
 from __future__ import annotations
 
@@ -12,15 +17,24 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from routeplay.core import Engine, EngineRouting, RouteSpec, preset, read_response
-from routeplay.errors import MalformedPayload, RouteplayError, SpecMismatch
+from routeplay.cli.body import DEFAULT_MAX_BYTES, parse_body, read_body
+from routeplay.cli.geometry import spec_from_flags
+from routeplay.core import Engine, EngineRouting, read_response
+from routeplay.errors import MisuseError, RouteplayError, SpecMismatch
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2
 
 
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="File holding one whole JSON response body.")],
     engine: Annotated[Engine, typer.Option(help="Engine that produced the body.")],
+    path: Annotated[
+        Path | None,
+        typer.Argument(help="File holding one whole JSON response body; - or none: stdin."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="The model's config.json (transformers) for L/K/E."),
+    ] = None,
     layers: Annotated[int | None, typer.Option("--layers", help="MoE layers (L).")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Experts per token (K).")] = None,
     experts: Annotated[int | None, typer.Option("--experts", help="Experts per layer (E).")] = None,
@@ -39,25 +53,30 @@ def inspect_command(
             "vLLM routed_experts_prompt_start): engines never echo it.",
         ),
     ] = 0,
+    max_bytes: Annotated[
+        int, typer.Option("--max-bytes", min=1, help="Refuse a body larger than this.")
+    ] = DEFAULT_MAX_BYTES,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> int:
-    """Decode and validate the routed experts in an engine response, never executing bytes."""
+    """Decode and validate the routed experts in an engine response, never executing bytes.
+
+    Example: ``curl -s $URL -d @req.json | routeplay inspect --engine vllm --config
+    Qwen3-30B-A3B/config.json -``
+    """
     console = Console()
     try:
-        spec = _spec(layers, top_k, experts, model)
-        text = path.read_bytes()
-    except (typer.BadParameter, SpecMismatch, OSError) as exc:
+        spec = spec_from_flags(
+            config=config, model=model, layers=layers, top_k=top_k, experts=experts
+        )
+        _refuse_a_terminal(path)
+        text, where = read_body(path, max_bytes=max_bytes)
+    except (MisuseError, SpecMismatch, OSError) as exc:
         Console(stderr=True).print(f"usage error: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from exc
     try:
-        result = read_response(
-            engine,
-            _parse_json(text, path),
-            spec,
-            choice=choice,
-            start_row=start_row,
-            where=path.name,
-        )
+        body = parse_body(text, where)
+        del text  # the parsed body is all that is needed from here on
+        result = read_response(engine, body, spec, choice=choice, start_row=start_row, where=where)
     except RouteplayError as exc:  # bad data, or a body that asks for something impossible
         _report_refusal(console, exc, as_json)
         raise typer.Exit(EXIT_REFUSED) from exc
@@ -69,47 +88,16 @@ def inspect_command(
     raise typer.Exit(EXIT_OK)
 
 
-def _spec(
-    layers: int | None, top_k: int | None, experts: int | None, model: str | None
-) -> RouteSpec:
-    if model is not None:
-        return preset(model)
-    if layers is None or top_k is None or experts is None:
-        raise typer.BadParameter("give --layers, --top-k and --experts, or --preset")
-    return RouteSpec(num_layers=layers, top_k=top_k, num_experts=experts)
-
-
-def _parse_json(text: bytes, path: Path) -> Any:
-    try:
-        return json.loads(text)
-    except UnicodeDecodeError as exc:
-        raise MalformedPayload(
-            "response body is not UTF-8 text",
-            expected="a UTF-8 JSON document",
-            found=f"byte {exc.start} = {text[exc.start : exc.start + 1]!r}",
-            where=path.name,
-        ) from exc
-    except json.JSONDecodeError as exc:
-        raise MalformedPayload(
-            "response body is not JSON",
-            expected="one JSON object",
-            found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
-            where=path.name,
-        ) from exc
-    except RecursionError as exc:  # nesting deeper than the interpreter's stack
-        raise MalformedPayload(
-            "response body nests too deeply to parse",
-            expected=f"JSON nested less than about {sys.getrecursionlimit()} levels",
-            found="deeper nesting",
-            where=path.name,
-        ) from exc
-    except ValueError as exc:  # an integer over sys.get_int_max_str_digits() digits
-        raise MalformedPayload(
-            "response body holds a number too long to parse",
-            expected=f"integers of at most {sys.get_int_max_str_digits()} digits",
-            found=str(exc)[:160],
-            where=path.name,
-        ) from exc
+def _refuse_a_terminal(path: Path | None) -> None:
+    # No path and a terminal on stdin is a forgotten argument, not a body being typed:
+    # waiting for input would look like a hang. An explicit ``-`` still reads it.
+    if path is None and sys.stdin.isatty():
+        raise MisuseError(
+            "inspect has no body to read",
+            expected="a file, or a body piped into standard input",
+            found="no path and a terminal on standard input",
+            hint="Pass the file, or pipe the body in: curl ... | routeplay inspect ... -",
+        )
 
 
 def _summary(result: EngineRouting) -> dict[str, Any]:

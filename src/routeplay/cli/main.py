@@ -9,6 +9,8 @@ Typer (like click) reports its own usage errors with status 2, which would colli
 from __future__ import annotations
 
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -32,9 +34,37 @@ app.command("bench")(bench_command)
 app.command("soak")(soak_command)
 
 
+def _print_version(asked: bool) -> None:
+    # Eager: runs while the flags are parsed, before any command is looked up, so
+    # ``routeplay --version`` needs no command and exits 0.
+    if not asked:
+        return
+    try:
+        installed = version("routeplay")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        from routeplay import __version__
+
+        installed = f"{__version__} (not installed: from the source tree)"
+    Console().out(f"routeplay {installed}", highlight=False)
+    raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
-    """MoE routing replay: decode, store, move and replay routed experts."""
+def _root(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the installed routeplay version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """MoE routing replay: decode, store, move and replay routed experts.
+
+    Example: ``routeplay --version``
+    """
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import ClassVar, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -186,7 +186,7 @@ class Piece:
     """Row of the requested range at which the piece begins."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True, init=False, repr=False)
 class Handle:
     """Immutable ordered segments covering token rows ``[0, rows)`` of one sample."""
 
@@ -313,6 +313,52 @@ class Handle:
         versions = [seg.weight_version for seg in self.segments]
         return np.repeat(np.asarray(versions, dtype=np.int64), counts)
 
+    UNSTAMPED: ClassVar[int] = -1
+    """The ``weight_version`` of rows written before their version is known (XTuner's
+    rollout worker, agent loop and SessionServer never see it: its ``ReplayBuffer.put``
+    stamps the version, ``update_sample_version``). ``stamped`` sets it; until then the
+    rows count as older than any version (a staleness check expires them)."""
+
+    @property
+    def unstamped(self) -> bool:
+        """True while a segment still has ``UNSTAMPED`` for its weight version."""
+        return any(seg.weight_version == Handle.UNSTAMPED for seg in self.segments)
+
+    def stamped(self, version: int) -> Handle:
+        """This handle with every ``UNSTAMPED`` segment produced under ``version``; the
+        segments stamped before keep theirs (a resume's history keeps its version, only
+        the rows added since the last stamp take the new one). No row moves.
+
+        Example:
+            >>> h = store.adopt_key(key, spec, weight_version=Handle.UNSTAMPED)  # doctest: +SKIP
+            >>> h.stamped(7).weight_versions().min()  # doctest: +SKIP
+            7
+        """
+        if version < 0:
+            raise HandleError(
+                "a weight version is a model step, counted from 0",
+                expected="version >= 0",
+                found=version,
+                hint="Stamp with the model step XTuner's ReplayBuffer.put stamps (model_step).",
+            )
+        if not self.unstamped:
+            return self
+        return Handle(
+            self.spec,
+            [
+                seg
+                if seg.weight_version != Handle.UNSTAMPED
+                else Segment(
+                    source=seg.source,
+                    start=seg.start,
+                    stop=seg.stop,
+                    spec=seg.spec,
+                    weight_version=version,
+                )
+                for seg in self.segments
+            ],
+        )
+
     def sources(self) -> tuple[Source, ...]:
         """Distinct sources in order of first use (inline sources compare by identity).
 
@@ -321,10 +367,48 @@ class Handle:
         """
         return tuple(dict.fromkeys(seg.source for seg in self.segments))
 
+    def __repr__(self) -> str:
+        """Rows, geometry and where the rows live; never the rows themselves.
+
+        Example:
+            >>> spec = RouteSpec(num_layers=3, top_k=2, num_experts=8)
+            >>> rows = np.zeros((37, 3, 2), dtype=np.uint8)
+            >>> Handle.of(Segment(source=InlineSource(array=rows), start=0, stop=37, spec=spec))
+            Handle(inline, rows=37, layers=3, top_k=2, segments=1, sources=[inline 37 rows])
+        """
+        # The generated repr printed every InlineSource's array (a 1,000-row handle made
+        # a screen of numbers) and every segment; a log line needs the shape of it.
+        sources = self.sources()
+        kinds = sorted({_SOURCE_KINDS[type(source)] for source in sources})
+        kind = kinds[0] if len(kinds) == 1 else "mixed" if kinds else "empty"
+        shown = [_source_label(source) for source in sources[:_SHOWN_SOURCES]]
+        if len(sources) > _SHOWN_SOURCES:
+            shown.append(f"... {len(sources) - _SHOWN_SOURCES} more")
+        return (
+            f"Handle({kind}, rows={self.rows}, layers={self.spec.num_layers}, "
+            f"top_k={self.spec.top_k}, segments={len(self.segments)}, "
+            f"sources=[{', '.join(shown)}])"
+        )
+
     def __reduce__(self) -> tuple[object, ...]:
         # Its segments were normalized when it was built: a copy takes them as they are
         # (a trainer rank unpickles a step's plan, thousands of handles, per step).
         return (_restored_handle, (self.spec, self.segments, self._rows))
+
+
+_SOURCE_KINDS: dict[type, str] = {InlineSource: "inline", StoreRef: "store", EngineKey: "key"}
+_SHOWN_SOURCES = 3
+"""Sources a handle's repr names; the rest are counted (a session can have hundreds)."""
+_ID_CHARS = 12
+"""Characters of a payload id or engine key a repr shows: enough to grep a log for."""
+
+
+def _source_label(source: Source) -> str:
+    if isinstance(source, InlineSource):
+        return f"inline {source.rows} rows"
+    ident = source.payload_id if isinstance(source, StoreRef) else source.key
+    short = ident if len(ident) <= _ID_CHARS else ident[:_ID_CHARS] + "..."
+    return f"{_SOURCE_KINDS[type(source)]} {short} ({source.rows} rows)"
 
 
 def _restored_handle(spec: RouteSpec, segments: tuple[Segment, ...], rows: int) -> Handle:

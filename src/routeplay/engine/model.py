@@ -10,16 +10,13 @@ and they still pick different experts for some tokens, as real engines and train
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from routeplay.engine.wide_experts import use_wide_experts
 from routeplay.errors import MisuseError
-
-if TYPE_CHECKING:
-    from routeplay.engine.generator import ReferenceEngine
 
 __all__ = ["DTYPES", "EngineConfig", "build_model", "torch_dtype"]
 
@@ -91,12 +88,6 @@ class EngineConfig:
                     f"EngineConfig.{name} must be a positive number", expected="> 0", found=value
                 )
         torch_dtype(self.dtype)
-
-    def build(self) -> ReferenceEngine:
-        """A ``ReferenceEngine`` running this config."""
-        from routeplay.engine.generator import ReferenceEngine  # generator imports this module
-
-        return ReferenceEngine(self)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -184,7 +184,7 @@ class WireHandler:
     def _put(self, rows: npt.NDArray[np.uint16]) -> str:
         import ray  # needed only for key-store wires
 
-        from routeplay.store import ray_calls
+        from routeplay.store.remote import ray_calls
 
         written = 0
         if isinstance(self._store, ray.actor.ActorHandle):

@@ -1,6 +1,8 @@
-"""The demo's typed configuration: one dataclass per component, each with a ``build()``,
-and named recipes (``default``: the R3 run, under two minutes on 2 CPUs; ``smoke``: the
-tiny two-step e2e run).
+"""The demo's typed configuration: ``DemoConfig`` over one dataclass per component (each
+beside the class it builds: ``RolloutConfig`` in ``pipeline.rollouts``,
+``TrainerConfig`` in ``pipeline.trainer``, ``EngineConfig`` in ``engine.model``), and
+named recipes (``default``: the R3 run, under two minutes on 2 CPUs; ``smoke``: the tiny
+two-step e2e run).
 
 A run is a Python recipe; the CLI picks one and overrides a few fields.
 """
@@ -11,129 +13,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import numpy as np
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import WIRE_NAMES
-from routeplay.engine.model import EngineConfig, torch_dtype
+from routeplay.engine.model import EngineConfig
 from routeplay.errors import MisuseError
-from routeplay.pipeline.rollout_worker import RolloutWorker
-from routeplay.pipeline.rollouts import JobPlanner, RolloutPool
-from routeplay.pipeline.trainer import Trainer
+from routeplay.pipeline.rollouts import RolloutConfig
+from routeplay.pipeline.trainer import TrainerConfig
 from routeplay.rollout import BufferConfig
-from routeplay.store import RouteStore
 
 __all__ = ["RECIPES", "DemoConfig", "RolloutConfig", "TrainerConfig", "recipe"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RolloutConfig:
-    """How many samples each step generates, and how."""
-
-    workers: int = 2
-    """Rollout worker actors."""
-    group_size: int = 4
-    """Samples per prompt (GRPO group)."""
-    groups_per_step: int = 3
-    """New single-turn groups per step."""
-    partial_groups_per_step: int = 1
-    """Of those, groups interrupted after ``stop_after`` tokens and resumed next step."""
-    conversations_per_step: int = 1
-    """New multi-turn groups per step (each sample is a two-turn trace session)."""
-    prompt_tokens: tuple[int, int] = (6, 12)
-    """Prompt length range, inclusive."""
-    user_turn_tokens: int = 4
-    """Tokens the user adds between turn 1 and turn 2."""
-    max_new_tokens: int = 24
-    """Generated tokens per sample (per turn)."""
-    stop_after: int = 8
-    """Where interrupted samples stop (< ``max_new_tokens``)."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    timeout_s: float = 60.0
-    """HTTP timeout of one engine request."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.stop_after < self.max_new_tokens:
-            raise MisuseError(
-                "an interruption must come before the end of a sample",
-                expected=f"0 < stop_after < max_new_tokens ({self.max_new_tokens})",
-                found=self.stop_after,
-            )
-        if self.partial_groups_per_step > self.groups_per_step or self.workers < 1:
-            raise MisuseError(
-                "partial groups are a subset of the new groups; at least one worker",
-                found=(self.partial_groups_per_step, self.groups_per_step, self.workers),
-            )
-
-    def planner(self, vocab_size: int, seed: int) -> JobPlanner:
-        """The per-step job planner of these settings."""
-        return JobPlanner(self, vocab_size, np.random.default_rng(seed))
-
-    def build(
-        self,
-        *,
-        store: RouteStore,
-        trace: Any,
-        url: str,
-        wire: str,
-        spec: RouteSpec,
-        worker_actor: Any = RolloutWorker,
-    ) -> RolloutPool:
-        """Start the worker actors (``worker_actor``: ``RolloutWorker`` or an actor class
-        of a subclass of its shell), talking to the engine at ``url`` in ``wire`` format."""
-        # The engine server listens on loopback: the workers live on the driver's node.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        workers = [
-            worker_actor.options(scheduling_strategy=here).remote(
-                store, trace, url, wire, spec, self.timeout_s
-            )
-            for _ in range(self.workers)
-        ]
-        ray.get(
-            [worker.__ray_ready__.remote() for worker in workers], timeout=self.timeout_s
-        )  # fail fast, start warm
-        return RolloutPool(workers, store=store)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerConfig:
-    """The learner: packing, replay, loss and optimizer."""
-
-    groups_per_step: int = 3
-    """Groups sampled from the replay buffer per step: fewer than a step makes (over-
-    sampling), so a backlog builds up, ages, and its stale groups are retried (once)
-    or discarded."""
-    pack_max_length: int = 128
-    """Positions per packed sequence (one micro-batch holds ``packs_per_micro_batch``)."""
-    packs_per_micro_batch: int = 1
-    """Packs per forward."""
-    pack_multiple: int | None = None
-    """None: every pack is ``pack_max_length`` long, its tail padding (XTuner's fixed-size
-    packs). Else a pack ends at its last sample rounded up to this multiple (verl's packs
-    sized to fit): no padding is computed, and a pack holding one sample gets the plain
-    causal attention kernel instead of a block-diagonal mask."""
-    lr: float = 1e-2
-    """Adam learning rate."""
-    clip: float = 0.2
-    """PPO ratio clip."""
-    prefetch: int = 1
-    """Micro-batches the materializer reads ahead."""
-    threads: int = 1
-    """torch intra-op threads (tiny models gain nothing from more)."""
-    dtype: str = "float32"
-    """Precision of the trainer's model (a key of ``routeplay.engine.model.DTYPES``); the
-    engine runs in ``EngineConfig.dtype``. ``bfloat16`` leaves only the kernel-shape gap
-    (KV-cache decode vs full forward) between the two."""
-
-    def __post_init__(self) -> None:
-        torch_dtype(self.dtype)  # refuses an unknown name
-
-    def build(self, engine: EngineConfig, store: RouteStore) -> Trainer:
-        """A copy of the engine's initial model in ``dtype``, and its optimizer."""
-        return Trainer(self, engine, store)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

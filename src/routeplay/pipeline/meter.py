@@ -1,6 +1,6 @@
 """The run's memory picture, read from Ray's raylets and the route store.
 
-Object-store numbers come from ``routeplay.store.accounting`` (every alive node summed):
+Object-store numbers come from ``routeplay.store.remote.accounting`` (every alive node summed):
 bytes in use now, and the cumulative bytes and objects ever created, whose growth over
 the run is what "one write per payload" is measured by. Ray frees an object
 asynchronously (its owner learns from every borrower that the reference is gone, which
@@ -27,7 +27,7 @@ from ray._private import state as ray_state
 
 from routeplay.pipeline.metrics import Point, Timeline
 from routeplay.store import RouteStore
-from routeplay.store.accounting import node_store_stats
+from routeplay.store.remote.accounting import node_store_stats
 
 __all__ = ["Meter", "Sharing", "StoreTotals", "cluster_users"]
 

@@ -2,8 +2,8 @@
 
 A worker is a ``producer_actor`` (so its routing puts are one-write, owned by a store
 shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
-``RolloutState`` into the next with the library's lifecycle steps
-(``routeplay.rollout.lifecycle``), and owns only the HTTP side:
+``RolloutState`` into the next with the steps of the state's routing holder
+(``state.routing``: a ``SampleRouting``), and owns only the HTTP side:
 
 - a fresh sample is generated (``stop_after`` interrupts it: status ``ABORTED``);
 - an interrupted sample is resumed with prompt + partial completion, its routing as the
@@ -20,7 +20,7 @@ shard; LMDeploy keys stay lazy and are adopted without being read). It turns one
 - a member whose request or answer fails is set aside with its error in its place, and
   the rest of its group goes on.
 
-Lease order (``Continuation.finish``): the new lease first, then the input's. If
+Lease order (``RoutingContinuation.finish``): the new lease first, then the input's. If
 anything fails, the input state still holds its lease and the caller (who keeps a copy
 of it) releases it. A completed answer is checked against the sample's tokens
 (``RolloutState.complete``: rows == prompt + response - 1); one that disagrees is
@@ -45,11 +45,17 @@ from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
 from routeplay.core.wires.base import Completion
 from routeplay.errors import EngineUnavailable, MalformedPayload, RouteplayError, RowCountMismatch
-from routeplay.rollout import ADAPTERS, RolloutState, Status, finish_all
+from routeplay.rollout import (
+    ADAPTERS,
+    RolloutState,
+    RoutingContinuation,
+    SampleRouting,
+    Status,
+    finish_all,
+    ingest_routing_group,
+)
 from routeplay.rollout.adapters import ProducerWriter, check_continues
-from routeplay.rollout.lifecycle import Continuation, continuation, ingest_group, store_turn
 from routeplay.rollout.releasing import attach_notes
-from routeplay.rollout.state import release_states
 from routeplay.rollout.trace_actor import TraceStoreClient
 from routeplay.store import RoutesProducer, RouteStore, producer_actor
 
@@ -93,7 +99,7 @@ class WorkerShell(RoutesProducer):
     def rollout(self, state: RolloutState, sampling: Sampling, version: int) -> RolloutState:
         """Generate (or resume) ``state`` once; returns it COMPLETED or ABORTED, leased."""
         where = f"sample {state.sample_id}"
-        with continuation(state, self._traces) as cont:
+        with state.routing.continuation(self._traces, state.prompt_ids) as cont:
             start = self._wire.routing_start(cont.rows)
             answer = self._post(*self._request(state, sampling, start), where)
             completion = self._wire.read_completion(answer, where=where)
@@ -106,14 +112,14 @@ class WorkerShell(RoutesProducer):
                 start_row=start,
                 where=where,
             )
-            routed = cont.finish(self._store, handle)
+            routed = state.with_sample_routing(cont.finish(self._store, handle))
         return _finished(routed, completion, version)
 
     def rollout_group(
         self, states: list[RolloutState], samplings: list[Sampling], version: int
     ) -> list[RolloutState | Exception]:
         """Generate (or resume, or run the next turn of) the members of one group and
-        write their new rows as one payload (``ingest_group``: fresh members' verified-
+        write their new rows as one payload (``ingest_routing_group``: fresh members' verified-
         equal prompt rows once). On key-store wires (the engine stores whole arrays) the
         members' keys are adopted together the same way, each from its history's end.
 
@@ -130,15 +136,15 @@ class WorkerShell(RoutesProducer):
         with ExitStack() as stack:
             opened = [self._open(stack, state) for state in states]
             asked = [
-                self._ask(cont, sampling) if isinstance(cont, Continuation) else cont
-                for cont, sampling in zip(opened, samplings, strict=True)
+                self._ask(state, cont, sampling) if isinstance(cont, RoutingContinuation) else cont
+                for state, cont, sampling in zip(states, opened, samplings, strict=True)
             ]
             good = [
                 (i, cont, answer)
                 for i, (cont, answer) in enumerate(zip(opened, asked, strict=True))
-                if isinstance(cont, Continuation) and isinstance(answer, _Answered)
+                if isinstance(cont, RoutingContinuation) and isinstance(answer, _Answered)
             ]
-            handles = ingest_group(
+            handles = ingest_routing_group(
                 [cont for _, cont, _ in good],
                 [answer.routing for _, _, answer in good],
                 writer=self._writer,
@@ -146,19 +152,22 @@ class WorkerShell(RoutesProducer):
                 spec=self._spec,
             )
             written = {i: handle for (i, _, _), handle in zip(good, handles, strict=True)}
-            return self._finish_all(opened, asked, written, version)
+            return self._finish_all(states, opened, asked, written, version)
 
-    def _open(self, stack: ExitStack, state: RolloutState) -> Continuation | Exception:
+    def _open(
+        self, stack: ExitStack, state: RolloutState
+    ) -> RoutingContinuation[SampleRouting] | Exception:
         try:
-            return stack.enter_context(continuation(state, self._traces))
+            return stack.enter_context(state.routing.continuation(self._traces, state.prompt_ids))
         except Exception as exc:  # e.g. the session's prefix could not be borrowed
             return _portable(exc)
 
-    def _ask(self, cont: Continuation, sampling: Sampling) -> _Answered | Exception:
+    def _ask(
+        self, state: RolloutState, cont: RoutingContinuation[SampleRouting], sampling: Sampling
+    ) -> _Answered | Exception:
         """One member's request and its answer, decoded and checked against the member's
         history (``check_continues``), or the error that refused it (an engine key it
         refuses is freed: nobody will adopt it)."""
-        state = cont.state
         where = f"sample {state.sample_id}"
         start = self._wire.routing_start(cont.rows)
         try:
@@ -185,13 +194,14 @@ class WorkerShell(RoutesProducer):
 
     def _finish_all(
         self,
-        opened: list[Continuation | Exception],
+        states: list[RolloutState],
+        opened: list[RoutingContinuation[SampleRouting] | Exception],
         asked: list[_Answered | Exception],
         handles: dict[int, Handle | RouteplayError],
         version: int,
     ) -> list[RolloutState | Exception]:
         out: list[RolloutState | Exception | None] = [None] * len(opened)
-        finishing: list[tuple[int, Continuation, Handle, Completion]] = []
+        finishing: list[tuple[int, RoutingContinuation[SampleRouting], Handle, Completion]] = []
         for index, (cont, answer) in enumerate(zip(opened, asked, strict=True)):
             if isinstance(cont, Exception):
                 out[index] = cont
@@ -206,7 +216,7 @@ class WorkerShell(RoutesProducer):
         # keeps its own lease; the borrowed ones ended).
         try:
             routings = finish_all(
-                [cont.routing for _, cont, _, _ in finishing],
+                [cont for _, cont, _, _ in finishing],
                 self._store,
                 [handle for _, _, handle, _ in finishing],
             )
@@ -215,11 +225,11 @@ class WorkerShell(RoutesProducer):
                 out[index] = _portable(exc)
             finishing, routings = [], []
         try:
-            for (index, cont, _, completion), routing in zip(finishing, routings, strict=True):
-                routed = cont.state.with_sample_routing(routing)
+            for (index, _, _, completion), routing in zip(finishing, routings, strict=True):
+                routed = states[index].with_sample_routing(routing)
                 out[index] = _finished_or_refused(routed, completion, version)
         except BaseException as exc:
-            _, errors = release_states([s for s in out if isinstance(s, RolloutState)])
+            errors = _release_all([s for s in out if isinstance(s, RolloutState)])
             attach_notes(exc, errors, "releasing the group's finished members")
             raise
         return [state for state in out if state is not None]
@@ -264,9 +274,7 @@ class WorkerShell(RoutesProducer):
             if isinstance(first, Exception):
                 continue
             try:
-                first = store_turn(
-                    self._traces, dataclasses.replace(first, session_id=state.session_id)
-                )
+                first = _store_turn(self._traces, first, state.session_id)
             except Exception as exc:
                 out[index] = exc
                 continue
@@ -336,13 +344,27 @@ def _finished_or_refused(
         return _portable(exc)
 
 
-def _abandoned(cont: Continuation, error: Exception) -> Exception:
+def _abandoned(cont: RoutingContinuation[SampleRouting], error: Exception) -> Exception:
     """End a set-aside member's borrowed lease; a failure to is noted on its error."""
     try:
         cont.abandon()
     except Exception as failure:
-        attach_notes(error, [failure], f"releasing {cont.state.sample_id}'s borrowed prefix")
+        attach_notes(error, [failure], f"releasing {cont.routing.sample_id}'s borrowed prefix")
     return error
+
+
+def _store_turn(traces: TraceStoreClient, first: RolloutState, session: str | None) -> RolloutState:
+    """Turn 1 (answered outside its session: nothing to borrow) handed to ``session``,
+    then its own lease ends (``SampleRouting.store_turn``)."""
+    turn = dataclasses.replace(first, session_id=session)
+    return turn.with_sample_routing(
+        turn.routing.store_turn(traces, turn.prompt_ids + turn.response_ids)
+    )
+
+
+def _release_all(states: list[RolloutState]) -> list[Exception]:
+    """``try_release`` every state (all attempted); the errors of those that failed."""
+    return [error for state in states if (error := state.try_release()[1]) is not None]
 
 
 def _portable(error: Exception) -> Exception:

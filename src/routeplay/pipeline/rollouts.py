@@ -22,20 +22,92 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from routeplay.pipeline.rollout_worker import Sampling
+from routeplay.errors import MisuseError
+from routeplay.pipeline.rollout_worker import RolloutWorker, Sampling
 from routeplay.pipeline.task import random_tokens
 from routeplay.rollout import RolloutState, Status
-from routeplay.rollout.lifecycle import prefix_holder, sample_holder
+from routeplay.rollout.routing_terms import prefix_holder, sample_holder
 
 _DEADLINE_S = 600.0
 """Longest wait for any rollout to finish: past it, every pending job counts as failed."""
 
 if TYPE_CHECKING:
-    from routeplay.pipeline.config import RolloutConfig
+    from routeplay.core.spec import RouteSpec
     from routeplay.store import RouteStore
 
-__all__ = ["GroupAssembler", "Job", "JobPlanner", "PoolStats", "RolloutPool"]
+__all__ = ["GroupAssembler", "Job", "JobPlanner", "PoolStats", "RolloutConfig", "RolloutPool"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutConfig:
+    """How many samples each step generates, and how."""
+
+    workers: int = 2
+    """Rollout worker actors."""
+    group_size: int = 4
+    """Samples per prompt (GRPO group)."""
+    groups_per_step: int = 3
+    """New single-turn groups per step."""
+    partial_groups_per_step: int = 1
+    """Of those, groups interrupted after ``stop_after`` tokens and resumed next step."""
+    conversations_per_step: int = 1
+    """New multi-turn groups per step (each sample is a two-turn trace session)."""
+    prompt_tokens: tuple[int, int] = (6, 12)
+    """Prompt length range, inclusive."""
+    user_turn_tokens: int = 4
+    """Tokens the user adds between turn 1 and turn 2."""
+    max_new_tokens: int = 24
+    """Generated tokens per sample (per turn)."""
+    stop_after: int = 8
+    """Where interrupted samples stop (< ``max_new_tokens``)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    timeout_s: float = 60.0
+    """HTTP timeout of one engine request."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stop_after < self.max_new_tokens:
+            raise MisuseError(
+                "an interruption must come before the end of a sample",
+                expected=f"0 < stop_after < max_new_tokens ({self.max_new_tokens})",
+                found=self.stop_after,
+            )
+        if self.partial_groups_per_step > self.groups_per_step or self.workers < 1:
+            raise MisuseError(
+                "partial groups are a subset of the new groups; at least one worker",
+                found=(self.partial_groups_per_step, self.groups_per_step, self.workers),
+            )
+
+    def planner(self, vocab_size: int, seed: int) -> JobPlanner:
+        """The per-step job planner of these settings."""
+        return JobPlanner(self, vocab_size, np.random.default_rng(seed))
+
+    def build(
+        self,
+        *,
+        store: RouteStore,
+        trace: Any,
+        url: str,
+        wire: str,
+        spec: RouteSpec,
+        worker_actor: Any = RolloutWorker,
+    ) -> RolloutPool:
+        """Start the worker actors (``worker_actor``: ``RolloutWorker`` or an actor class
+        of a subclass of its shell), talking to the engine at ``url`` in ``wire`` format."""
+        # The engine server listens on loopback: the workers live on the driver's node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        workers = [
+            worker_actor.options(scheduling_strategy=here).remote(
+                store, trace, url, wire, spec, self.timeout_s
+            )
+            for _ in range(self.workers)
+        ]
+        ray.get(
+            [worker.__ray_ready__.remote() for worker in workers], timeout=self.timeout_s
+        )  # fail fast, start warm
+        return RolloutPool(workers, store=store)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,7 +128,7 @@ class Job:
             return "conversation"
         if self.state.status is Status.ABORTED:
             return "resume"
-        return "retry" if self.state.retries else "new"
+        return "retry" if self.state.routing.retries else "new"
 
 
 class JobPlanner:

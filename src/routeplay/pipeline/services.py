@@ -39,7 +39,7 @@ from routeplay.pipeline.trainer import Trainer
 from routeplay.rollout import ReplayBuffer, RolloutState, SessionLedger
 from routeplay.rollout.trace_actor import TraceStoreClient, TraceStoreConfig
 from routeplay.store import RouteStore, StoreConfig, leave_engine_store, start_engine_store
-from routeplay.store.engine_service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
+from routeplay.store.engine.service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
 __all__ = ["DemoServices", "Teardown", "ray_session"]
 
@@ -118,7 +118,7 @@ class DemoServices:
             self._stack.callback(_wait_until_gone, self.run, self.store.config.namespace)
             self._stack.callback(self.store.shutdown)
             self.engine_store = self._engine_store(config.wire)
-            self.engine: ReferenceEngine = config.engine.build()
+            self.engine = ReferenceEngine(config.engine)
             # Loopback only (the reference engine answers anyone): workers run on this node.
             self.server = self._stack.enter_context(
                 EngineServer(self.engine, config.wire, engine_store=self.engine_store)

@@ -24,7 +24,7 @@ from routeplay.pipeline.faults import FAULT_KINDS
 
 if TYPE_CHECKING:
     from routeplay.pipeline.services import DemoServices, Teardown
-    from routeplay.pipeline.soak import SoakConfig, SoakTally
+    from routeplay.pipeline.soak_config import SoakConfig, SoakTally
 
 __all__ = ["SoakReport", "build_soak_report", "render_soak", "write_soak_json"]
 

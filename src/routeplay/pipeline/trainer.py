@@ -34,14 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from routeplay.core.spec import RouteSpec
-from routeplay.engine.model import EngineConfig, build_model
+from routeplay.engine.model import EngineConfig, build_model, torch_dtype
 from routeplay.errors import MisuseError
 from routeplay.pipeline.metrics import ReplayTally, StepDrift, affected_positions
 from routeplay.pipeline.task import advantages, reward
@@ -60,10 +60,45 @@ from routeplay.train import (
 )
 from routeplay.train.drift import differing_routes
 
-if TYPE_CHECKING:
-    from routeplay.pipeline.config import TrainerConfig
+__all__ = ["PackedInputs", "StepStats", "Trainer", "TrainerConfig", "pack_inputs"]
 
-__all__ = ["PackedInputs", "StepStats", "Trainer", "pack_inputs"]
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerConfig:
+    """The learner: packing, replay, loss and optimizer."""
+
+    groups_per_step: int = 3
+    """Groups sampled from the replay buffer per step: fewer than a step makes (over-
+    sampling), so a backlog builds up, ages, and its stale groups are retried (once)
+    or discarded."""
+    pack_max_length: int = 128
+    """Positions per packed sequence (one micro-batch holds ``packs_per_micro_batch``)."""
+    packs_per_micro_batch: int = 1
+    """Packs per forward."""
+    pack_multiple: int | None = None
+    """None: every pack is ``pack_max_length`` long, its tail padding (XTuner's fixed-size
+    packs). Else a pack ends at its last sample rounded up to this multiple (verl's packs
+    sized to fit): no padding is computed, and a pack holding one sample gets the plain
+    causal attention kernel instead of a block-diagonal mask."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    clip: float = 0.2
+    """PPO ratio clip."""
+    prefetch: int = 1
+    """Micro-batches the materializer reads ahead."""
+    threads: int = 1
+    """torch intra-op threads (tiny models gain nothing from more)."""
+    dtype: str = "float32"
+    """Precision of the trainer's model (a key of ``routeplay.engine.model.DTYPES``); the
+    engine runs in ``EngineConfig.dtype``. ``bfloat16`` leaves only the kernel-shape gap
+    (KV-cache decode vs full forward) between the two."""
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # refuses an unknown name
+
+    def build(self, engine: EngineConfig, store: RouteStore) -> Trainer:
+        """A copy of the engine's initial model in ``dtype``, and its optimizer."""
+        return Trainer(self, engine, store)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +342,6 @@ def _ppo_loss(logprobs: torch.Tensor, inputs: PackedInputs, clip: float) -> torc
 
 
 def _routing(state: RolloutState) -> Any:
-    if state.routing is None:
+    if state.routing.handle is None:
         raise MisuseError("a sample reached training without routing", where=state.sample_id)
-    return state.routing
+    return state.routing.handle

@@ -2,16 +2,15 @@
 
 ``SampleRouting`` (one sample's routing and leases, with the lifecycle steps; any sample
 type embeds it and becomes a ``RoutedSample``), ``RolloutState`` (routeplay's own
-sample), engine adapters (``ADAPTERS``, ``stitch`` for partial rollouts), the sample
-lifecycle steps for ``RolloutState`` (``continuation``, ``Continuation``,
-``store_turn``, ``ingest_group``; ``ingest_routing_group`` writes a GRPO group's answers
-for any sample type and ``finish_all`` leases them, one call per store shard for the
-group), the per-session token-trie ``TraceStore`` (served by the ``TraceStoreActor`` and
-called through ``TraceStoreClient``), the ``ReplayBuffer`` with staleness retries, the
-``TrainingBatch`` hand-off and the ``SessionLedger`` (a session lives while one of its
-samples waits): the containers hold any ``RoutedSample`` and move a group's or a batch's
-leases with one call per shard (``routing_groups``). Every holder releases only its own
-lease; nothing here ever guesses who owns routing.
+sample, embedding one ``SampleRouting`` the same way), engine adapters (``ADAPTERS``,
+``stitch`` for partial rollouts), group steps (``ingest_routing_group`` writes a GRPO
+group's answers for any sample type and ``finish_all`` leases them, one call per store
+shard for the group), the per-session token-trie ``TraceStore`` (served by the
+``TraceStoreActor`` and called through ``TraceStoreClient``), the ``ReplayBuffer`` with
+staleness retries, the ``TrainingBatch`` hand-off and the ``SessionLedger`` (a session
+lives while one of its samples waits): the containers hold any ``RoutedSample`` and move
+a group's or a batch's leases with one call per shard (``routing_groups``). Every holder
+releases only its own lease; nothing here ever guesses who owns routing.
 
 Names are resolved on first use (PEP 562): everything but the trace-store actor, its
 config and its client is plain Python and imports without Ray.
@@ -34,25 +33,23 @@ if TYPE_CHECKING:
     )
     from routeplay.rollout.batch import TrainingBatch
     from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
-    from routeplay.rollout.checkpoint import SampleCodec
+    from routeplay.rollout.checkpoint import (
+        SampleCodec,
+        load_buffer,
+        record_sample,
+        restore_sample,
+        save_buffer,
+    )
     from routeplay.rollout.group_ingest import (
         AsyncBatchWriter,
         BatchWriter,
         aingest_routing_group,
         ingest_routing_group,
     )
-    from routeplay.rollout.lifecycle import (
-        Continuation,
-        borrow_prefix,
-        continuation,
-        ingest_group,
-        sample_holder,
-        store_turn,
-    )
     from routeplay.rollout.routing_continuation import RoutingContinuation
     from routeplay.rollout.routing_groups import afinish_all, finish_all
     from routeplay.rollout.routing_record import RoutingRecord, record_routings
-    from routeplay.rollout.routing_terms import StalenessBasis
+    from routeplay.rollout.routing_terms import StalenessBasis, sample_holder
     from routeplay.rollout.sample_routing import Expiry, RoutedSample, SampleRouting
     from routeplay.rollout.session_compaction import CompactionPolicy
     from routeplay.rollout.sessions import SessionLedger
@@ -62,12 +59,6 @@ if TYPE_CHECKING:
         RolloutState,
         RoutingKind,
         Status,
-    )
-    from routeplay.rollout.state_checkpoint import (
-        load_buffer,
-        record_sample,
-        restore_sample,
-        save_buffer,
     )
     from routeplay.rollout.token_trie import TokenTrie
     from routeplay.rollout.trace_actor import TraceStoreActor, TraceStoreClient, TraceStoreConfig
@@ -86,7 +77,6 @@ _HOME = {
     "ROLLOUT_STATE_CODEC": "state",
     "BufferConfig": "buffer",
     "CompactionPolicy": "session_compaction",
-    "Continuation": "lifecycle",
     "EngineAdapter": "adapters",
     "Exported": "trace_store",
     "Expiry": "sample_routing",
@@ -117,20 +107,16 @@ _HOME = {
     "TrainingBatch": "batch",
     "afinish_all": "routing_groups",
     "aingest_routing_group": "group_ingest",
-    "borrow_prefix": "lifecycle",
-    "continuation": "lifecycle",
     "finish_all": "routing_groups",
-    "ingest_group": "lifecycle",
     "ingest_routing_group": "group_ingest",
-    "load_buffer": "state_checkpoint",
+    "load_buffer": "checkpoint",
     "record_routings": "routing_record",
-    "record_sample": "state_checkpoint",
-    "restore_sample": "state_checkpoint",
-    "sample_holder": "lifecycle",
-    "save_buffer": "state_checkpoint",
+    "record_sample": "checkpoint",
+    "restore_sample": "checkpoint",
+    "sample_holder": "routing_terms",
+    "save_buffer": "checkpoint",
     "session_holder": "trace_store",
     "stitch": "adapters",
-    "store_turn": "lifecycle",
 }
 
 __all__ = [
@@ -140,7 +126,6 @@ __all__ = [
     "BatchWriter",
     "BufferConfig",
     "CompactionPolicy",
-    "Continuation",
     "EngineAdapter",
     "Expiry",
     "Exported",
@@ -171,10 +156,7 @@ __all__ = [
     "TrainingBatch",
     "afinish_all",
     "aingest_routing_group",
-    "borrow_prefix",
-    "continuation",
     "finish_all",
-    "ingest_group",
     "ingest_routing_group",
     "load_buffer",
     "record_routings",
@@ -184,7 +166,6 @@ __all__ = [
     "save_buffer",
     "session_holder",
     "stitch",
-    "store_turn",
 ]
 
 

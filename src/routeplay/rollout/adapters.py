@@ -12,7 +12,7 @@ not have yet are stored and appended as a new segment:
   adopted from row ``history.rows`` (``RouteStore.adopt_key(start_row=...)``), so the
   store keeps only rows ``[history.rows, T)``, sliced where the key is validated; the
   history rows behind the key are dropped there (not compared with the history's own:
-  ``routeplay.store.key_check`` says why).
+  ``routeplay.store.engine.key_check`` says why).
 
 Where routing sits in each body is ``routeplay.core.wires``' business; adapters only
 call it.
@@ -42,8 +42,8 @@ from routeplay.errors import HandleError, MisuseError, RouteplayError, RowCountM
 from routeplay.rollout.steps import Call, Step, arun_step, run_step
 
 if TYPE_CHECKING:  # both load Ray; adapters only call them
-    from routeplay.store.client import RouteStore
-    from routeplay.store.producer import AsyncRoutesProducer, RoutesProducer
+    from routeplay.store.client.route_store import RouteStore
+    from routeplay.store.remote.producer import AsyncRoutesProducer, RoutesProducer
 
 __all__ = [
     "ADAPTERS",
@@ -109,7 +109,7 @@ class ProducerWriter:
         return await producer.aput_routes(self.store, routes, weight_version=weight_version)
 
     def _async_producer(self) -> AsyncRoutesProducer:
-        from routeplay.store.producer import AsyncRoutesProducer  # loads Ray: only here
+        from routeplay.store.remote.producer import AsyncRoutesProducer  # loads Ray: only here
 
         producer = self.producer
         if not isinstance(producer, AsyncRoutesProducer):

@@ -50,8 +50,8 @@ from routeplay.rollout.sample_routing import RoutedSample
 from routeplay.rollout.sessions import SessionLedger
 
 if TYPE_CHECKING:  # the client loads Ray; the buffer only calls it
-    from routeplay.store.client import RouteStore
-    from routeplay.store.lease import Holders
+    from routeplay.store.client.lease import Holders
+    from routeplay.store.client.route_store import RouteStore
 
 __all__ = [
     "BufferConfig",

@@ -14,11 +14,9 @@ that stopped the load.
 Any ``RoutedSample`` can be checkpointed: the routing part of each record is its
 ``SampleRouting`` (``sample_id``, ``session_id``, ``origin``, ``retries``, the routing's
 array and segments), the rest is the sample's own, written and read by a
-``SampleCodec``, always passed in: this module knows no sample type. routeplay's own
-``RolloutState`` passes ``ROLLOUT_STATE_CODEC``; ``routeplay.rollout.save_buffer`` and
-its three siblings (``rollout/state_checkpoint.py``, next to ``RolloutState``) default to
-it.
-A single sample's routing is recorded and restored with ``SampleRouting.record`` /
+``SampleCodec`` (``codec=``; routeplay's own ``RolloutState``'s, ``ROLLOUT_STATE_CODEC``,
+by default).
+A single sample's routing is recorded and restored with ``RoutingRecord.of`` /
 ``RoutingRecord.restore`` (``record_routings`` for many with one read).
 
 Format versions: 2 (current) records ``origin``, ``retries``, ``routing_kind`` and
@@ -42,9 +40,10 @@ from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.rollout.routing_record import RoutingRecord, record_routings
 from routeplay.rollout.routing_terms import Origin
 from routeplay.rollout.sample_routing import RoutedSample, SampleRouting
+from routeplay.rollout.state import ROLLOUT_STATE_CODEC
 
 if TYPE_CHECKING:  # the client loads Ray; a restore only calls it
-    from routeplay.store.client import RouteStore
+    from routeplay.store.client.route_store import RouteStore
 
 __all__ = [
     "FORMAT",
@@ -90,7 +89,7 @@ def save_buffer(
     folder: Path,
     spec: RouteSpec,
     *,
-    codec: SampleCodec[Any],
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
 ) -> None:
     """Write every waiting group and queued retry, routing by value.
 
@@ -136,7 +135,7 @@ def load_buffer(
     store: RouteStore,
     config: BufferConfig,
     *,
-    codec: SampleCodec[Any],
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
 ) -> ReplayBuffer[Any]:
     """A buffer holding the checkpoint's groups, its routing stored anew and leased.
 
@@ -177,7 +176,7 @@ def load_buffer(
 
 
 def record_sample(
-    sample: Any, store: RouteStore, *, codec: SampleCodec[Any]
+    sample: Any, store: RouteStore, *, codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC
 ) -> tuple[dict[str, Any], npt.NDArray[Any] | None]:
     """One sample's checkpoint: its record (JSON-safe, the same layout a buffer checkpoint
     writes per sample) and its routing rows by value (None without routing). The sample
@@ -198,7 +197,7 @@ def restore_sample(
     store: RouteStore,
     spec: RouteSpec,
     *,
-    codec: SampleCodec[Any],
+    codec: SampleCodec[Any] = ROLLOUT_STATE_CODEC,
 ) -> Any:
     """The sample of ``record_sample``: its rows validated, stored anew and leased for the
     sample (``rollout/<id>``), segments at their recorded weight versions, ``RESTORED``.

@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RouteplayError
@@ -96,7 +96,7 @@ class AsyncBatchWriter(Protocol):
 
 
 def ingest_routing_group(
-    conts: Sequence[RoutingContinuation],
+    conts: Sequence[RoutingContinuation[Any]],
     routings: Sequence[EngineRouting],
     *,
     writer: BatchWriter,
@@ -128,7 +128,7 @@ def ingest_routing_group(
 
 
 async def aingest_routing_group(
-    conts: Sequence[RoutingContinuation],
+    conts: Sequence[RoutingContinuation[Any]],
     routings: Sequence[EngineRouting],
     *,
     writer: AsyncBatchWriter,
@@ -145,7 +145,7 @@ async def aingest_routing_group(
 
 
 def _group_step(
-    conts: Sequence[RoutingContinuation],
+    conts: Sequence[RoutingContinuation[Any]],
     routings: Sequence[EngineRouting],
     writer: BatchWriter | AsyncBatchWriter,
     weight_version: int,
@@ -184,7 +184,7 @@ class _Group:
 
     def __init__(
         self,
-        conts: Sequence[RoutingContinuation],
+        conts: Sequence[RoutingContinuation[Any]],
         routings: Sequence[EngineRouting],
         writer: BatchWriter | AsyncBatchWriter,
         weight_version: int,
@@ -245,7 +245,7 @@ class _Group:
             self.out[index] = self.kept(index) + result if isinstance(result, Handle) else result
 
 
-def _kept(cont: RoutingContinuation, routing: EngineRouting, spec: RouteSpec | None) -> Handle:
+def _kept(cont: RoutingContinuation[Any], routing: EngineRouting, spec: RouteSpec | None) -> Handle:
     """The member's history, or an empty handle of its spec."""
     if cont.history is not None:
         return cont.history
@@ -254,7 +254,7 @@ def _kept(cont: RoutingContinuation, routing: EngineRouting, spec: RouteSpec | N
     return Handle(_key_spec([cont], spec))
 
 
-def _key_spec(conts: Sequence[RoutingContinuation], spec: RouteSpec | None) -> RouteSpec:
+def _key_spec(conts: Sequence[RoutingContinuation[Any]], spec: RouteSpec | None) -> RouteSpec:
     if spec is not None:
         return spec
     raise MisuseError(
@@ -265,7 +265,7 @@ def _key_spec(conts: Sequence[RoutingContinuation], spec: RouteSpec | None) -> R
     )
 
 
-def _shared_prompt(conts: Sequence[RoutingContinuation]) -> int:
+def _shared_prompt(conts: Sequence[RoutingContinuation[Any]]) -> int:
     """Prompt rows fresh members of one group may share (0 unless all are fresh and
     were continued with one non-empty prompt); ``put_many`` shares only rows it
     verified equal."""

@@ -11,10 +11,9 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError
@@ -28,17 +27,46 @@ from routeplay.rollout.routing_terms import (
     sample_holder,
 )
 from routeplay.rollout.steps import Step, arun_step, releasing, run_step
-from routeplay.store.lease import Lease
+from routeplay.store.client.lease import Lease
 
 if TYPE_CHECKING:
     from routeplay.core.spec import RouteSpec
     from routeplay.rollout.adapters import AsyncRoutesWriter, EngineAdapter, RoutesWriter
-    from routeplay.rollout.sample_routing import SampleRouting
 
-__all__ = ["RoutingContinuation"]
+__all__ = ["ContinuedRouting", "RoutingContinuation"]
+
+_R = TypeVar("_R", bound="ContinuedRouting")
 
 
-class RoutingContinuation:
+class ContinuedRouting(Protocol):
+    """What a continuation needs of the routing it continues (``SampleRouting`` is one).
+    Typed by these members, not by ``SampleRouting``, so this module does not import the
+    holder that makes continuations (no import circle)."""
+
+    @property
+    def sample_id(self) -> str:
+        """The sample's id (its lease holder is ``rollout/<id>``)."""
+        ...
+
+    @property
+    def handle(self) -> Handle | None:
+        """The sample's own routing, if any (a resume's history)."""
+        ...
+
+    @property
+    def origin(self) -> Origin:
+        """Who produced the routing rows."""
+        ...
+
+    def finish_step(
+        self: _R, lease: Lease, handle: Handle, borrowed: Lease | None, origin: Origin
+    ) -> Step[_R]:
+        """The finish once ``lease`` (the new one) exists: end the own lease, then
+        ``borrowed``, and hold ``handle`` under ``lease``."""
+        ...
+
+
+class RoutingContinuation(Generic[_R]):
     """One request of one sample: the history it continues and the lease it borrowed.
 
     Made by ``SampleRouting.continuation()``. ``ingest`` stores the answer's new rows,
@@ -50,7 +78,7 @@ class RoutingContinuation:
 
     def __init__(
         self,
-        routing: SampleRouting,
+        routing: _R,
         *,
         history: Handle | None,
         borrowed: Lease | None,
@@ -139,7 +167,7 @@ class RoutingContinuation:
         routing = adapter.read(response, spec=spec, where=where, start_row=start_row)
         return (yield from stitch_step(routing, spec, writer, weight_version, self.history))
 
-    def finish(self, store: LeaseSource, handle: Handle) -> SampleRouting:
+    def finish(self, store: LeaseSource, handle: Handle) -> _R:
         """Lease ``handle`` for the sample (``rollout/<id>``), *then* end the own lease it
         replaces, *then* the borrowed one; returns the routing holding the new lease.
 
@@ -154,7 +182,7 @@ class RoutingContinuation:
         """
         return run_step(self._finish(store, handle))
 
-    async def afinish(self, store: AsyncLeaseSource, handle: Handle) -> SampleRouting:
+    async def afinish(self, store: AsyncLeaseSource, handle: Handle) -> _R:
         """Awaitable ``finish``.
 
         Example:
@@ -162,7 +190,7 @@ class RoutingContinuation:
         """
         return await arun_step(self._finish(store, handle))
 
-    def _finish(self, store: LeaseSource | AsyncLeaseSource, handle: Handle) -> Step[SampleRouting]:
+    def _finish(self, store: LeaseSource | AsyncLeaseSource, handle: Handle) -> Step[_R]:
         self.check_open("finish")
         self._done = True
         try:
@@ -170,12 +198,9 @@ class RoutingContinuation:
         except BaseException as exc:
             yield from self._end_borrowed(exc)
             raise
-        after, _ = yield from self.routing._try_release()  # a failure stays in unreleased
-        if self.borrowed is not None:
-            after, _ = yield from dataclasses.replace(after, lease=self.borrowed)._try_release()
-        return after.attach(handle, lease, self.origin)
+        return (yield from self.routing.finish_step(lease, handle, self.borrowed, self.origin))
 
-    def finishing(self) -> tuple[SampleRouting, Lease | None, Origin]:
+    def finishing(self) -> tuple[_R, Lease | None, Origin]:
         """Close this continuation for a finish made elsewhere, many at once
         (``routeplay.rollout.routing_groups.finish_all``): its routing, the borrowed lease
         the finish must end, and the origin of the routing it finishes with.
@@ -211,7 +236,7 @@ class RoutingContinuation:
         if self.borrowed is not None:
             yield releasing(self.borrowed)
 
-    def __enter__(self) -> RoutingContinuation:
+    def __enter__(self) -> RoutingContinuation[_R]:
         return self
 
     def __exit__(
@@ -222,7 +247,7 @@ class RoutingContinuation:
     ) -> None:
         run_step(self._exit(exc))
 
-    async def __aenter__(self) -> RoutingContinuation:
+    async def __aenter__(self) -> RoutingContinuation[_R]:
         return self
 
     async def __aexit__(

@@ -45,7 +45,7 @@ from routeplay.rollout.routing_continuation import RoutingContinuation
 from routeplay.rollout.routing_terms import sample_holder
 from routeplay.rollout.sample_routing import Expiry, SampleRouting
 from routeplay.rollout.steps import Call, Step, arun_step, run_step
-from routeplay.store.lease import Holders, Lease, holders_of
+from routeplay.store.client.lease import Holders, Lease, holders_of
 
 __all__ = [
     "AsyncManyLeaseSource",
@@ -180,7 +180,9 @@ async def adiscard_all(
 
 
 def finish_all(
-    conts: Sequence[RoutingContinuation], store: ManyLeaseSource, handles: Sequence[Handle]
+    conts: Sequence[RoutingContinuation[SampleRouting]],
+    store: ManyLeaseSource,
+    handles: Sequence[Handle],
 ) -> list[SampleRouting]:
     """``finish`` for many continuations (a group after ``ingest_routing_group``): every
     new lease (``rollout/<id>``) in one ``acquire_many``, then every replaced own lease
@@ -196,7 +198,7 @@ def finish_all(
 
 
 async def afinish_all(
-    conts: Sequence[RoutingContinuation],
+    conts: Sequence[RoutingContinuation[SampleRouting]],
     store: AsyncManyLeaseSource,
     handles: Sequence[Handle],
 ) -> list[SampleRouting]:
@@ -327,7 +329,7 @@ def _expire_all(routings: Sequence[SampleRouting]) -> Step[list[Expiry]]:
 
 
 def _finish_all(
-    conts: Sequence[RoutingContinuation], store: Source, handles: Sequence[Handle]
+    conts: Sequence[RoutingContinuation[SampleRouting]], store: Source, handles: Sequence[Handle]
 ) -> Step[list[SampleRouting]]:
     closing = [cont.finishing() for cont in conts]
     borrowed = [lease for _, lease, _ in closing if lease is not None]

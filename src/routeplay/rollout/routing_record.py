@@ -21,10 +21,10 @@ from routeplay.core.handle import Handle, Segment
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MalformedPayload
 from routeplay.rollout.routing_terms import Origin, RoutesPutter, RowReader, sample_holder
+from routeplay.rollout.sample_routing import SampleRouting
 
 if TYPE_CHECKING:
     from routeplay.core.spec import RouteSpec
-    from routeplay.rollout.sample_routing import SampleRouting
 
 __all__ = ["RoutingRecord", "cut_segments", "record_routings"]
 
@@ -55,6 +55,17 @@ class RoutingRecord:
     """``(rows, weight_version)`` of each handle segment, in order (empty: no routing)."""
     array: npt.NDArray[Any] | None = field(default=None, compare=False)
     """The rows, canonical (None: no routing)."""
+
+    @classmethod
+    def of(cls, routing: SampleRouting, store: RowReader) -> RoutingRecord:
+        """``routing`` by value (rows read now; no object-store reference), for a
+        checkpoint. ``record_routings`` records many with one read.
+
+        Example:
+            >>> record = RoutingRecord.of(sample.routing, store)  # doctest: +SKIP
+            >>> restored = record.restore(store, spec)
+        """
+        return record_routings([routing], store)[0]
 
     def to_json(self) -> dict[str, Any]:
         """The record without its array (JSON-safe)."""
@@ -101,9 +112,6 @@ class RoutingRecord:
 
         The array is validated again (``canonicalize``); a lease that cannot be taken
         leaves the stored payload unleased, for the store's TTL."""
-        # Imported here: sample_routing imports this module (its ``record``).
-        from routeplay.rollout.sample_routing import SampleRouting
-
         base = SampleRouting(
             sample_id=self.sample_id,
             session_id=self.session_id,

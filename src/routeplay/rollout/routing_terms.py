@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from routeplay.core.handle import Handle
 from routeplay.rollout.steps import Call
-from routeplay.store.lease import Lease
+from routeplay.store.client.lease import Lease
 
 if TYPE_CHECKING:
     from routeplay.core.routes import Routes

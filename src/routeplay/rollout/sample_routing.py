@@ -9,9 +9,9 @@ and the containers (``ReplayBuffer``, ``TrainingBatch``, ``SessionLedger``, the
 checkpoint) take any ``RoutedSample``: a sample that exposes its ``SampleRouting``, can
 return itself with a new one, and can drop its response for a retry (three members).
 Its parts live next to it: one request between ``continuation()`` and ``finish`` in
-``routeplay.rollout.routing_continuation``, the checkpoint's record in
-``routeplay.rollout.routing_record``, the terms and store protocols both share in
-``routeplay.rollout.routing_terms`` (all importable from here too).
+``routeplay.rollout.routing_continuation``, the checkpoint's record
+(``RoutingRecord.of(routing, store)``) in ``routeplay.rollout.routing_record``, the terms
+and store protocols both share in ``routeplay.rollout.routing_terms``.
 
 **Immutable.** A ``SampleRouting`` is a frozen value: every step returns the next value
 and never changes the one it was called on. A mutable sample stores the result
@@ -59,7 +59,7 @@ Step order (each row is one method; the order inside a step is the rule)::
     release()/try_release()   own lease, then every unreleased          raise / ride along
     reset()                   refuse a live lease; forget the handle    MisuseError
     take_unreleased()         hand the stuck leases to the caller       -
-    record(store)             read the rows by value (no refs)          -
+    RoutingRecord.of(r, s)    read the rows by value (no refs)          -
     RoutingRecord.restore     put the rows, acquire ``rollout/<id>``    payload dropped
 
 Awaitable twins: every step that makes a store call has one, the same name with an
@@ -74,8 +74,8 @@ Awaitable twins: every step that makes a store call has one, the same name with 
 steps take the awaitable protocols (``AsyncLeaseSource``, ``AsyncPrefixSource``,
 ``AsyncSessionSink``, ``AsyncRoutesWriter``): ``RouteStore`` and ``TraceStoreClient``
 are both faces; the in-process ``TraceStore`` is blocking only. ``complete``, ``reset``,
-``take_unreleased`` and ``attach`` make no call and have no twin; ``record`` and
-``RoutingRecord.restore`` are the checkpoint's (blocking).
+``take_unreleased`` and ``attach`` make no call and have no twin; ``RoutingRecord.of``
+and ``RoutingRecord.restore`` are the checkpoint's (blocking).
 
 Why the orders: a new lease exists before the lease it replaces ends, so rows shared
 by the two (a resume's history, a session prefix) never reach zero leases on the way;
@@ -104,7 +104,6 @@ from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RowCountMismatch
 from routeplay.rollout.releasing import attach_notes, first_error
 from routeplay.rollout.routing_continuation import RoutingContinuation
-from routeplay.rollout.routing_record import RoutingRecord, record_routings
 from routeplay.rollout.routing_terms import (
     AsyncLeaseSource,
     AsyncPrefixSource,
@@ -112,7 +111,6 @@ from routeplay.rollout.routing_terms import (
     LeaseSource,
     Origin,
     PrefixSource,
-    RowReader,
     SessionSink,
     StalenessBasis,
     acquiring,
@@ -120,7 +118,7 @@ from routeplay.rollout.routing_terms import (
     sample_holder,
 )
 from routeplay.rollout.steps import Call, Step, arun_step, cloning, releasing, run_step
-from routeplay.store.lease import Lease
+from routeplay.store.client.lease import Lease
 
 if TYPE_CHECKING:
     from routeplay.rollout.trace_store import Exported
@@ -135,12 +133,10 @@ __all__ = [
     "PrefixSource",
     "RoutedSample",
     "RoutingContinuation",
-    "RoutingRecord",
     "SampleRouting",
     "SessionSink",
     "StalenessBasis",
     "prefix_holder",
-    "record_routings",
     "sample_holder",
 ]
 
@@ -507,6 +503,17 @@ class SampleRouting:
         """
         return await arun_step(self._try_release())
 
+    def finish_step(
+        self, lease: Lease, handle: Handle, borrowed: Lease | None, origin: Origin
+    ) -> Step[SampleRouting]:
+        """A continuation's finish once its new ``lease`` exists: the own lease ends,
+        then ``borrowed`` (a failure rides along in ``unreleased``), and the value holds
+        ``handle`` under ``lease`` (``RoutingContinuation.finish`` runs it)."""
+        after, _ = yield from self._try_release()
+        if borrowed is not None:
+            after, _ = yield from dataclasses.replace(after, lease=borrowed)._try_release()
+        return after.attach(handle, lease, origin)
+
     def take_unreleased(self) -> tuple[SampleRouting, tuple[Lease, ...]]:
         """This value without its stuck leases, and those leases (still live in the
         store), for a caller that can revoke them; the caller then owns them."""
@@ -585,7 +592,7 @@ class SampleRouting:
 
     def continuation(
         self, traces: PrefixSource | None = None, prompt_ids: Iterable[int] = ()
-    ) -> RoutingContinuation:
+    ) -> RoutingContinuation[SampleRouting]:
         """What the next request continues: the own routing (a partial rollout resumes;
         the own lease covers those rows until ``finish``), else a borrowed session prefix
         of ``prompt_ids``, else nothing.
@@ -599,7 +606,7 @@ class SampleRouting:
 
     async def acontinuation(
         self, traces: AsyncPrefixSource | None = None, prompt_ids: Iterable[int] = ()
-    ) -> RoutingContinuation:
+    ) -> RoutingContinuation[SampleRouting]:
         """Awaitable ``continuation`` (its only call: a session prefix's export).
 
         Example:
@@ -611,7 +618,7 @@ class SampleRouting:
 
     def _continuation(
         self, traces: PrefixSource | AsyncPrefixSource | None, prompt_ids: Iterable[int]
-    ) -> Step[RoutingContinuation]:
+    ) -> Step[RoutingContinuation[SampleRouting]]:
         prompt = tuple(prompt_ids)
         if self.handle is not None:
             return RoutingContinuation(self, history=self.handle, borrowed=None, prompt_ids=prompt)
@@ -662,17 +669,6 @@ class SampleRouting:
                 attach_notes(exc, [error], f"releasing sample {self.sample_id}")
             raise
         return (yield from self._release())
-
-    # -- checkpoints ------------------------------------------------------------------
-    def record(self, store: RowReader) -> RoutingRecord:
-        """This routing by value (rows read now; no object-store reference), for a
-        checkpoint. ``record_routings`` records many with one read.
-
-        Example:
-            >>> record = sample.routing.record(store)  # doctest: +SKIP
-            >>> restored = record.restore(store, spec)
-        """
-        return record_routings([self], store)[0]
 
     def _check_no_live_lease(self, action: str) -> None:
         if self.holds_lease:

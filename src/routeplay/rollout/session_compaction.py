@@ -1,4 +1,4 @@
-"""When a trace session is compacted: the session side of ``routeplay.store.compaction``.
+"""When a trace session is compacted: the session side of ``routeplay.store.client.compaction``.
 
 A session whose stored handles grow past ``CompactionPolicy.threshold`` segments is
 *due*; the trace store compacts a due session off the caller's path (the trace-store
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError
-from routeplay.store.compaction import DEFAULT_THRESHOLD
+from routeplay.store.client.compaction import DEFAULT_THRESHOLD
 
 __all__ = ["CompactionPolicy"]
 

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
+from routeplay.store.client.lease import Lease
 from routeplay.store.flow import adrive, drive
-from routeplay.store.lease import Lease
 
 __all__ = ["Call", "Step", "arun_step", "cloning", "releasing", "run_step"]
 

@@ -12,7 +12,7 @@ answer in time, ``RoutesLost`` when it died; an error raised inside the actor, e
 The ownership rules are the plain class's (``routeplay.rollout.trace_store``): a lease
 the client returns (``export``, ``take_unreleased``) is the caller's to release.
 
-The actor is a producer (``routeplay.store.producer``): the rows it compacts are written
+The actor is a producer (``routeplay.store.remote.producer``): the rows it compacts are written
 through a store shard, which owns them, so a compacted session's payloads (and samples
 exported from them) survive the actor. A session that becomes due for compaction is
 compacted by a call the actor sends itself after answering the insert: the rollout
@@ -39,12 +39,12 @@ from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError
 from routeplay.rollout.session_compaction import CompactionPolicy
 from routeplay.rollout.trace_store import Exported, PrefixMatch, TraceStore, TraceStoreStats
-from routeplay.store import ray_calls
-from routeplay.store.client import RouteStore
-from routeplay.store.compaction import CompactionReport
+from routeplay.store.client.compaction import CompactionReport
+from routeplay.store.client.lease import Lease
+from routeplay.store.client.route_store import RouteStore
 from routeplay.store.flow import Flow, adrive, awaiting, drive
-from routeplay.store.lease import Lease
-from routeplay.store.producer import RoutesProducer, producer_actor
+from routeplay.store.remote import ray_calls
+from routeplay.store.remote.producer import RoutesProducer, producer_actor
 
 __all__ = ["TraceStoreActor", "TraceStoreClient", "TraceStoreConfig", "TraceStoreShell"]
 

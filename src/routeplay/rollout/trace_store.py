@@ -28,7 +28,7 @@ The trace store writes payloads only to compact: a later turn's handle normally 
 the earlier turn's segments and appends only the new rows, so shared prefixes are stored
 once in the route store and the trie holds one node per inserted sequence. A session
 whose handles pass ``CompactionPolicy.threshold`` segments is compacted
-(``routeplay.store.compaction``: each row copied once, a prefix shared by branches one
+(``routeplay.store.client.compaction``: each row copied once, a prefix shared by branches one
 payload, every row's weight version kept); the session leases the rebuilt handles
 first and ends its old leases after, so nothing held is freed early or leaked (leases
 of exported samples are never touched: they keep reading the old rows).
@@ -51,11 +51,11 @@ from routeplay.errors import HandleError, RouteplayError
 from routeplay.rollout.releasing import attempt_each, raise_first
 from routeplay.rollout.session_compaction import CompactionPolicy
 from routeplay.rollout.token_trie import TokenTrie, as_key
-from routeplay.store.compaction import CompactionReport, Write, compact_handles
-from routeplay.store.lease import Lease
+from routeplay.store.client.compaction import CompactionReport, Write, compact_handles
+from routeplay.store.client.lease import Lease
 
 if TYPE_CHECKING:  # the client loads Ray; the trace store only calls it
-    from routeplay.store.client import RouteStore
+    from routeplay.store.client.route_store import RouteStore
 
 log = logging.getLogger(__name__)
 

@@ -4,20 +4,34 @@ Ray actors here are thin shells over plain classes (``LeaseTable``, ``StoreShard
 ``EngineStore``, ``PayloadOutbox``) that are unit-tested without Ray. Processes use
 ``RouteStore`` (the client) and ``Lease``; producer actors mix in ``RoutesProducer``.
 
-Where to read: ``RouteStore`` (``client``) is made of parts over ``client_core`` (its
-state, shard calls and reads): the write path is ``client_writes`` (``put_many``,
-``put_staged_many``) and ``client_keys`` (``adopt_keys``) with ``writes`` (batch layout,
-shared prompt prefixes) and ``key_check`` (adopted keys validated once, near the engine)
-and ``compaction`` (long handles' rows copied once into few payloads); leases are
-``client_leases``; the read path is ``reads`` (leased block references, one fetch per
-read) over ``read_plan``; a lease is ``lease`` and ``lease_table``, releases in flight
-``releases``; every call is one flow (``flow``), driven blocking or awaited (the
-``a``-prefixed twins: docs/asyncio.md). Every call to a shard is typed: built from a
-``shard_api.ShardApi`` operation (``shard_call``), never from a method name.
+Where to read: a folder per concern.
 
-Names are resolved on first use (PEP 562), so the plain modules (``lease``,
-``lease_table``, ``shard``, ``engine_store``, ``store_config``) import without Ray;
-``RouteStore`` and the actor helpers load it.
+- ``client/``: the client every process uses. ``RouteStore`` and the ``StoreConfig`` that
+  builds it (``route_store``) over a shared ``core`` (state, shard calls, reads): the
+  write path (``write_path``: ``put_many``, ``put_staged_many``), adopted engine keys
+  (``keys``), leases (``leases``; a lease is ``lease``, releases in flight
+  ``releases``, concurrent awaitable calls batched by ``coalesce``), the read path
+  (``read_path`` over ``read_plan``: leased block references, one fetch per read) and
+  ``compaction`` (long handles' rows copied once into few payloads).
+- ``shard/``: one shard's tables, never payload bytes: ``shard`` (payload references),
+  ``lease_table`` (who holds what), ``call_meter`` (calls served and their CPU),
+  ``adoption`` (adopting engine keys: decisions, waits, the raw fallback) and ``api``
+  (every shard operation, typed: a call is built from a ``ShardApi`` operation with
+  ``shard_call``, never from a method name).
+- ``engine/``: the engine-side store (``engine_store``: a drop-in for LMDeploy's
+  ``shared_store``), where engines look for it (``service``), validation at ingest
+  (``ingest``) and of adopted keys (``key_check``).
+- ``remote/``: the Ray plumbing: actor shells (``actors``), how a client reaches its
+  shards (``backend``: Ray actors or plain objects in process), every Ray wait with a
+  deadline (``ray_calls``), version checks of peers (``protocol``), producer actors
+  (``producer``, ``outbox``) and Ray's own object-store counters (``accounting``).
+- Shared by all four: every store call is one flow (``flow``), driven blocking or awaited
+  (the ``a``-prefixed twins: docs/asyncio.md); ``write_plan`` lays a batch out (shared
+  prompt prefixes, blocks) and ``joined_rows`` joins its pieces as the write happens.
+
+Names are resolved on first use (PEP 562), so the plain modules (``client.lease``,
+``shard.lease_table``, ``shard.shard``, ``engine.engine_store``) import without Ray;
+``RouteStore``, ``StoreConfig`` and the actor helpers load it.
 """
 
 from __future__ import annotations
@@ -27,40 +41,39 @@ from typing import TYPE_CHECKING, Any
 from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
-    from routeplay.store.client import RouteStore, StoreStats
-    from routeplay.store.compaction import Compacted, CompactionReport
-    from routeplay.store.engine_service import (
+    from routeplay.store.client.compaction import Compacted, CompactionReport
+    from routeplay.store.client.lease import Lease
+    from routeplay.store.client.route_store import RouteStore, StoreConfig, StoreStats
+    from routeplay.store.engine.engine_store import EngineStore, EngineStoreStats
+    from routeplay.store.engine.service import (
         aleave_engine_store,
         astart_engine_store,
         leave_engine_store,
         start_engine_store,
     )
-    from routeplay.store.engine_store import EngineStore, EngineStoreStats
-    from routeplay.store.lease import Lease
-    from routeplay.store.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
-    from routeplay.store.producer import AsyncRoutesProducer, RoutesProducer, producer_actor
-    from routeplay.store.store_config import StoreConfig
+    from routeplay.store.remote.producer import AsyncRoutesProducer, RoutesProducer, producer_actor
+    from routeplay.store.shard.lease_table import LeakRecord, LeaseTable, PayloadState, TableStats
 
 _HOME = {
-    "Compacted": "compaction",
-    "CompactionReport": "compaction",
-    "EngineStore": "engine_store",
-    "EngineStoreStats": "engine_store",
-    "LeakRecord": "lease_table",
-    "Lease": "lease",
-    "LeaseTable": "lease_table",
-    "PayloadState": "lease_table",
-    "RouteStore": "client",
-    "AsyncRoutesProducer": "producer",
-    "RoutesProducer": "producer",
-    "StoreConfig": "store_config",
-    "StoreStats": "client",
-    "TableStats": "lease_table",
-    "aleave_engine_store": "engine_service",
-    "astart_engine_store": "engine_service",
-    "leave_engine_store": "engine_service",
-    "producer_actor": "producer",
-    "start_engine_store": "engine_service",
+    "Compacted": "client.compaction",
+    "CompactionReport": "client.compaction",
+    "EngineStore": "engine.engine_store",
+    "EngineStoreStats": "engine.engine_store",
+    "LeakRecord": "shard.lease_table",
+    "Lease": "client.lease",
+    "LeaseTable": "shard.lease_table",
+    "PayloadState": "shard.lease_table",
+    "RouteStore": "client.route_store",
+    "AsyncRoutesProducer": "remote.producer",
+    "RoutesProducer": "remote.producer",
+    "StoreConfig": "client.route_store",
+    "StoreStats": "client.route_store",
+    "TableStats": "shard.lease_table",
+    "aleave_engine_store": "engine.service",
+    "astart_engine_store": "engine.service",
+    "leave_engine_store": "engine.service",
+    "producer_actor": "remote.producer",
+    "start_engine_store": "engine.service",
 }
 
 __all__ = [

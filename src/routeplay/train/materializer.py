@@ -65,7 +65,7 @@ from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.train.packing import Pack, PackedSample, PackingPlan, RankCoords, local_ranges
 
 if TYPE_CHECKING:  # the store package imports Ray; a trainer process may run without it
-    from routeplay.store.lease import Lease
+    from routeplay.store.client.lease import Lease
 
 __all__ = [
     "LeasingReader",

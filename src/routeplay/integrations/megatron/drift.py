@@ -32,6 +32,7 @@ import torch
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch
 from routeplay.integrations.megatron.layout import MegatronLayout
+from routeplay.integrations.megatron.recording import Recording
 from routeplay.integrations.megatron.routers import MegatronRouter
 from routeplay.train.drift import DriftMeter, DriftPass
 from routeplay.train.materializer import MicroBatchRoutes
@@ -103,8 +104,6 @@ class MegatronDrift:
         ``mask`` (bool, one per row of ``routes``) marks the real tokens; by default a
         ``MicroBatchRoutes``' own mask, else every row.
         """
-        from routeplay.integrations.megatron.session import Recording
-
         if mask is None and isinstance(routes, MicroBatchRoutes):
             mask = routes.mask
         tensor = None

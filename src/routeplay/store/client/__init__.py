@@ -1,0 +1,1 @@
+"""The route-store client every process uses: ``RouteStore`` and its parts."""

@@ -1,0 +1,357 @@
+"""The read path: rows of many handles copied once into memory the caller owns.
+
+Where the bytes come from, cheapest first:
+- **block references this process already holds**: a lease granted here carries the
+  references of its payloads' blocks (``BlockPins``), so reading leased rows needs no
+  shard call at all;
+- otherwise one batched ``locate`` call per shard (a reader without a lease of its own,
+  e.g. a copy of a lease pickled into another process, or a checkpoint export).
+
+The blocks of one read are fetched in as few ``ray.get``s as their writing allows (one
+when they all exist; else a batch each time more of them exist, so a block crosses
+while later ones are still written), each batch's rows copied into the outputs and its
+zero-copy views dropped at once (also on errors): a view would pin the object after
+its last lease is gone. Pinned references go when the lease that pinned them is
+released, never later, so a reader never outlives a lease's semantics.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from routeplay.core.handle import EngineKey, Handle, InlineSource
+from routeplay.core.layers import LayerSubset
+from routeplay.core.spec import RouteSpec
+from routeplay.core.validate import canonicalize
+from routeplay.errors import HandleError, MisuseError, RoutesLost, SpecMismatch, StoreTimeout
+from routeplay.store.client.read_plan import BlockCopy, ReadPlan, plan_reads
+from routeplay.store.engine.key_check import check_key_payload
+from routeplay.store.flow import Wait, drive
+from routeplay.store.remote.backend import Backend
+from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
+
+__all__ = ["BlockPins", "MetadataCall", "Reader"]
+
+R = TypeVar("R")
+
+
+class MetadataCall(Protocol):
+    """The client's shard call (it settles releases in flight first)."""
+
+    def __call__(self, calls: Sequence[ShardCall[R]], what: str) -> list[R]: ...
+
+
+class BlockPins:
+    """Block references of payloads leased in this process, counted per lease."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # leases are released on one thread, read on another
+        self._held: dict[str, tuple[list[Any], int]] = {}
+
+    def pin(self, blocks: Mapping[str, list[Any]]) -> tuple[str, ...]:
+        """Hold ``blocks`` for one more lease; returns the payload ids pinned."""
+        with self._lock:
+            for pid, refs in blocks.items():
+                _, count = self._held.get(pid, (refs, 0))
+                self._held[pid] = (refs, count + 1)
+        return tuple(blocks)
+
+    def repin(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
+        """Count one more lease on payloads already pinned here (clones); returns those."""
+        with self._lock:
+            present = tuple(pid for pid in payload_ids if pid in self._held)
+            for pid in present:
+                refs, count = self._held[pid]
+                self._held[pid] = (refs, count + 1)
+        return present
+
+    def unpin(self, payload_ids: Sequence[str]) -> None:
+        """One lease less; references of payloads no local lease holds are dropped."""
+        with self._lock:
+            for pid in payload_ids:
+                refs, count = self._held.get(pid, ([], 0))
+                if count > 1:
+                    self._held[pid] = (refs, count - 1)
+                else:
+                    self._held.pop(pid, None)
+
+    def lookup_many(self, payload_ids: Sequence[str]) -> list[list[Any] | None]:
+        """``lookup`` of many payloads under one lock."""
+        with self._lock:
+            found = [self._held.get(pid) for pid in payload_ids]
+        return [None if held is None else held[0] for held in found]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class Reader:
+    """Executes read plans for one client (``RouteStore.read_many`` delegates here)."""
+
+    def __init__(
+        self,
+        call: MetadataCall,
+        backend: Backend,
+        run: str,
+        pins: BlockPins,
+    ) -> None:
+        self._call = call  # the client's metadata call (it settles releases first)
+        self._backend = backend
+        self._run = run
+        self._pins = pins
+
+    def read_many(
+        self,
+        requests: Sequence[tuple[Handle, int, int]],
+        *,
+        holder: str,
+        out: Sequence[npt.NDArray[Any]] | None = None,
+        layers: LayerSubset | None = None,
+    ) -> list[npt.NDArray[Any]]:
+        """Rows of each request, copied into ``out`` (reused buffers) or fresh arrays;
+        with ``layers``, only those MoE layers' columns."""
+        plan = plan_reads(requests)
+        columns = _columns(layers, requests)
+        # Engine keys first: their payloads are checked against the rows the responses
+        # claimed before anything is allocated for those rows (a claim is not a size).
+        consumed = self._consume_engine_keys(plan)
+        outs = _outputs(plan, requests, out, columns)
+        for direct in plan.direct:
+            seg = direct.segment
+            if isinstance(seg.source, InlineSource):
+                rows = seg.source.array[seg.start : seg.stop]
+            else:
+                assert isinstance(seg.source, EngineKey)
+                rows = consumed[seg.source.key][seg.start : seg.stop]
+            into = outs[direct.request][direct.offset : direct.offset + seg.rows]
+            if columns is None:
+                into[...] = rows
+            else:
+                columns.copy(rows, into)
+        if plan.copies:
+            self._copy_as_fetched(plan, holder, outs, columns)
+        return outs
+
+    def _copy_as_fetched(
+        self,
+        plan: ReadPlan,
+        holder: str,
+        outs: Sequence[npt.NDArray[Any]],
+        columns: LayerSubset | None,
+    ) -> None:
+        """Copy every planned block range into its output, a batch of blocks at a time
+        as the blocks arrive (``Backend.fetch_as_created``): a block crosses and is
+        copied while later blocks are still being written or crossing (blocks that all
+        exist already come as one batch, Ray's fastest pull). Each batch's zero-copy
+        views are dropped before the next batch is fetched, also on errors: nothing
+        stays pinned. After an error the outputs hold the batches copied before it."""
+        keys, refs = self._block_refs(plan)
+        copies = _CopiesByBlock(plan.copies)
+        blocks: dict[tuple[str, int], Any] = {}
+        try:
+            for now, values in self._backend.fetch_as_created(refs, "blocks"):
+                blocks = {keys[i]: value for i, value in zip(now, values, strict=True)}
+                values.clear()
+                batch = copies.of(blocks, whole=len(blocks) == len(keys))
+                _copy_blocks(batch, blocks, outs, columns)
+                blocks.clear()
+        except (RoutesLost, StoreTimeout) as exc:
+            # Named only on an error: a read's payload list is not built on every read.
+            lost = self._backend.lost_index(refs, exc) if isinstance(exc, RoutesLost) else None
+            payload = f"payload {keys[lost][0]}" if lost is not None else _candidates(keys)
+            raise type(exc)(
+                exc.summary,
+                where=f"{payload} (run {self._run}), read by {holder or 'an unnamed reader'}",
+                expected=exc.expected,
+                found=exc.found,
+                hint=exc.hint,
+            ) from exc
+        finally:
+            blocks.clear()
+            refs.clear()
+
+    def _block_refs(self, plan: ReadPlan) -> tuple[list[tuple[str, int]], list[Any]]:
+        """Every block reference the plan needs: pinned ones here, the rest located."""
+        keys: list[tuple[str, int]] = []
+        refs: list[Any] = []
+        missing: dict[int, list[tuple[str, list[int]]]] = {}
+        for shard in sorted(plan.wanted):
+            requests = plan.locate_requests(shard)
+            pins = self._pins.lookup_many([pid for pid, _ in requests])
+            for (pid, wanted), pinned in zip(requests, pins, strict=True):
+                if pinned is None:
+                    missing.setdefault(shard, []).append((pid, wanted))
+                elif len(wanted) == 1 and wanted[0] == 0 and pinned:  # one block: the default
+                    keys.append((pid, 0))
+                    refs.append(pinned[0])
+                else:
+                    _check_blocks(pid, wanted, len(pinned))
+                    keys.extend([(pid, b) for b in wanted])
+                    refs.extend([pinned[b] for b in wanted])
+        if missing:
+            shards = sorted(missing)
+            calls = [shard_call(i, ShardApi.locate, missing[i], self._run) for i in shards]
+            located = self._call(calls, "locate blocks")
+            for shard, per_shard in zip(shards, located, strict=True):
+                for (pid, wanted), block_refs in zip(missing[shard], per_shard, strict=True):
+                    keys.extend((pid, b) for b in wanted)
+                    refs.extend(block_refs)
+        return keys, refs
+
+    def _consume_engine_keys(self, plan: ReadPlan) -> dict[str, npt.NDArray[Any]]:
+        """Every engine key the plan reads, consumed once (keys are single-use)."""
+        consumed: dict[str, npt.NDArray[Any]] = {}
+        for direct in plan.direct:
+            key = direct.segment.source
+            if isinstance(key, EngineKey) and key.key not in consumed:
+                consumed[key.key] = self._consume_engine_key(key, direct.segment.spec)
+        return consumed
+
+    def _consume_engine_key(self, key: EngineKey, spec: RouteSpec) -> npt.NDArray[Any]:
+        """Read a key's whole payload once (the key is single-use), validated, canonical.
+
+        Type, shape and rows are checked on the fetched view before anything is copied,
+        so a payload that is not an array, or not the rows the key claims, is refused
+        without allocating for the claim."""
+        where = f"engine key {key.key}"
+        drive(self._backend.ask_engines([key]), self._backend)
+        pending = self._backend.send_key_refs(key, self._run)
+        [wrapped] = self._backend.resolve(Wait((pending,), f"{key.namespace}/{key.actor}.get_ref"))
+        del pending
+        [view] = self._backend.fetch(wrapped, where)
+        del wrapped
+        try:  # copy the counted rows out; the view goes, also on a refusal: nothing pinned
+            counted = np.array(check_key_payload(view, key, spec, where=where)[: key.rows])
+        finally:
+            del view
+        return canonicalize(counted, spec, where=where).array
+
+
+def _outputs(
+    plan: ReadPlan,
+    requests: Sequence[tuple[Handle, int, int]],
+    out: Sequence[npt.NDArray[Any]] | None,
+    columns: LayerSubset | None,
+) -> list[npt.NDArray[Any]]:
+    shapes = [
+        (rows, *_row_shape(h.spec, columns))
+        for rows, (h, _, _) in zip(plan.rows, requests, strict=True)
+    ]
+    if out is None:
+        pairs = zip(shapes, requests, strict=True)
+        return [np.empty(shape, handle.spec.dtype) for shape, (handle, _, _) in pairs]
+    given = list(out)
+    for buffer, shape, (handle, _, _) in zip(given, shapes, requests, strict=True):
+        if buffer.shape != shape or buffer.dtype != handle.spec.dtype:
+            raise MisuseError(
+                "an output buffer does not fit its request",
+                expected=f"{shape} {handle.spec.dtype}",
+                found=f"{buffer.shape} {buffer.dtype}",
+            )
+    return given
+
+
+class _CopiesByBlock:
+    """The planned copies of the blocks in a batch, in plan order (indexed by block on
+    the first partial batch, so a read never scans every copy once per batch)."""
+
+    def __init__(self, copies: Sequence[BlockCopy]) -> None:
+        self._copies = copies
+        self._by_block: dict[tuple[str, int], list[int]] | None = None
+
+    def of(self, blocks: Mapping[tuple[str, int], Any], *, whole: bool) -> Sequence[BlockCopy]:
+        if whole:
+            return self._copies
+        if self._by_block is None:
+            self._by_block = {}
+            for position, copy in enumerate(self._copies):
+                self._by_block.setdefault((copy.payload_id, copy.block), []).append(position)
+        positions = sorted(p for block in blocks for p in self._by_block.get(block, ()))
+        return [self._copies[p] for p in positions]
+
+
+def _columns(
+    layers: LayerSubset | None, requests: Sequence[tuple[Handle, int, int]]
+) -> LayerSubset | None:
+    """The columns to copy (None: every one), checked against each request's spec."""
+    if layers is None:
+        return None
+    for index, (handle, _, _) in enumerate(requests):
+        if handle.spec.num_layers != layers.of_layers:
+            raise SpecMismatch(
+                "a layer subset of another model",
+                expected=f"a subset of {handle.spec.num_layers} MoE layers",
+                found=f"a subset of {layers.of_layers} MoE layers",
+                where=f"request {index}",
+            )
+    return None if layers.whole else layers
+
+
+def _row_shape(spec: RouteSpec, columns: LayerSubset | None) -> tuple[int, ...]:
+    if columns is None:
+        return spec.row_shape
+    return (len(columns.layers), *spec.row_shape[1:])
+
+
+def _copy_blocks(
+    copies: Sequence[BlockCopy],
+    blocks: Mapping[tuple[str, int], Any],
+    outs: Sequence[npt.NDArray[Any]],
+    columns: LayerSubset | None,
+) -> None:
+    """Copy each block range into its output. Ranges that follow each other in one
+    output (the segments of a handle, in order) go in one ``np.concatenate``: one C
+    loop for a run of 1,000 segments instead of 1,000 slice assignments."""
+    run: list[Any] = []  # the views of the current run: dropped before returning
+    start = end = request = -1
+    try:
+        for copy in copies:
+            view = blocks[(copy.payload_id, copy.block)][copy.lo : copy.hi]
+            if copy.request != request or copy.offset != end:
+                _flush_run(outs, request, start, end, run, columns)
+                request, start, end = copy.request, copy.offset, copy.offset
+            run.append(view)
+            end += copy.hi - copy.lo
+        _flush_run(outs, request, start, end, run, columns)
+    finally:
+        run.clear()
+
+
+def _flush_run(
+    outs: Sequence[npt.NDArray[Any]],
+    request: int,
+    start: int,
+    end: int,
+    run: list[Any],
+    columns: LayerSubset | None,
+) -> None:
+    if columns is not None and run:
+        columns.concatenate(run, outs[request][start:end])
+    elif len(run) == 1:
+        outs[request][start:end] = run[0]
+    elif run:
+        np.concatenate(run, axis=0, out=outs[request][start:end])
+    run.clear()
+
+
+def _candidates(keys: Sequence[tuple[str, int]]) -> str:
+    """The payloads a failed batch fetch was about, when Ray does not say which one."""
+    pids = sorted({pid for pid, _ in keys})
+    shown = ", ".join(pids[:4]) + (f" (+{len(pids) - 4} more)" if len(pids) > 4 else "")
+    return f"one of payloads {shown}" if len(pids) > 1 else f"payload {shown}"
+
+
+def _check_blocks(pid: str, wanted: Sequence[int], count: int) -> None:
+    if any(not 0 <= block < count for block in wanted):
+        raise HandleError(
+            "block index outside the payload",
+            expected=f"blocks in [0, {count})",
+            found=list(wanted),
+            where=f"payload {pid}",
+        )

@@ -1,0 +1,386 @@
+"""The write path of the route-store client (``WritingStore``, a part of ``RouteStore``):
+``put_many`` writes a laid-out batch (``routeplay.store.write_plan``: shared prompt prefixes
+stored once, ``pack``) with one object-store write per payload and one adopt call;
+``put_leased_many`` leases in the same call; ``put_staged``/``put_staged_many`` have a
+shard take a producer's staged blocks, so the shard owns them (``RoutesProducer``). A
+call abandoned in flight drops what it wrote when the shard's answer lands.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from routeplay.core.handle import Handle, Segment, StoreRef
+from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
+from routeplay.store.client.lease import Lease
+from routeplay.store.client.leases import LeasingStore
+from routeplay.store.client.releases import Undo
+from routeplay.store.flow import Flow
+from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
+from routeplay.store.shard.shard import Grant, StoredPayload
+from routeplay.store.write_plan import (
+    MIN_BLOCK_BYTES,
+    BatchLayout,
+    batch_spec,
+    plan_batch,
+    plan_write,
+    split_blocks,
+)
+
+__all__ = ["WritingStore"]
+
+
+class WritingStore(LeasingStore):
+    """Put routing from this process or from a producer (a part of ``RouteStore``).
+
+    Example:
+        handles = store.put_many(group, shared_prefix=prompt_tokens)
+    """
+
+    def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
+        """Write from *this* process, which then owns the bytes: for long-lived callers
+        (the driver, a store-side service). Rollout workers use ``RoutesProducer``.
+
+        Example:
+            handle = store.put(routes, weight_version=3)
+        """
+        return self.put_many([routes], weight_version=weight_version)[0]
+
+    async def aput(self, routes: Routes, *, weight_version: int = 0) -> Handle:
+        """Awaitable ``put``.
+
+        Example:
+            handle = await store.aput(routes, weight_version=3)
+        """
+        return (await self.aput_many([routes], weight_version=weight_version))[0]
+
+    def put_many(
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Write many samples with one adopt call (many small samples: one round trip).
+
+        ``shared_prefix=P``: samples whose first ``P`` rows are verified equal (a GRPO
+        group's prompt) store them once and point at the shared rows; each still gets
+        its own handle and its own leases (see ``routeplay.store.write_plan``). ``pack``
+        writes the whole batch as one payload (one write; readers fetch all of it).
+
+        Example:
+            handles = store.put_many(group, shared_prefix=prompt_tokens)
+            store.stats().shared_prefix_bytes_saved   # (G - 1) prompt copies not written
+        """
+        return self.drive(self._put_many(batch, weight_version, shared_prefix, pack))
+
+    async def aput_many(
+        self,
+        batch: Sequence[Routes],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[Handle]:
+        """Awaitable ``put_many`` (cancelled in flight: the payloads are dropped).
+
+        Example:
+            handles = await store.aput_many(group, shared_prefix=prompt_tokens)
+        """
+        return await self.adrive(self._put_many(batch, weight_version, shared_prefix, pack))
+
+    def _put_many(
+        self, batch: Sequence[Routes], weight_version: int, shared_prefix: int, pack: bool
+    ) -> Flow[list[Handle]]:
+        planned = plan_write(batch, prefix_rows=shared_prefix, pack=pack)
+        if isinstance(planned, list):
+            return planned  # nothing to store
+        spec, layout = planned
+        blocks, payloads = self.layout_blocks(layout, spec)
+        refs = self._backend.put_blocks(blocks)
+        shard = self._pick_shard(uuid.uuid4().hex)
+        call = shard_call(shard, ShardApi.adopt_many, refs, payloads, layout.saved_bytes)
+        [stored] = yield from self._calls([call], "adopt a batch", undo=_discard_stored(shard))
+        return _handles(layout, stored, spec, weight_version)
+
+    def put_leased(
+        self, routes: Routes, holder: str, *, weight_version: int = 0
+    ) -> tuple[Handle, Lease]:
+        """``put`` and a lease of ``holder`` in one shard call: a slow caller cannot lose
+        the payload to the TTL between the two (as it can with ``put`` then ``acquire``).
+
+        Example:
+            handle, lease = store.put_leased(routes, "sample/s-3")
+        """
+        [pair] = self.put_leased_many([routes], holder, weight_version=weight_version)
+        return pair
+
+    async def aput_leased(
+        self, routes: Routes, holder: str, *, weight_version: int = 0
+    ) -> tuple[Handle, Lease]:
+        """Awaitable ``put_leased``.
+
+        Example:
+            handle, lease = await store.aput_leased(routes, "sample/s-3")
+        """
+        [pair] = await self.aput_leased_many([routes], holder, weight_version=weight_version)
+        return pair
+
+    def put_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holder: str,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """``put_many`` with a lease of ``holder`` per sample, granted by the same call.
+
+        Example:
+            pairs = store.put_leased_many(group, "buffer/g-1", shared_prefix=prompt)
+        """
+        flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
+        return self.drive(flow)
+
+    async def aput_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holder: str,
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """Awaitable ``put_leased_many`` (cancelled in flight: leases and payloads end).
+
+        Example:
+            pairs = await store.aput_leased_many(group, "buffer/g-1", shared_prefix=prompt)
+        """
+        flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
+        return await self.adrive(flow)
+
+    def _put_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holder: str,
+        weight_version: int,
+        shared_prefix: int,
+        pack: bool,
+    ) -> Flow[list[tuple[Handle, Lease]]]:
+        spec = batch_spec(batch)
+        if spec is None:
+            return []
+        layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
+        if not layout.arrays:
+            empty = [Handle(spec) for _ in batch]
+            leases = yield from self._acquire_many([(h, holder) for h in empty])
+            return list(zip(empty, leases, strict=True))
+        blocks, payloads = self.layout_blocks(layout, spec)
+        refs = self._backend.put_blocks(blocks)
+        shard = self._pick_shard(uuid.uuid4().hex)
+        per_sample = [layout.payloads_of(i) for i in range(len(layout.samples))]
+        call = shard_call(
+            shard, ShardApi.adopt_leased, refs, payloads, layout.saved_bytes, per_sample, holder
+        )
+        [(stored, grant)] = yield from self._calls(
+            [call], f"put for {holder}", undo=_release_adopted(shard)
+        )
+        handles = _handles(layout, stored, spec, weight_version)
+        return [
+            (handle, self._lease_of(handle, holder, shard, lease_id, grant))
+            for handle, lease_id in zip(handles, grant.lease_ids, strict=True)
+        ]
+
+    def _lease_of(
+        self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
+    ) -> Lease:
+        pids = self._payload_ids(handle)
+        blocks = {pid: self._backend.borrow(grant.blocks[pid]) for pid in pids}
+        return Lease(self, handle, holder, {shard: lease_id}, pinned=self._pins.pin(blocks))
+
+    def layout_blocks(
+        self, layout: BatchLayout, spec: RouteSpec
+    ) -> tuple[tuple[Any, ...], list[StoredPayload]]:
+        """The blocks of a laid-out batch, flattened, and what the shard records for each
+        payload (producers stage these blocks, then ``put_staged_many``)."""
+        block_rows = self.block_rows_for(spec)
+        blocks: list[Any] = []
+        payloads = []
+        for array in layout.arrays:
+            parts = split_blocks(array, block_rows)
+            blocks.extend(parts)
+            payloads.append(
+                StoredPayload(
+                    blocks=len(parts),
+                    rows=int(array.shape[0]),
+                    nbytes=spec.nbytes(int(array.shape[0])),
+                    block_rows=block_rows if len(parts) > 1 else 0,
+                )
+            )
+        return tuple(blocks), payloads
+
+    def block_rows_for(self, spec: RouteSpec) -> int:
+        """Rows per block for this model: the configured count (more for narrow rows),
+        or, by default, as many rows as fit in ``max_block_bytes``."""
+        if self.config.block_rows <= 0:
+            return max(1, self.config.max_block_bytes // spec.row_nbytes)
+        return max(self.config.block_rows, -(-MIN_BLOCK_BYTES // spec.row_nbytes))
+
+    def put_staged(
+        self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
+    ) -> Handle:
+        """Have a shard take a producer's staged blocks: one write, owned by the shard."""
+        return self.drive(self.put_staged_flow(producer, token, blocks, routes, weight_version))
+
+    async def aput_staged(
+        self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
+    ) -> Handle:
+        """Awaitable ``put_staged``.
+
+        Example:
+            handle = await store.aput_staged(me, token, blocks, routes)
+        """
+        flow = self.put_staged_flow(producer, token, blocks, routes, weight_version)
+        return await self.adrive(flow)
+
+    def put_staged_flow(
+        self, producer: Any, token: str, blocks: int, routes: Routes, weight_version: int
+    ) -> Flow[Handle]:
+        """The flow of ``put_staged`` (a producer drives it blocking or awaited)."""
+        block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
+        shard = self._pick_shard(token)
+        call = shard_call(
+            shard,
+            ShardApi.adopt_from,
+            producer,
+            token,
+            blocks,
+            routes.rows,
+            routes.nbytes,
+            block_rows,
+        )
+        # The shard itself waits up to timeout_s for the producer; give its answer room.
+        [stored] = yield from self._calls(
+            [call],
+            f"adopt {token}",
+            timeout_s=2 * self.config.timeout_s,
+            undo=lambda _, ref: [shard_call(shard, ShardApi.discard, [ref.payload_id])],
+        )
+        return self._handle(stored, routes.spec, weight_version)
+
+    def put_staged_many(
+        self,
+        producer: Any,
+        token: str,
+        layout: BatchLayout,
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+    ) -> list[Handle]:
+        """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
+        return self.drive(self.put_staged_many_flow(producer, token, layout, spec, weight_version))
+
+    async def aput_staged_many(
+        self,
+        producer: Any,
+        token: str,
+        layout: BatchLayout,
+        spec: RouteSpec,
+        *,
+        weight_version: int = 0,
+    ) -> list[Handle]:
+        """Awaitable ``put_staged_many``.
+
+        Example:
+            handles = await store.aput_staged_many(me, token, layout, spec)
+        """
+        flow = self.put_staged_many_flow(producer, token, layout, spec, weight_version)
+        return await self.adrive(flow)
+
+    def put_staged_many_flow(
+        self, producer: Any, token: str, layout: BatchLayout, spec: RouteSpec, weight_version: int
+    ) -> Flow[list[Handle]]:
+        """The flow of ``put_staged_many`` (a producer drives it blocking or awaited)."""
+        _, payloads = self.layout_blocks(layout, spec)  # blocks are views: nothing copied
+        stored = yield from self.staged_adoption(producer, token, payloads, layout.saved_bytes)
+        return self.written_handles(layout, stored, spec, weight_version)
+
+    def staged_adoption(
+        self, producer: Any, token: str, payloads: Sequence[StoredPayload], saved_bytes: int
+    ) -> Flow[list[StoreRef]]:
+        """The flow of one shard's adoption of every block a producer staged under
+        ``token`` (one call to the shard, one from it to the producer): the stored
+        payloads, in order. Abandoned in flight: the payloads are dropped when the
+        answer lands. A producer adopting many writers' batches at once (its concurrent
+        coroutines, ``AsyncRoutesProducer``) stages them under one token.
+
+        Example:
+            stored = yield from store.staged_adoption(me, token, payloads, saved_bytes)
+        """
+        shard = self._pick_shard(token)
+        call = shard_call(
+            shard, ShardApi.adopt_from_many, producer, token, list(payloads), saved_bytes
+        )
+        [stored] = yield from self._calls(
+            [call],
+            f"adopt {token}",
+            timeout_s=2 * self.config.timeout_s,
+            undo=_discard_stored(shard),
+        )
+        return list(stored)
+
+    def written_handles(
+        self, layout: BatchLayout, stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int
+    ) -> list[Handle]:
+        """Each sample's handle of a written layout: the stored row ranges its rows are
+        made of, in order (``stored``: the layout's payloads, as the shard adopted them).
+
+        Example:
+            handles = store.written_handles(layout, stored, spec, weight_version=3)
+        """
+        return _handles(layout, stored, spec, weight_version)
+
+
+def _discard_stored(shard: int) -> Undo:
+    """Undo of an adopt whose caller never got the handles: drop the unleased payloads."""
+
+    def undo(_: int, stored: Sequence[StoreRef]) -> list[ShardCall[list[str]]]:
+        return [shard_call(shard, ShardApi.discard, [ref.payload_id for ref in stored])]
+
+    return undo
+
+
+def _release_adopted(shard: int) -> Undo:
+    """Undo of ``adopt_leased``: end its leases, which drops the payloads they alone hold."""
+
+    def undo(_: int, result: tuple[list[StoreRef], Grant]) -> list[ShardCall[list[str]]]:
+        return [shard_call(shard, ShardApi.release_many, list(result[1].lease_ids))]
+
+    return undo
+
+
+def _handles(
+    layout: BatchLayout, stored: Sequence[StoreRef], spec: RouteSpec, weight_version: int
+) -> list[Handle]:
+    """Each sample's handle: the stored row ranges its rows are made of, in order."""
+    return [
+        Handle(
+            spec,
+            [
+                Segment(
+                    source=stored[part.array],
+                    start=part.start,
+                    stop=part.stop,
+                    spec=spec,
+                    weight_version=weight_version,
+                )
+                for part in parts
+            ],
+        )
+        for parts in layout.samples
+    ]

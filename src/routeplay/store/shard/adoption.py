@@ -1,0 +1,380 @@
+"""Adopting engine-store keys: the decisions, the waits and the raw fallback, written once.
+
+A shard that adopts keys (``RouteStore.adopt_keys`` and its twins) runs ``adopt_keys``,
+a flow (``routeplay.store.flow``): it sends the remote steps through ``AdoptionSteps``
+(the Ray shard's: engine-store and validator actors; the local backend's: plain objects),
+yields a ``Wait`` for the answers it needs and decides on them. Plain Python, no Ray: the
+decisions are unit-tested with in-process steps.
+
+Fail closed: an adopted key gets a ``StoreRef`` only for rows whose validation *ended*
+accepting them, so the trainer's read never meets a row that was not validated. A bad
+capture is refused here, on the rollout side, where its sample can be set aside:
+
+1. Take: one call per engine store consumes its keys; a key refused by its metadata
+   (shape, dtype, rows, another run, consumed, expired) is freed there and refused.
+2. Keys validated at ingest (``routeplay.store.engine.ingest``): the engine store hands over
+   the canonical block of a validation that ended valid; for one still running, or
+   refused, it sends the raw payload and the validation's status, and the adopter waits
+   for the status (up to half the deadline). Valid: the block. Refused, and it covered
+   exactly the key's rows: that refusal (``refuse_after_ingest``). Refused elsewhere (a
+   trailing row, a history the key leaves out), lost or late: the raw path.
+3. Raw path: each payload's rows from its start row are validated and narrowed near the
+   engine (all sent at once, pipelined on the node's validator), and the adopter waits
+   for every verdict (up to half the deadline): a refusal or a ``StoreTimeout`` is that
+   key's alone, its block dropped.
+4. Groups (``shared_prefix`` or ``pack``): validated and laid out together near the
+   engine, as before; a refused member is set aside with its error.
+
+A refused key is consumed: its raw payload goes with the last reference the flow drops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from routeplay.core.handle import EngineKey, StoreRef
+from routeplay.core.spec import RouteSpec
+from routeplay.errors import RouteplayError, RoutesDataError, RoutesLost, StoreTimeout
+from routeplay.store.engine.ingest import Prepared, Validated
+from routeplay.store.engine.key_check import GroupLayout, key_where
+from routeplay.store.flow import Flow, Wait, awaiting
+from routeplay.store.shard.shard import StoredPayload
+
+__all__ = [
+    "AdoptionSteps",
+    "GroupAnswer",
+    "IngestVerdict",
+    "KeyBatch",
+    "adopt_keys",
+    "refuse_after_ingest",
+]
+
+Where = tuple[str, str]
+"""An engine store: ``(actor name, namespace)``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyBatch:
+    """One caller's keys in a batched adoption (``adopt_key_batches``: the groups an
+    asyncio rollout worker's coroutines adopt at once), adopted as one ``adopt_keys``."""
+
+    keys: tuple[EngineKey, ...]
+    """The keys, in the caller's order."""
+    spec: RouteSpec
+    """Their geometry."""
+    shared_prefix: int = 0
+    """Rows the keys share (a group's prompt), as ``adopt_keys``'."""
+    starts: tuple[int, ...] | None = None
+    """Per key, the first row stored; None: every row."""
+    pack: bool = False
+    """The keys laid out as one payload (a group)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupAnswer:
+    """A group's validation and layout, as its validator answers it."""
+
+    token: Any
+    """Where the laid-out arrays wait for the shard (``take_group``)."""
+    outcomes: tuple[Any, ...]
+    """Per accepted-by-metadata key: its sample index into ``samples``, or its refusal."""
+    samples: tuple[tuple[Any, ...], ...]
+    """Each accepted sample's parts ``(array, start, stop)`` (``routeplay.store.write_plan``)."""
+    payloads: list[StoredPayload]
+    """One per laid-out array."""
+    saved_bytes: int
+    """Bytes the shared prefix saved."""
+
+    @classmethod
+    def of(cls, group: GroupLayout, token: Any) -> GroupAnswer:
+        """The answer for a validated group's layout, its arrays staged under ``token``.
+
+        Example:
+            >>> GroupAnswer.of(canonical_group(raw, keys, spec, starts), token)  # doctest: +SKIP
+        """
+        layout = group.layout
+        stored = [
+            StoredPayload(blocks=1, rows=int(a.shape[0]), nbytes=int(a.nbytes), block_rows=0)
+            for a in layout.arrays
+        ]
+        return cls(
+            token=token,
+            outcomes=group.outcomes,
+            samples=layout.samples,
+            payloads=stored,
+            saved_bytes=layout.saved_bytes,
+        )
+
+
+class AdoptionSteps(Protocol):
+    """The remote steps of an adoption; the flow decides, these only send or store.
+
+    A ``send_*`` returns a pending result (what a ``Wait`` of the flow's resolver takes);
+    ``adopt`` and ``adopt_many`` store blocks in the shard at once (they cannot fail but
+    for a bug)."""
+
+    def engines(self, wheres: Sequence[Where], *, fresh: bool = False) -> Flow[dict[Where, Any]]:
+        """The engine stores' handles, each asked once for its protocol (``fresh``: looked
+        up again by name, as after a restart of the store)."""
+        ...
+
+    def send_take(
+        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
+    ) -> Any:
+        """Consume keys: answers ``(taken, node, waits)``, per key its wrapped raw
+        reference ``[ref]``, its ``Validated`` block or its refusal, the node holding
+        the bytes, and per key the ``Prepared`` to wait for, or None."""
+        ...
+
+    def send_validate(
+        self, node: str, raw: Any, key: EngineKey, spec: RouteSpec, start: int
+    ) -> tuple[Any, Any]:
+        """Validate and narrow ``raw``'s rows ``[start, key.rows)`` near it: the pending
+        status (None once valid; the refusal otherwise) and the block's reference."""
+        ...
+
+    def send_rows_of(self, node: str, canonical: Any, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` of a validated block, as a block of their own."""
+        ...
+
+    def send_group(
+        self,
+        node: str,
+        keys: list[EngineKey],
+        spec: RouteSpec,
+        starts: list[int],
+        shared_prefix: int,
+        pack: bool,
+        raws: list[Any],
+    ) -> Any:
+        """Validate and lay out a group near the engine: answers a ``GroupAnswer``."""
+        ...
+
+    def take_group(self, node: str, token: Any, count: int) -> list[Any]:
+        """The laid-out arrays of a group, as block references the shard owns."""
+        ...
+
+    def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
+        """Store one payload's blocks in the shard."""
+        ...
+
+    def adopt_many(
+        self, blocks: list[Any], payloads: list[StoredPayload], saved_bytes: int
+    ) -> list[StoreRef]:
+        """Store several payloads' blocks in the shard."""
+        ...
+
+
+class IngestVerdict(Enum):
+    """What a waited validation at ingest means for one key."""
+
+    VALID = "valid"
+    """It accepted the payload: its block stands for the key's rows."""
+    REFUSED = "refused"
+    """It refused rows the key adopts: the key is refused with that error."""
+    RAW = "raw"
+    """It says nothing about the key's own rows: validate them from the raw payload."""
+
+
+def refuse_after_ingest(answer: Any, ready: Prepared, key: EngineKey, start: int) -> IngestVerdict:
+    """The verdict of a validation at ingest on the key it was made for.
+
+    ``answer``: the status the adopter waited for (None: valid, or the error). A data
+    refusal stands for the key only when the validation covered exactly the key's rows
+    (from row 0, no trailing row): otherwise the bad row may lie in rows the key leaves
+    out. A lost or late validation (any other error) proves nothing either way.
+
+    Example:
+        >>> refuse_after_ingest(None, ready, key, 0)  # doctest: +SKIP
+        <IngestVerdict.VALID: 'valid'>
+    """
+    if answer is None:
+        return IngestVerdict.VALID
+    exact = start == 0 and key.rows == ready.rows
+    if exact and isinstance(answer, RoutesDataError):
+        return IngestVerdict.REFUSED
+    return IngestVerdict.RAW
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Call:
+    """What one ``adopt_keys`` call holds fixed."""
+
+    spec: RouteSpec
+    steps: AdoptionSteps
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Taken:
+    """One engine store's keys, as its take answered them."""
+
+    keys: list[EngineKey]
+    starts: list[int]
+    taken: list[Any]
+    """Per key: its wrapped raw reference ``[ref]``, its ``Validated`` block or its refusal."""
+    waits: list[Any]
+    """Per key: the ``Prepared`` validation to wait for, or None."""
+    node: str
+    """The node holding the store's bytes."""
+
+
+def adopt_keys(
+    keys: Sequence[EngineKey],
+    spec: RouteSpec,
+    starts: Sequence[int],
+    *,
+    shared_prefix: int,
+    pack: bool,
+    steps: AdoptionSteps,
+    timeout_s: float,
+) -> Flow[list[Any]]:
+    """Per key, in order: a ``StoreRef`` (all its rows), a tuple of ``(StoreRef, start,
+    stop)`` row ranges (a group's member, or rows of a longer block), or the typed error
+    that refused it (the module docstring's steps). One take per engine store; every
+    engine store is asked for its protocol before any key is taken, so a refused store
+    leaves no key of another consumed with no caller to hand it to.
+
+    Example:
+        results = drive(adopt_keys(keys, spec, starts, shared_prefix=0, pack=False,
+                                   steps=steps, timeout_s=60.0), ray_calls.RAY)
+    """
+    call = _Call(spec=spec, steps=steps, timeout_s=timeout_s)
+    out: list[Any] = [None] * len(keys)
+    by_engine: dict[Where, list[int]] = {}
+    for index, key in enumerate(keys):
+        by_engine.setdefault((key.actor, key.namespace), []).append(index)
+    engines = yield from steps.engines(list(by_engine))
+    grouped = shared_prefix > 0 or pack
+    for where, indices in by_engine.items():
+        picked = [keys[i] for i in indices]
+        begin = [starts[i] for i in indices]
+        batch = yield from _take(call, engines, where, picked, begin, grouped)
+        if grouped:
+            adopted = yield from _group(call, batch, shared_prefix, pack)
+        else:
+            adopted = yield from _singles(call, batch)
+        for index, result in zip(indices, adopted, strict=True):
+            out[index] = result
+    return out
+
+
+def _take(
+    call: _Call,
+    engines: dict[Where, Any],
+    where: Where,
+    keys: list[EngineKey],
+    starts: list[int],
+    grouped: bool,
+) -> Flow[_Taken]:
+    """One engine store's take. A store that died since its handle was looked up (it was
+    restarted, as ``ENGINE_STORE_HINT`` tells users to) is looked up again and asked once
+    more: the dead actor consumed nothing that outlived it."""
+    what = f"{where[1]}/{where[0]}: take {len(keys)} keys"
+    sent = call.steps.send_take(engines[where], keys, call.spec, starts, grouped)
+    try:
+        [answer] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
+    except RoutesLost:
+        found = yield from call.steps.engines([where], fresh=True)
+        sent = call.steps.send_take(found[where], keys, call.spec, starts, grouped)
+        [answer] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
+    taken, node, waits = answer
+    return _Taken(keys=keys, starts=starts, taken=list(taken), waits=list(waits), node=node)
+
+
+def _singles(call: _Call, batch: _Taken) -> Flow[list[Any]]:
+    """Keys adopted one by one (steps 2 and 3): the validations at ingest still open
+    decide first, then every key left on the raw path is validated and waited for."""
+    keys, starts, out = batch.keys, batch.starts, batch.taken
+    half = call.timeout_s / 2
+    opened = [(i, ready) for i, ready in enumerate(batch.waits) if isinstance(ready, Prepared)]
+    if opened:
+        statuses = tuple(ready.status for _, ready in opened)
+        answers = yield Wait(statuses, "validations at ingest", half, each=True)
+        for (i, ready), answer in zip(opened, answers, strict=True):
+            verdict = refuse_after_ingest(answer, ready, keys[i], starts[i])
+            if verdict is IngestVerdict.VALID:
+                out[i] = ready.as_validated()
+            elif verdict is IngestVerdict.REFUSED:
+                out[i] = answer
+    raw = [i for i, one in enumerate(out) if isinstance(one, list)]  # wrapped raw refs
+    sent = [
+        call.steps.send_validate(batch.node, out[i][0], keys[i], call.spec, starts[i]) for i in raw
+    ]
+    if sent:
+        what = f"validate {len(sent)} engine keys"
+        answers = yield Wait(tuple(status for status, _ in sent), what, half, each=True)
+        for i, (_, block), answer in zip(raw, sent, answers, strict=True):
+            out[i] = _verdict(call, answer, block, keys[i], starts[i])
+    return [
+        _adopt_validated(call, one, keys[i], starts[i], batch.node)
+        if isinstance(one, Validated)
+        else one
+        for i, one in enumerate(out)
+    ]
+
+
+def _verdict(call: _Call, answer: Any, block: Any, key: EngineKey, start: int) -> Any:
+    """A raw validation's answer: the stored block, or the key's refusal."""
+    if isinstance(answer, StoreTimeout):
+        return StoreTimeout(
+            "the validation of an adopted engine key did not end in time",
+            where=key_where(key),
+            expected=f"a verdict within {call.timeout_s / 2}s",
+            hint="Its sample is set aside (the key is consumed, its payload dropped). Is "
+            "the engine node's validator overloaded or hung?",
+        )
+    if isinstance(answer, RouteplayError):
+        return answer
+    rows = key.rows - start
+    return call.steps.adopt([block], rows, call.spec.nbytes(rows))
+
+
+def _adopt_validated(call: _Call, ready: Validated, key: EngineKey, start: int, node: str) -> Any:
+    """A block validated at ingest, for the key's rows ``[start, rows)``: rows past a
+    history copied out of it (nothing validated again), a trailing row left unread."""
+    [canonical] = ready.canonical
+    if start:  # a resume or a later turn: only the new rows are stored
+        rows = key.rows - start
+        block = call.steps.send_rows_of(node, canonical, start, key.rows)
+        return call.steps.adopt([block], rows, call.spec.nbytes(rows))
+    stored = call.steps.adopt([canonical], ready.rows, call.spec.nbytes(ready.rows))
+    return stored if ready.rows == key.rows else ((stored, 0, key.rows),)
+
+
+def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[list[Any]]:
+    """A group's keys (a GRPO group's samples), validated and laid out together near the
+    engine, waited for (the layout depends on every member's rows): each member's rows
+    as ``(StoreRef, start, stop)`` ranges, or the refusal of that member only."""
+    out = batch.taken
+    good = [i for i, one in enumerate(out) if not isinstance(one, BaseException)]
+    if not good:
+        return out
+    sent = call.steps.send_group(
+        batch.node,
+        [batch.keys[i] for i in good],
+        call.spec,
+        [batch.starts[i] for i in good],
+        shared_prefix,
+        pack,
+        [out[i][0] for i in good],
+    )
+    for i in good:
+        out[i] = None  # the raw payloads go once the validator is done with them
+    what = f"validate a group of {len(good)} engine keys"
+    [group] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
+    count = sum(p.blocks for p in group.payloads)
+    stored: list[StoreRef] = []
+    if count:
+        blocks = call.steps.take_group(batch.node, group.token, count)
+        stored = call.steps.adopt_many(blocks, group.payloads, group.saved_bytes)
+    for i, outcome in zip(good, group.outcomes, strict=True):
+        out[i] = (
+            outcome
+            if isinstance(outcome, BaseException)
+            else tuple((stored[p.array], p.start, p.stop) for p in group.samples[outcome])
+        )
+    return out
