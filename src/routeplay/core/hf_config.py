@@ -11,7 +11,7 @@ from typing import Any
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import SpecMismatch
 
-__all__ = ["moe_layers", "spec_from_hf_config"]
+__all__ = ["moe_layers", "mtp_layers", "spec_from_hf_config"]
 
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k_experts")
@@ -31,8 +31,22 @@ def spec_from_hf_config(config: Any, *, name: str = "") -> RouteSpec:
         num_experts=experts,
         layer_map=layer_map,
         total_layers=total,
-        name=name or str(getattr(config, "model_type", "")),
+        mtp_layers=mtp_layers(config),
+        name=name or str(getattr(config, "model_type", None) or ""),
     )
+
+
+def mtp_layers(config: Any) -> int:
+    """Multi-token-prediction layers numbered after the decoder layers: HF's
+    ``num_nextn_predict_layers`` (DeepSeek-V3, GLM-4.5, MiMo), or XTuner's ``mtp_config``
+    (``num_layers`` blocks, one physical layer when ``share_weights``)."""
+    nextn = getattr(config, "num_nextn_predict_layers", None)
+    if nextn is not None:
+        return int(nextn)
+    mtp = getattr(config, "mtp_config", None)
+    if mtp is None:
+        return 0
+    return 1 if getattr(mtp, "share_weights", False) else int(mtp.num_layers)
 
 
 def moe_layers(config: Any, total: int) -> list[int]:

@@ -47,6 +47,11 @@ class RouteSpec:
     """Decoder-layer index of each MoE layer; None means MoE layer i is decoder layer i."""
     total_layers: int | None = None
     """Decoder layers in the model, dense ones included; None means the last mapped layer + 1."""
+    mtp_layers: int = field(default=0, compare=False)
+    """Multi-token-prediction layers after the decoder layers (DeepSeek-V3's and XTuner's
+    MTP blocks: decoder indices ``decoder_layers`` .. ``decoder_layers + mtp_layers - 1``).
+    Engines record no routing for them, so a replay leaves them to their own router
+    (``ReplaySource.decoder_ids`` answers None); not part of the payload or of equality."""
     name: str = field(default="", compare=False)
     """Human label (a preset name); not part of equality."""
     degenerate: DegenerateCheck = field(default=DEFAULT_DEGENERATE, compare=False)
@@ -64,6 +69,10 @@ class RouteSpec:
                 found=self.top_k,
             )
         canonical_dtype(self.num_experts)
+        if self.mtp_layers < 0:
+            raise SpecMismatch(
+                "mtp_layers cannot be negative", expected=">= 0", found=self.mtp_layers
+            )
         self._check_layer_map()
 
     def _check_layer_map(self) -> None:
@@ -147,6 +156,18 @@ class RouteSpec:
         column = bisect.bisect_left(layers, decoder_layer)  # the layer map is increasing
         return column if column < len(layers) and layers[column] == decoder_layer else None
 
+    def is_mtp_layer(self, decoder_layer: int) -> bool:
+        """True for a multi-token-prediction layer's index (past the decoder layers, within
+        ``mtp_layers``): XTuner numbers its MTP blocks' ``MoEDecoderLayer`` from
+        ``num_hidden_layers`` on.
+
+        Example:
+            >>> spec = RouteSpec(num_layers=2, top_k=2, num_experts=8, mtp_layers=1)
+            >>> [spec.is_mtp_layer(d) for d in range(4)]
+            [False, False, True, False]
+        """
+        return self.decoder_layers <= decoder_layer < self.decoder_layers + self.mtp_layers
+
     def __repr__(self) -> str:
         return f"RouteSpec({self.describe()})"
 
@@ -155,6 +176,7 @@ class RouteSpec:
         label = f"{self.name}: " if self.name else ""
         dense = self.decoder_layers - self.num_layers
         extra = f" (+{dense} dense)" if dense else ""
+        extra += f" (+{self.mtp_layers} MTP)" if self.mtp_layers else ""
         return (
             f"{label}L={self.num_layers}{extra} K={self.top_k} E={self.num_experts} "
             f"dtype={self.dtype.name} {self.row_nbytes} B/token"

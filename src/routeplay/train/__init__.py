@@ -8,7 +8,10 @@ packs (``PackingPlan.from_packs``, whole padding packs for DP included), their S
 (``RankCoords(sp_split="pad_to_multiple")``: XTuner's zero-padding to a multiple of
 ``sp``), several passes over one step with the leases ended once after the last
 (``Materializer(passes=3)`` and ``next_pass()``), and routers they own, indexed by decoder
-layer (``ReplaySource.decoder_ids``: layer map, int64 on the device, replay's checks).
+layer (``ReplaySource.decoder_ids``: layer map, int64 on the device, replay's checks; an
+MTP layer of the spec gets None, as XTuner's guard leaves it to its router), their own
+padding rows replayed as laid out (``ReplaySource(mask=...)``: XTuner's zero and random
+rows, refused only where they are routing).
 
 Names are resolved on first use (PEP 562), so ``import routeplay.train.packing`` or the
 materializer loads neither torch nor Ray: a trainer process pays only for what it uses.

@@ -198,7 +198,13 @@ class ReplaySource:
     (``MicroBatchRoutes.layers``); a router of another layer is refused. ``ids`` takes a
     MoE layer index,
     ``decoder_ids`` a decoder layer index (for routers a framework indexes over every
-    decoder layer, as XTuner's do).
+    decoder layer, as XTuner's do; a multi-token-prediction layer of the spec gets None,
+    as XTuner's own guard leaves it to its router).
+
+    ``mask`` (``[tokens]``, True for a sample's row) marks the rows that are routing: a
+    trainer's own padding (XTuner's zero rows for SP, random ids for pad sequences) is
+    replayed as the trainer laid it, only checked for range; a real row with a repeated
+    id is refused as before. Without a mask every row is routing.
 
     Example:
         >>> source = ReplaySource(mb.routes, spec)
@@ -213,11 +219,13 @@ class ReplaySource:
         check_ids: bool = True,
         drift: DriftMeter | None = None,
         layers: Sequence[int] | None = None,
+        mask: npt.NDArray[np.bool_] | torch.Tensor | None = None,
     ) -> None:
         self.drift = drift
         """The meter this replay's routing drift goes to (None: not measured)."""
         self._spec = spec
         self._check_ids = check_ids
+        self._mask = mask
         self._array: npt.NDArray[Any] | None = None
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
@@ -246,7 +254,7 @@ class ReplaySource:
             self._array = routes
             self._check(routes.shape, routes.dtype)
             if check_ids:
-                check_ids_of(self._moe_columns(routes), spec)
+                check_ids_of(self._moe_columns(routes), spec, mask=self._row_mask(routes))
         elif isinstance(routes, torch.Tensor):
             self._tensor = routes
             dtype = _TORCH_TO_NUMPY.get(routes.dtype)
@@ -259,7 +267,7 @@ class ReplaySource:
                 )
             self._check(tuple(routes.shape), dtype)
             if check_ids:
-                check_ids_of(self._moe_columns(routes), spec)
+                check_ids_of(self._moe_columns(routes), spec, mask=self._row_mask(routes))
         elif callable(routes):
             self._provider = routes
         else:
@@ -305,7 +313,7 @@ class ReplaySource:
                 hint="Routes must cover exactly the tokens of this forward, padding included.",
             )
         if self._provider is not None and self._check_ids:
-            self._check_block(block, where)
+            self._check_block(block, where, shape[0])
         ids = _widen(block, device)
         with self._lock:
             self._calls += 1
@@ -327,21 +335,28 @@ class ReplaySource:
 
     def decoder_ids(
         self, decoder_layer: int, *, device: torch.device, rows: int, where: str = ""
-    ) -> torch.Tensor:
-        """Decoder layer ``decoder_layer``'s expert ids as int64 ``[rows, K]`` on ``device``.
+    ) -> torch.Tensor | None:
+        """Decoder layer ``decoder_layer``'s expert ids as int64 ``[rows, K]`` on ``device``;
+        None for a multi-token-prediction layer of the spec (``RouteSpec.mtp_layers``).
 
         The accessor for routers a framework owns and indexes by decoder layer (XTuner's
         ``GreedyRouter`` / ``NoAuxRouter``, called with ``rollout_routed_experts`` by each
         ``MoEDecoderLayer`` over all ``num_hidden_layers``): the spec's layer map picks the
         MoE column, then ``ids`` widens it on the device with every replay check (rows,
         shape, and for a provider range and distinct ids; arrays were checked when the
-        source was built). A dense decoder layer has no routing: ``SpecMismatch``.
+        source was built). A dense decoder layer has no routing: ``SpecMismatch``. XTuner
+        numbers its MTP blocks' MoE layers from ``num_hidden_layers`` on and replays only
+        ``layer_idx < rollout_routed_experts.shape[1]``: an engine records no routing for
+        them, so they get None (the router chooses, as it does in XTuner); an index past
+        the MTP layers is refused.
 
         Example:
             >>> source = ReplaySource(mb.routes, spec)
             >>> # in MoEDecoderLayer.forward, before self.gate(hidden_states, ids):
             >>> ids = source.decoder_ids(self.layer_idx, device=h.device, rows=h.shape[0])
         """
+        if self._spec.is_mtp_layer(decoder_layer):
+            return None
         moe = self.moe_layer(decoder_layer)
         if moe is None:
             raise SpecMismatch(
@@ -438,9 +453,26 @@ class ReplaySource:
             return data
         return data[:, list(self._columns.values()), :]
 
-    def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str) -> None:
-        """Range and distinct ids of one provider block ``[rows, K]``."""
-        check_ids_of(block[:, None, :], self._spec, where=where)
+    def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str, rows: int) -> None:
+        """Range and distinct ids of one provider block ``[rows, K]`` (real rows only)."""
+        mask = self._mask if self._mask is not None and len(self._mask) == rows else None
+        check_ids_of(block[:, None, :], self._spec, where=where, mask=mask)
+
+    def _row_mask(
+        self, routes: npt.NDArray[Any] | torch.Tensor
+    ) -> npt.NDArray[np.bool_] | torch.Tensor | None:
+        """The mask, checked against the routes' rows (None: every row is routing)."""
+        if self._mask is None:
+            return None
+        if tuple(self._mask.shape) != (int(routes.shape[0]),):
+            raise RowCountMismatch(
+                "the padding mask does not cover the routes' rows",
+                expected=f"a mask of [{int(routes.shape[0])}] (one flag per token row)",
+                found=list(self._mask.shape),
+                where="replay routes",
+                hint="Pass the mask of the same rows (MicroBatchRoutes.mask for a rank's).",
+            )
+        return self._mask
 
 
 def _check_subset_shape(shape: tuple[int, ...], subset: LayerSubset, spec: RouteSpec) -> None:
@@ -455,21 +487,32 @@ def _check_subset_shape(shape: tuple[int, ...], subset: LayerSubset, spec: Route
 
 
 def check_ids_of(
-    routes: npt.NDArray[Any] | torch.Tensor, spec: RouteSpec, *, where: str = "replay routes"
+    routes: npt.NDArray[Any] | torch.Tensor,
+    spec: RouteSpec,
+    *,
+    where: str = "replay routes",
+    mask: npt.NDArray[np.bool_] | torch.Tensor | None = None,
 ) -> None:
-    """Refuse ``[rows, L, K]`` ids that would misroute: out of range, or repeated in a row.
+    """Refuse ``[rows, L, K]`` ids that would misroute: out of range (any row), or
+    repeated in a row that is routing (``mask`` True, or every row without a mask:
+    padding rows repeat ids harmlessly, XTuner pads with zeros and random ids).
 
     Numpy arrays use the vectorized ingest checks; tensors are checked where they lie
     (one device sync per check). Raises ``ExpertOutOfRange`` or ``DuplicateExperts``.
 
     Example:
         >>> check_ids_of(mb.routes, spec)                  # before handing routes to a router
+        >>> check_ids_of(xtuner_rows, spec, mask=mb.mask)  # its own padding left as it is
     """
     if isinstance(routes, np.ndarray):
         check_range(routes, spec, where=where)
-        check_distinct(routes, where=where)
+        real = routes if mask is None else routes[np.asarray(mask, dtype=bool)]
+        check_distinct(real, where=where if mask is None else f"{where} (real rows)")
     else:
         _check_tensor_range(routes, spec, where=where)
+        if mask is not None:
+            flags = torch.as_tensor(mask, dtype=torch.bool, device=routes.device)
+            routes, where = routes[flags], f"{where} (real rows)"
         _check_tensor_distinct(routes, where=where)
 
 
@@ -523,7 +566,8 @@ def _check_tensor_distinct(tensor: torch.Tensor, *, where: str) -> None:
         expected=f"{tensor.shape[-1]} distinct ids",
         found=_readable(tensor[row, layer]).tolist(),
         where=f"{where}, row {row}, MoE layer {layer}",
-        hint=hint + " Pad with distinct ids (routeplay.train.padding_rows).",
+        hint=hint + " Pad with distinct ids (routeplay.train.padding_rows), or mark a"
+        " trainer's own padding rows False in ReplaySource(mask=...).",
     )
 
 
