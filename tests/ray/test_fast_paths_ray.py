@@ -84,9 +84,10 @@ def test_a_group_put_writes_the_prompt_once_and_reads_need_no_shard_call(
     assert store.stats().shared_prefix_bytes_saved == 3 * SPEC.nbytes(2000)
     leases = store.acquire_many([(h, f"train/step-0/{i}") for i, h in enumerate(handles)])
     calls: list[str] = []
-    real = store._call
+    backend: Any = store.backend
+    real = backend.send  # every shard call a client makes is sent through it
     monkeypatch.setattr(
-        store, "_call", lambda c, *a, **k: (calls.extend(m for _, m, _ in c), real(c, *a, **k))[1]
+        backend, "send", lambda c: (calls.extend(call.method for call in c), real(c))[1]
     )
     rows = store.read_many([(h, 1990, h.rows) for h in handles])
     assert calls == []  # every block came with the grant
@@ -96,6 +97,7 @@ def test_a_group_put_writes_the_prompt_once_and_reads_need_no_shard_call(
         np.testing.assert_array_equal(out, np.concatenate([prompt[1990:], tail]))
         assert handle.rows == 2000 + completions[i]
     store.release_many(leases)  # not waited for
+    assert set(calls) == {"release_many"}  # the spy sees every call sent
     assert store.stats().live_payloads == 0  # ... but a later call sees it landed
     assert wait_until(lambda: used_bytes() <= baseline), (used_bytes(), baseline)
 

@@ -105,6 +105,7 @@ NEEDS: dict[str, frozenset[str]] = {
                 "remote.actors",
                 "remote.backend",
                 "client.route_store",
+                "client.accounting",
                 "client.core",
                 "client.keys",
                 "client.leases",

@@ -115,15 +115,15 @@ def test_pins_go_with_the_release_the_pickle_or_the_garbage_collector(
     first, second, third = store.put_many([routing(8, seed=s) for s in range(3)])
     released = store.acquire(first, "buffer/a")
     clone = released.clone("session/a")
-    assert len(store._pins) == 1
+    assert len(store._core.pins) == 1
     released.release()
-    assert len(store._pins) == 1  # the clone still pins it
+    assert len(store._core.pins) == 1  # the clone still pins it
     clone.release()
-    assert len(store._pins) == 0
+    assert len(store._core.pins) == 0
 
     shipped = store.acquire(second, "rollout/b")
     copy = copy_lease(shipped)  # what pickling does (the local backend cannot be pickled)
-    assert len(store._pins) == 0  # the copy may be the one released: nothing pinned here
+    assert len(store._core.pins) == 0  # the copy may be the one released: nothing pinned here
     spy = CountingStore(store, monkeypatch)
     np.testing.assert_array_equal(copy.read(), routing(8, seed=1).array)  # located instead
     assert "locate" in spy.calls
@@ -131,10 +131,10 @@ def test_pins_go_with_the_release_the_pickle_or_the_garbage_collector(
     assert shipped.released is False  # a copy is released on its own (ids are shared)
 
     dropped = store.acquire(third, "forgotten")
-    assert len(store._pins) == 1
+    assert len(store._core.pins) == 1
     del dropped
     gc.collect()
-    assert len(store._pins) == 0  # a lost lease object keeps no reference alive
+    assert len(store._core.pins) == 0  # a lost lease object keeps no reference alive
 
 
 def test_a_failed_release_is_raised_not_lost(

@@ -177,10 +177,10 @@ def test_a_cancelled_flush_keeps_its_releases_and_raises_a_failure_once() -> Non
     store.release_many([store.put_leased(routing(6, 1), "reader")[1]])
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(store.aflush())
-    assert len(store._releases) == 1  # still tracked: a cancelled wait took nothing away
+    assert len(store._core.releases) == 1  # still tracked: a cancelled wait took nothing away
     store.flush()
     assert store.stats().leases == 0
-    assert len(store._releases) == 0
+    assert len(store._core.releases) == 0
 
 
 def test_a_release_failure_is_raised_by_one_call_only() -> None:

@@ -1,6 +1,6 @@
 """Shard calls go through the typed layer (``routeplay.store.shard.api``) only.
 
-No store module outside ``shard_api`` passes a shard operation's name as a string to
+No store module outside ``shard.api`` passes a shard operation's name as a string to
 the call machinery: not in a tuple (the old ``(shard, "release", args)`` shape), not to
 ``getattr``, not as an argument of a call that builds or sends shard calls; and none
 builds a ``ShardCall`` by hand. Every call is ``shard_call(i, ShardApi.<op>, ...)``,
@@ -23,9 +23,20 @@ from routeplay.store.shard.shard import StoreShard
 STORE = Path(routeplay.store.__file__).parent
 OPERATIONS = frozenset(name for name in vars(ShardApi) if not name.startswith("_"))
 MACHINERY = frozenset(
-    {"call", "send", "submit", "_call", "_calls", "_grant_all", "_each_shard", "ShardCall"}
+    {
+        "call",
+        "send",
+        "submit",
+        "send_and_wait",
+        "wait_for",
+        "_call",
+        "_calls",
+        "_grant_all",
+        "_each_shard",
+        "ShardCall",
+    }
 )
-MODULES = sorted(p for p in STORE.glob("*.py") if p.name != "shard_api.py")
+MODULES = sorted(p for p in STORE.rglob("*.py") if p != STORE / "shard" / "api.py")
 
 
 def _callee(node: ast.Call) -> str:
@@ -81,10 +92,10 @@ self._check_live("clone")
     assert violations(typed) == []
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(STORE)))
 def test_no_store_module_names_a_shard_operation_by_string(path: Path) -> None:
     found = violations(path.read_text())
-    assert not found, f"{path.name}: use shard_call(i, ShardApi.<op>, ...): {found}"
+    assert not found, f"{path.relative_to(STORE)}: use shard_call(i, ShardApi.<op>, ...): {found}"
 
 
 @pytest.mark.parametrize("name", sorted(OPERATIONS))

@@ -7,12 +7,15 @@ Ray actors here are thin shells over plain classes (``LeaseTable``, ``StoreShard
 Where to read: a folder per concern.
 
 - ``client/``: the client every process uses. ``RouteStore`` and the ``StoreConfig`` that
-  builds it (``route_store``) over a shared ``core`` (state, shard calls, reads): the
-  write path (``write_path``: ``put_many``, ``put_staged_many``), adopted engine keys
-  (``keys``), leases (``leases``; a lease is ``lease``, releases in flight
-  ``releases``, concurrent awaitable calls batched by ``coalesce``), the read path
-  (``read_path`` over ``read_plan``: leased block references, one fetch per read) and
-  ``compaction`` (long handles' rows copied once into few payloads).
+  builds it (``route_store``): one class holding small parts, each method forwarded to
+  the part that owns it (``forwarding``). The parts, each importable alone: ``core``
+  (``StoreCore``: state, shard calls, flows driven), the write path (``write_path``:
+  ``put_many``, ``put_staged_many``), the read path (``read_path`` over ``read_plan``:
+  leased block references, ``pins``, one fetch per read), leases (``leases``; a lease
+  is ``lease``, its ids ``lease_ids``, releases in flight ``releases``, concurrent
+  awaitable calls batched by ``coalesce``), adopted engine keys (``keys``),
+  ``accounting`` (stats, leaks, revokes) and ``compaction`` (long handles' rows copied
+  once into few payloads).
 - ``shard/``: one shard's tables, never payload bytes: ``shard`` (payload references),
   ``lease_table`` (who holds what), ``call_meter`` (calls served and their CPU),
   ``adoption`` (adopting engine keys: decisions, waits, the raw fallback) and ``api``
@@ -41,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 from routeplay.core.lazy import LazyExports
 
 if TYPE_CHECKING:
+    from routeplay.store.client.accounting import StoreStats
     from routeplay.store.client.compaction import Compacted, CompactionReport
     from routeplay.store.client.lease import Lease
-    from routeplay.store.client.route_store import RouteStore, StoreConfig, StoreStats
+    from routeplay.store.client.route_store import RouteStore, StoreConfig
     from routeplay.store.engine.engine_store import EngineStore, EngineStoreStats
     from routeplay.store.engine.service import (
         aleave_engine_store,
@@ -67,7 +71,7 @@ _HOME = {
     "AsyncRoutesProducer": "remote.producer",
     "RoutesProducer": "remote.producer",
     "StoreConfig": "client.route_store",
-    "StoreStats": "client.route_store",
+    "StoreStats": "client.accounting",
     "TableStats": "shard.lease_table",
     "aleave_engine_store": "engine.service",
     "astart_engine_store": "engine.service",

@@ -1,13 +1,16 @@
-"""What every part of the route-store client shares (``StoreCore``): its config and
-backend, the block references it pins for its leases, its releases in flight, its reader,
-the way it sends shard calls and waits for them (``routeplay.store.flow``), and the
-read path (``read``, ``read_many``: ``routeplay.store.client.read_path``; a ``Lease``
-calls ``read``).
+"""``StoreCore``: the state and shard calls every part of the route-store client shares.
 
-``RouteStore`` (``routeplay.store.client.route_store``) is this core with its parts: leases
-(``leases``), the write path (``write_path``), adopted engine keys
-(``keys``), compaction and accounting (``route_store``). Each part is a class over
-this core (the write path over the leases: a put can lease in the same call).
+It holds the client's config and backend, the block references pinned for its leases
+(``pins``), its releases in flight (``releases``), and the way every part sends shard
+calls and waits for them (``send_and_wait``, ``wait_for``: flows of
+``routeplay.store.flow``, driven blocking with ``drive`` or awaited with ``adrive``).
+
+``RouteStore`` (``routeplay.store.client.route_store``) is one class holding one core and
+the parts built over it, each in its own module and each importable alone: the write
+path (``write_path.WritePath``, over the core and the leases: a put can lease in the same
+call), the read path (``read_path.ReadPath``), leases (``leases.Leases``), adopted engine
+keys (``keys.KeyAdoption``) and accounting (``accounting.Accounting``). None of them
+imports the client; the core imports none of them.
 """
 
 from __future__ import annotations
@@ -16,15 +19,11 @@ import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeVar
 
-import numpy.typing as npt
-
-from routeplay.core.handle import EngineKey, Handle, Segment, StoreRef
-from routeplay.core.layers import LayerSubset
-from routeplay.core.spec import RouteSpec
-from routeplay.errors import HandleError, RunMismatch
-from routeplay.store.client.read_path import BlockPins, Reader
+from routeplay.core.handle import EngineKey, Handle, StoreRef
+from routeplay.errors import RunMismatch
+from routeplay.store.client.pins import BlockPins
 from routeplay.store.client.releases import PendingReleases, Undo
 from routeplay.store.flow import Flow, adrive, awaiting, drive
 from routeplay.store.remote.backend import Backend
@@ -34,9 +33,6 @@ from routeplay.store.shard.shard import shard_of
 __all__ = ["StoreCore", "StoreSettings"]
 
 R = TypeVar("R")
-
-Request: TypeAlias = tuple[Handle, int, int]
-"""Rows ``[start, stop)`` of a handle, as ``read_many`` takes them."""
 
 
 class StoreSettings(Protocol):
@@ -65,18 +61,21 @@ class StoreSettings(Protocol):
 
 
 class StoreCore:
-    """The state and shard calls the parts of ``RouteStore`` share (not used alone).
+    """The state and shard calls the parts of one ``RouteStore`` share.
 
     Example:
-        store.drive(flow)   # a RouteStore is a StoreCore: every blocking method does this
+        core = StoreCore(config, backend)
+        leases = Leases(core, owner=store)      # every part is built over the one core
+        answers = core.drive(core.send_and_wait(calls, "stats"))
     """
 
     def __init__(self, config: StoreSettings, backend: Backend) -> None:
         self.config = config
         self._backend = backend
-        self._pins = BlockPins()
-        self._releases = PendingReleases(backend)
-        self._reader = Reader(self._call, backend, config.run, self._pins)
+        self.pins = BlockPins()
+        """Block references of the leases granted through this client, in this process."""
+        self.releases = PendingReleases(backend)
+        """This client's releases in flight (settled before its next shard call)."""
 
     @property
     def run(self) -> str:
@@ -129,60 +128,26 @@ class StoreCore:
             )
         return replace(key, run=self.run)
 
-    # -- reading ----------------------------------------------------------------------
-    def resolve(
-        self, handle: Handle, rows: slice = slice(None), *, holder: str = ""
-    ) -> npt.NDArray[Any]:
-        """Rows ``handle[rows]`` (a contiguous slice), copied out once: ``read`` by slice."""
-        start, stop, step = rows.indices(handle.rows)
-        if step != 1:
-            raise HandleError("routing rows resolve by contiguous slices", found=rows)
-        return self.read(handle, start, max(start, stop), holder=holder)
-
-    def read(
-        self, handle: Handle, start: int = 0, stop: int | None = None, *, holder: str = ""
-    ) -> npt.NDArray[Any]:
-        """Rows ``[start, stop)`` of a handle, copied into memory the caller owns."""
-        stop = handle.rows if stop is None else stop
-        return self.read_many([(handle, start, stop)], holder=holder)[0]
-
-    def read_many(
-        self,
-        requests: Sequence[Request],
-        *,
-        holder: str = "",
-        out: Sequence[npt.NDArray[Any]] | None = None,
-        layers: LayerSubset | None = None,
-    ) -> list[npt.NDArray[Any]]:
-        """Rows of many handles, each block fetched once; leased payloads need no shard
-        call, others one ``locate`` per shard. ``out`` gives buffers to copy into (one
-        per request, of its exact shape and dtype: reused memory is faster than fresh
-        pages); after an error they hold only part of the rows. ``holder`` only names
-        the reader in errors. ``layers`` copies only those MoE layers' columns (a
-        pipeline stage's: ``[rows, len(layers.layers), K]`` per request).
+    def discard_written(self, stored: Sequence[StoreRef]) -> None:
+        """Drop written payloads nobody leased (a writer that gave up before it got its
+        handles); sent, not waited for. A payload someone leased meanwhile stays.
 
         Example:
-            [rows] = store.read_many([(handle, 0, handle.rows)], layers=stage_layers)
+            store.discard_written(stored)
         """
-        for handle, _, _ in requests:
-            for segment in handle.segments:
-                source = segment.source
-                if isinstance(source, StoreRef):
-                    if source.run != self.run:
-                        self._check_run(source)
-                elif isinstance(source, EngineKey) and source.run != self.run:
-                    self.scoped(source)
-        self.drive(self._releases.settle(wait=False))
-        return self._reader.read_many(requests, holder=holder, out=out, layers=layers)
+        by_shard: dict[int, list[str]] = {}
+        for ref in stored:
+            by_shard.setdefault(shard_of(ref.payload_id), []).append(ref.payload_id)
+        self.releases.submit([shard_call(i, ShardApi.discard, ids) for i, ids in by_shard.items()])
 
-    # -- internals --------------------------------------------------------------------
-    def _call(
+    # -- shard calls ------------------------------------------------------------------
+    def call(
         self, calls: Sequence[ShardCall[R]], what: str, *, timeout_s: float | None = None
     ) -> list[R]:
         """Shard calls answered, blocking (the reader's metadata call)."""
-        return self.drive(self._calls(calls, what, timeout_s=timeout_s))
+        return self.drive(self.send_and_wait(calls, what, timeout_s=timeout_s))
 
-    def _calls(
+    def send_and_wait(
         self,
         calls: Sequence[ShardCall[R]],
         what: str,
@@ -192,14 +157,16 @@ class StoreCore:
         undo: Undo | None = None,
         ends: bool = False,
     ) -> Flow[list[Any]]:
+        """Send shard calls after this client's releases in flight have landed, and wait
+        for them (``wait_for``)."""
         # Shard actors are threaded: wait for this client's releases first, so a call
         # never overtakes a release sent before it.
-        yield from self._releases.settle(wait=True)
+        yield from self.releases.settle(wait=True)
         pending = self._backend.send(calls)
-        flow = self._await(pending, what, timeout_s=timeout_s, each=each, undo=undo, ends=ends)
+        flow = self.wait_for(pending, what, timeout_s=timeout_s, each=each, undo=undo, ends=ends)
         return (yield from flow)
 
-    def _await(
+    def wait_for(
         self,
         pending: Sequence[Any],
         what: str,
@@ -213,26 +180,29 @@ class StoreCore:
         land, or, for calls that end things (``ends``), settle them as releases."""
         rescue: Callable[[Sequence[Any]], None] | None = None
         if ends:
-            rescue = self._releases.track
+            rescue = self.releases.track
         elif undo is not None:
-            rescue = partial(self._releases.rescue, undo=undo)
+            rescue = partial(self.releases.rescue, undo=undo)
         what = f"{self.run}: {what}"
         return (yield from awaiting(pending, what, timeout_s=timeout_s, each=each, rescue=rescue))
 
-    def _pick_shard(self, key: str) -> int:
+    # -- where things are -------------------------------------------------------------
+    def pick_shard(self, key: str) -> int:
+        """The shard a new payload or batch named ``key`` goes to (by hash)."""
         return zlib.crc32(key.encode()) % self._backend.shard_count
 
-    def _payload_ids(self, handle: Handle) -> list[str]:
+    def payload_ids(self, handle: Handle) -> list[str]:
         """The stored payloads of a handle, each once, in order; another run's refused."""
         ids = []
         for source in handle.sources():
             if isinstance(source, StoreRef):
                 if source.run != self.run:
-                    self._check_run(source)
+                    self.check_run(source)
                 ids.append(source.payload_id)
         return ids
 
-    def _check_run(self, source: StoreRef) -> None:
+    def check_run(self, source: StoreRef) -> None:
+        """Refuse a payload of another run (``RunMismatch``)."""
         if source.run != self.run:
             raise RunMismatch(
                 "payload of another run",
@@ -240,21 +210,3 @@ class StoreCore:
                 found=f"run {source.run}",
                 where=f"payload {source.payload_id}",
             )
-
-    def discard_written(self, stored: Sequence[StoreRef]) -> None:
-        """Drop written payloads nobody leased (a writer that gave up before it got its
-        handles); sent, not waited for. A payload someone leased meanwhile stays.
-
-        Example:
-            store.discard_written(stored)
-        """
-        by_shard: dict[int, list[str]] = {}
-        for ref in stored:
-            by_shard.setdefault(shard_of(ref.payload_id), []).append(ref.payload_id)
-        self._releases.submit([shard_call(i, ShardApi.discard, ids) for i, ids in by_shard.items()])
-
-    def _handle(self, stored: StoreRef, spec: RouteSpec, weight_version: int) -> Handle:
-        segment = Segment(
-            source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
-        )
-        return Handle.of(segment)

@@ -1,9 +1,9 @@
-"""Adopted engine keys in the route-store client (``KeyAdoptingStore``, a part of
-``RouteStore``): ``adopt_keys`` has a shard consume an engine store's keys and keep their
-rows validated and narrowed once on the engine's node (``routeplay.store.engine.ingest`` where
-the engine store validated them as they were put); ``free_engine_keys`` releases the
-keys of a sample that is dropped unread. A key of another run is refused
-(``StoreCore.scoped``).
+"""Adopted engine keys in the route-store client (``KeyAdoption``, a part of
+``RouteStore``, over its ``StoreCore``): ``adopt_keys`` has a shard consume an engine
+store's keys and keep their rows validated and narrowed once on the engine's node
+(``routeplay.store.engine.ingest`` where the engine store validated them as they were
+put); ``free_engine_keys`` releases the keys of a sample that is dropped unread. A key
+of another run is refused (``StoreCore.scoped``).
 
 Fail closed: every adoption returns a handle only for rows whose validation ended
 accepting them (``routeplay.store.shard.adoption``), waiting for a validation still running,
@@ -28,15 +28,19 @@ from routeplay.store.flow import Flow
 from routeplay.store.shard.adoption import KeyBatch
 from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
 
-__all__ = ["KeyAdoptingStore"]
+__all__ = ["KeyAdoption"]
 
 
-class KeyAdoptingStore(StoreCore):
+class KeyAdoption:
     """Adopt and free engine-store keys (a part of ``RouteStore``).
 
     Example:
+        keys = KeyAdoption(core)
         handles = store.adopt_keys(keys, spec)
     """
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
 
     def adopt_key(
         self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
@@ -62,7 +66,7 @@ class KeyAdoptingStore(StoreCore):
             handle = history + new
         """
         flow = self._adopt_keys([key], spec, weight_version, 0, [start_row], False)
-        return self.drive(flow)[0]
+        return self._core.drive(flow)[0]
 
     async def aadopt_key(
         self, key: EngineKey, spec: RouteSpec, *, weight_version: int = 0, start_row: int = 0
@@ -103,7 +107,7 @@ class KeyAdoptingStore(StoreCore):
             handles = store.adopt_keys(group_keys, spec, shared_prefix=prompt_tokens)
         """
         flow = self._adopt_keys(keys, spec, weight_version, shared_prefix, start_rows, pack)
-        return self.drive(flow)
+        return self._core.drive(flow)
 
     async def aadopt_keys(
         self,
@@ -165,7 +169,7 @@ class KeyAdoptingStore(StoreCore):
             good = [h for h in out if isinstance(h, Handle)]
         """
         flow = self._adopt_keys_each(keys, spec, weight_version, shared_prefix, start_rows, pack)
-        return self.drive(flow)
+        return self._core.drive(flow)
 
     async def aadopt_keys_each(
         self,
@@ -188,7 +192,7 @@ class KeyAdoptingStore(StoreCore):
         """
         if not keys:
             return []
-        scoped = tuple(self.scoped(key) for key in keys)
+        scoped = tuple(self._core.scoped(key) for key in keys)
         starts = check_start_rows(scoped, start_rows)
         batch = KeyBatch(keys=scoped, spec=spec, shared_prefix=shared_prefix,
                          starts=tuple(starts), pack=pack)  # fmt: skip
@@ -201,7 +205,7 @@ class KeyAdoptingStore(StoreCore):
     def _key_adoptions(
         self,
     ) -> Coalescer[tuple[KeyBatch, int], list[Handle | RouteplayError] | RouteplayError]:
-        return Coalescer(run=lambda items: self.adrive(self._adopt_key_batches(items)),
+        return Coalescer(run=lambda items: self._core.adrive(self._adopt_key_batches(items)),
                          undo=self._drop_adopted, retry_alone=False)  # fmt: skip
 
     def _adopt_key_batches(
@@ -214,19 +218,19 @@ class KeyAdoptingStore(StoreCore):
                 batch.keys, batch.spec, version, batch.shared_prefix, batch.starts, batch.pack
             )
             return [one]
-        yield from self._releases.settle(wait=False)
+        yield from self._core.releases.settle(wait=False)
         by_shard: dict[int, list[int]] = {}
         for at, (batch, _) in enumerate(items):
-            by_shard.setdefault(self._pick_shard(batch.keys[0].key), []).append(at)
+            by_shard.setdefault(self._core.pick_shard(batch.keys[0].key), []).append(at)
         shards = sorted(by_shard)
         pending = [
-            self._backend.send_adopt_key_batches(i, [items[at][0] for at in by_shard[i]])
+            self._core.backend.send_adopt_key_batches(i, [items[at][0] for at in by_shard[i]])
             for i in shards
         ]
-        answers = yield from self._await(
+        answers = yield from self._core.wait_for(
             pending,
             f"adopt the engine keys of {len(items)} callers",
-            timeout_s=2 * self.config.timeout_s,
+            timeout_s=2 * self._core.config.timeout_s,
             undo=_discard_batches(shards),
         )
         out: list[list[Handle | RouteplayError] | RouteplayError] = [[] for _ in items]
@@ -250,7 +254,7 @@ class KeyAdoptingStore(StoreCore):
             for src in handle.sources()
             if isinstance(src, StoreRef)
         ]
-        self.discard_written(refs)
+        self._core.discard_written(refs)
 
     def _adopt_keys_each(
         self,
@@ -263,17 +267,17 @@ class KeyAdoptingStore(StoreCore):
     ) -> Flow[list[Handle | RouteplayError]]:
         if not keys:
             return []
-        keys = [self.scoped(key) for key in keys]
+        keys = [self._core.scoped(key) for key in keys]
         starts = check_start_rows(keys, start_rows)
-        yield from self._releases.settle(wait=False)
-        shard = self._pick_shard(keys[0].key)
-        pending = self._backend.send_adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
+        yield from self._core.releases.settle(wait=False)
+        shard = self._core.pick_shard(keys[0].key)
+        pending = self._core.backend.send_adopt_keys(shard, keys, spec, shared_prefix, starts, pack)
         # The shard itself waits up to timeout_s for the engine store; give it room (its
         # first call to a store also asks its protocol: past this, the undo frees it all).
-        [results] = yield from self._await(
+        [results] = yield from self._core.wait_for(
             [pending],
             f"adopt {len(keys)} engine keys",
-            timeout_s=2 * self.config.timeout_s,
+            timeout_s=2 * self._core.config.timeout_s,
             undo=_discard_adopted(shard),
         )
         return _handles_of(results, spec, weight_version)
@@ -285,7 +289,7 @@ class KeyAdoptingStore(StoreCore):
         Example:
             store.free_engine_keys(dropped.handle)
         """
-        return self.drive(self._free_keys(_engine_keys(handle)))
+        return self._core.drive(self._free_keys(_engine_keys(handle)))
 
     async def afree_engine_keys(self, handle: Handle) -> int:
         """Awaitable ``free_engine_keys``.
@@ -293,7 +297,7 @@ class KeyAdoptingStore(StoreCore):
         Example:
             await store.afree_engine_keys(dropped.handle)
         """
-        return await self.adrive(self._free_keys(_engine_keys(handle)))
+        return await self._core.adrive(self._free_keys(_engine_keys(handle)))
 
     def free_key(self, key: EngineKey) -> bool:
         """Release one unread engine-store key of this run (idempotent); True if it was
@@ -302,7 +306,7 @@ class KeyAdoptingStore(StoreCore):
         Example:
             store.free_key(routing.key)
         """
-        return self.drive(self._free_keys([key])) > 0
+        return self._core.drive(self._free_keys([key])) > 0
 
     async def afree_key(self, key: EngineKey) -> bool:
         """Awaitable ``free_key``.
@@ -310,17 +314,17 @@ class KeyAdoptingStore(StoreCore):
         Example:
             await store.afree_key(routing.key)
         """
-        return await self.adrive(self._free_keys([key])) > 0
+        return await self._core.adrive(self._free_keys([key])) > 0
 
     def _free_keys(self, keys: Sequence[EngineKey]) -> Flow[int]:
         """Free keys (one engine-store call each, all sent first); how many were live."""
-        scoped = [self.scoped(key) for key in keys]
+        scoped = [self._core.scoped(key) for key in keys]
         if not scoped:
             return 0
-        yield from self._backend.ask_engines(scoped)
-        pending = [self._backend.send_free_key(key, self.run) for key in scoped]
+        yield from self._core.backend.ask_engines(scoped)
+        pending = [self._core.backend.send_free_key(key, self._core.run) for key in scoped]
         where = ", ".join(sorted({f"{key.namespace}/{key.actor}" for key in scoped}))
-        answers = yield from self._await(pending, f"{where}.free", ends=True)
+        answers = yield from self._core.wait_for(pending, f"{where}.free", ends=True)
         return sum(bool(live) for live in answers)
 
 

@@ -1,8 +1,11 @@
-"""Leases of the route-store client (``LeasingStore``, a part of ``RouteStore``):
+"""Leases of the route-store client (``Leases``, a part of ``RouteStore``):
 ``acquire_many`` asks every shard a step touches once and pins the block references the
 grants carry; ``release_many`` sends and does not wait (``routeplay.store.client.releases``);
 what a ``Lease`` calls (release, clone, transfer) is here too. A grant is all or nothing:
 a shard that fails rolls the others back (``_grant_all``).
+
+Built over the client's ``StoreCore`` and handed the client itself as the ``LeaseOwner``
+of the ``Lease`` objects it grants (a lease calls back into, and pickles with, the client).
 """
 
 from __future__ import annotations
@@ -12,27 +15,32 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from routeplay.core.handle import Handle
-from routeplay.errors import HandleError, MisuseError, RunMismatch
+from routeplay.errors import MisuseError
 from routeplay.store.client.coalesce import Coalescer
 from routeplay.store.client.core import StoreCore
-from routeplay.store.client.lease import Holders, Lease, holders_of
+from routeplay.store.client.lease import Holders, Lease, LeaseOwner, holders_of
+from routeplay.store.client.lease_ids import granted_ids, lease_shard, parts_by_shard
 from routeplay.store.flow import Flow
 from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
-from routeplay.store.shard.lease_table import LeakRecord
-from routeplay.store.shard.shard import Grant, shard_of
+from routeplay.store.shard.shard import shard_of
 
-__all__ = ["LeasingStore", "lease_shard"]
+__all__ = ["Leases"]
 
 R = TypeVar("R")
 
 
-class LeasingStore(StoreCore):
+class Leases:
     """Acquire, release, clone and transfer leases (a part of ``RouteStore``).
 
     Example:
+        leases = Leases(core, owner=store)   # the Lease objects call back into ``store``
         [lease] = store.acquire_many([(handle, "train/step-0")])
         store.release_many([lease])
     """
+
+    def __init__(self, core: StoreCore, owner: LeaseOwner) -> None:
+        self._core = core
+        self._owner = owner
 
     def acquire(self, handle: Handle, holder: str) -> Lease:
         """A lease of ``holder`` over every stored payload of ``handle``.
@@ -60,7 +68,7 @@ class LeasingStore(StoreCore):
             rows = store.read_many([(h, lo, hi) for h in handles])  # no shard call
             store.release_many(leases)
         """
-        return self.drive(self._acquire_many(items))
+        return self._core.drive(self.acquire_many_flow(items))
 
     async def aacquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
         """Awaitable ``acquire_many``. Concurrent awaitable acquires of this process (one
@@ -75,7 +83,7 @@ class LeasingStore(StoreCore):
 
     @functools.cached_property
     def _acquires(self) -> Coalescer[tuple[Handle, str], Lease]:
-        return Coalescer(run=lambda items: self.adrive(self._acquire_many(items)),
+        return Coalescer(run=lambda items: self._core.adrive(self.acquire_many_flow(items)),
                          undo=self._revoke_granted)  # fmt: skip
 
     def _revoke_granted(self, leases: Sequence[Lease]) -> None:
@@ -86,18 +94,22 @@ class LeasingStore(StoreCore):
         for lease in leases:
             lease.mark_released()
 
-    def _acquire_many(self, items: Sequence[tuple[Handle, str]]) -> Flow[list[Lease]]:
+    def acquire_many_flow(self, items: Sequence[tuple[Handle, str]]) -> Flow[list[Lease]]:
+        """The flow of ``acquire_many`` (the write path runs it for empty handles)."""
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
             per_shard: dict[int, list[str]] = {}
-            for pid in self._payload_ids(handle):
+            for pid in self._core.payload_ids(handle):
                 per_shard.setdefault(shard_of(pid), []).append(pid)
             for shard, pids in per_shard.items():
                 wanted.setdefault(shard, []).append((index, pids))
         shards = sorted(wanted)
         calls = [
             shard_call(
-                i, ShardApi.lease_many, [(pids, items[at][1]) for at, pids in wanted[i]], self.run
+                i,
+                ShardApi.lease_many,
+                [(pids, items[at][1]) for at, pids in wanted[i]],
+                self._core.run,
             )
             for i in shards
         ]
@@ -105,7 +117,7 @@ class LeasingStore(StoreCore):
         grants = yield from self._grant_all(calls, f"acquire for {holders}")
         parts: list[dict[int, str]] = [{} for _ in items]
         blocks: list[dict[str, list[Any]]] = [{} for _ in items]
-        borrow = self._backend.borrow
+        borrow = self._core.backend.borrow
         for shard, grant in zip(shards, grants, strict=True):
             granted = grant.blocks
             for (at, pids), lease_id in zip(wanted[shard], grant.lease_ids, strict=True):
@@ -114,9 +126,16 @@ class LeasingStore(StoreCore):
                 for pid in pids:
                     pinned[pid] = borrow(granted[pid])
         return [
-            Lease(self, handle, holder, parts[at], pinned=self._pins.pin(blocks[at]))
+            self.granted_lease(handle, holder, parts[at], blocks[at])
             for at, (handle, holder) in enumerate(items)
         ]
+
+    def granted_lease(
+        self, handle: Handle, holder: str, parts: dict[int, str], blocks: dict[str, list[Any]]
+    ) -> Lease:
+        """The ``Lease`` object of a grant (its id per shard, ``parts``), pinning the block
+        references it carried (borrowed: ``Backend.borrow``) in this process."""
+        return Lease(self._owner, handle, holder, parts, pinned=self._core.pins.pin(blocks))
 
     def pull(self, leases: Sequence[Lease]) -> None:
         """Start bringing every block the leases pinned in this process to this node, all
@@ -128,8 +147,8 @@ class LeasingStore(StoreCore):
         Example:
             store.pull(leases)
         """
-        held = self._pins.lookup_many([pid for lease in leases for pid in lease.pinned])
-        self._backend.pull([ref for refs in held if refs for ref in refs])
+        held = self._core.pins.lookup_many([pid for lease in leases for pid in lease.pinned])
+        self._core.backend.pull([ref for refs in held if refs for ref in refs])
 
     def release_many(self, leases: Sequence[Lease]) -> None:
         """End many leases with one call per shard, not waited for (idempotent per
@@ -144,11 +163,11 @@ class LeasingStore(StoreCore):
         live = [lease for lease in leases if not lease.released]
         for lease in live:  # another run's lease is refused before anything is marked
             for lease_id in lease.parts.values():
-                lease_shard(lease_id, self.run, self._backend.shard_count)
+                lease_shard(lease_id, self._core.run, self._core.backend.shard_count)
         for lease in live:
             for shard, lease_id in lease.parts.items():
                 by_shard.setdefault(shard, []).append(lease_id)
-        self._releases.submit(
+        self._core.releases.submit(
             [shard_call(i, ShardApi.release_many, ids) for i, ids in by_shard.items()]
         )
         for lease in live:
@@ -169,7 +188,7 @@ class LeasingStore(StoreCore):
         Example:
             store.flush()
         """
-        self.drive(self._releases.settle(wait=True))
+        self._core.drive(self._core.releases.settle(wait=True))
 
     async def aflush(self) -> None:
         """Awaitable ``flush`` (cancelled: the releases stay in flight, still tracked).
@@ -177,14 +196,14 @@ class LeasingStore(StoreCore):
         Example:
             await store.aflush()
         """
-        await self.adrive(self._releases.settle(wait=True))
+        await self._core.adrive(self._core.releases.settle(wait=True))
 
     # -- what a Lease calls (``routeplay.store.client.lease.LeaseOwner``) ----------------------
     def release_lease(self, parts: Mapping[int, str]) -> None:
         """End one lease's parts (its id per shard), waited for: a holder's lifecycle
         (buffer, session, sample state) must know whether its lease ended, to keep it
         or retry it if the shard failed. ``Lease.release`` calls it."""
-        self.drive(self._release_lease(parts))
+        self._core.drive(self._release_lease(parts))
 
     async def arelease_lease(self, parts: Mapping[int, str]) -> None:
         """Awaitable ``release_lease`` (``Lease.arelease`` calls it). Concurrent awaitable
@@ -196,17 +215,17 @@ class LeasingStore(StoreCore):
 
     @functools.cached_property
     def _lease_releases(self) -> Coalescer[dict[int, str], BaseException | None]:
-        return Coalescer(run=lambda parts: self.adrive(self._release_leases(parts)))
+        return Coalescer(run=lambda parts: self._core.adrive(self._release_leases(parts)))
 
     def _release_lease(self, parts: Mapping[int, str]) -> Flow[None]:
         # Cancelled in flight: the release still lands (ending is idempotent), tracked.
         calls = [shard_call(i, ShardApi.release, lid) for i, lid in parts.items()]
-        yield from self._calls(calls, "end a lease", ends=True)
+        yield from self._core.send_and_wait(calls, "end a lease", ends=True)
 
     def clone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
         """A new lease of ``holder`` over the same payloads, on every shard or none;
         returns its parts. ``Lease.clone`` calls it."""
-        return self.drive(self._clone_lease(parts, holder))
+        return self._core.drive(self._clone_lease(parts, holder))
 
     async def aclone_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
         """Awaitable ``clone_lease`` (``Lease.aclone`` calls it). Concurrent awaitable
@@ -217,7 +236,7 @@ class LeasingStore(StoreCore):
 
     @functools.cached_property
     def _clones(self) -> Coalescer[tuple[dict[int, str], str], dict[int, str]]:
-        return Coalescer(run=lambda items: self.adrive(self._clone_by_holder(items)),
+        return Coalescer(run=lambda items: self._core.adrive(self._clone_by_holder(items)),
                          undo=self._end_parts)  # fmt: skip
 
     def _clone_by_holder(
@@ -229,8 +248,8 @@ class LeasingStore(StoreCore):
 
     def _end_parts(self, leases: Sequence[Mapping[int, str]]) -> None:
         """Revoke leases nobody will hold (sent, not waited for; as a rescue's undo)."""
-        by_shard = _by_shard(leases)
-        self._releases.submit(
+        by_shard = parts_by_shard(leases)
+        self._core.releases.submit(
             [shard_call(i, ShardApi.revoke_many, [lid for _, lid in parts])
              for i, parts in by_shard.items()]
         )  # fmt: skip
@@ -245,15 +264,15 @@ class LeasingStore(StoreCore):
         never reach zero leases. The old parts' release is sent, not waited for (a
         failure is raised by the next call, as ``release_many``'s), so the new lease is
         always handed back. ``Lease.transfer`` calls it."""
-        return self.drive(self._transfer_lease(parts, holder))
+        return self._core.drive(self._transfer_lease(parts, holder))
 
     async def atransfer_lease(self, parts: Mapping[int, str], holder: str) -> dict[int, str]:
         """Awaitable ``transfer_lease`` (``Lease.atransfer`` calls it)."""
-        return await self.adrive(self._transfer_lease(parts, holder))
+        return await self._core.adrive(self._transfer_lease(parts, holder))
 
     def _transfer_lease(self, parts: Mapping[int, str], holder: str) -> Flow[dict[int, str]]:
         moved = yield from self._clone_lease(parts, holder)  # cancelled here: nothing moved
-        self._releases.submit(
+        self._core.releases.submit(
             [shard_call(i, ShardApi.release_many, [lid]) for i, lid in parts.items()]
         )
         return moved
@@ -265,20 +284,20 @@ class LeasingStore(StoreCore):
         lease) for each lease (its parts), one call per shard for all of them, all or
         none; returns the new parts in order. ``Lease.clone_all`` calls it (a group or a
         batch taken over at once)."""
-        return self.drive(self._clone_leases(leases, holder))
+        return self._core.drive(self._clone_leases(leases, holder))
 
     async def aclone_leases(
         self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
         """Awaitable ``clone_leases`` (``Lease.aclone_all``; cancelled: every clone is
         revoked as it lands)."""
-        return await self.adrive(self._clone_leases(leases, holder))
+        return await self._core.adrive(self._clone_leases(leases, holder))
 
     def _clone_leases(
         self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> Flow[list[dict[int, str]]]:
         holders = holders_of(holder, len(leases))
-        by_shard = _by_shard(leases)
+        by_shard = parts_by_shard(leases)
         shards = sorted(by_shard)
         calls = [
             shard_call(
@@ -306,20 +325,20 @@ class LeasingStore(StoreCore):
         shard: nothing to retry); returns the new parts. ``Lease.transfer_all`` calls it.
         Leases on other or several shards are refused (``MisuseError``): move them with
         ``clone_leases`` then ``release_leases``."""
-        return self.drive(self._transfer_leases(leases, holder))
+        return self._core.drive(self._transfer_leases(leases, holder))
 
     async def atransfer_leases(
         self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> list[dict[int, str]]:
         """Awaitable ``transfer_leases`` (cancelled: the moves land; the new leases are
         revoked as they land, the old ones have ended)."""
-        return await self.adrive(self._transfer_leases(leases, holder))
+        return await self._core.adrive(self._transfer_leases(leases, holder))
 
     def _transfer_leases(
         self, leases: Sequence[Mapping[int, str]], holder: Holders
     ) -> Flow[list[dict[int, str]]]:
         holders = holders_of(holder, len(leases))
-        by_shard = _by_shard(leases)
+        by_shard = parts_by_shard(leases)
         if len(by_shard) != 1 or any(len(parts) != 1 for parts in leases):
             raise MisuseError(
                 "a batched transfer moves leases of one shard",
@@ -343,23 +362,25 @@ class LeasingStore(StoreCore):
         None once every part ended, or the error of a shard that failed (the lease may
         still be held there: a retry may end it). ``Lease.release_each`` calls it, for
         holders that must know which releases failed (a buffer's, a batch's samples)."""
-        return self.drive(self._release_leases(leases))
+        return self._core.drive(self._release_leases(leases))
 
     async def arelease_leases(
         self, leases: Sequence[Mapping[int, str]]
     ) -> list[BaseException | None]:
         """Awaitable ``release_leases`` (cancelled: the releases still land, tracked)."""
-        return await self.adrive(self._release_leases(leases))
+        return await self._core.adrive(self._release_leases(leases))
 
     def _release_leases(
         self, leases: Sequence[Mapping[int, str]]
     ) -> Flow[list[BaseException | None]]:
-        by_shard = _by_shard(leases)
+        by_shard = parts_by_shard(leases)
         shards = sorted(by_shard)
         calls = [
             shard_call(i, ShardApi.release_many, [lid for _, lid in by_shard[i]]) for i in shards
         ]
-        answers = yield from self._calls(calls, f"end {len(leases)} leases", each=True, ends=True)
+        answers = yield from self._core.send_and_wait(
+            calls, f"end {len(leases)} leases", each=True, ends=True
+        )
         # A failed shard call says only that its shard failed: each of its leases is then
         # released on its own, so exactly the leases still live are reported (a healthy
         # step never takes this path; a dead shard fails each of them again).
@@ -372,7 +393,9 @@ class LeasingStore(StoreCore):
         out: list[BaseException | None] = [None] * len(leases)
         if retry:
             singles = [shard_call(shard, ShardApi.release, lid) for _, shard, lid in retry]
-            again = yield from self._calls(singles, "end leases one by one", each=True, ends=True)
+            again = yield from self._core.send_and_wait(
+                singles, "end leases one by one", each=True, ends=True
+            )
             for (at, _, _), answer in zip(retry, again, strict=True):
                 if isinstance(answer, BaseException):
                     out[at] = out[at] or answer
@@ -381,12 +404,12 @@ class LeasingStore(StoreCore):
     def repin_blocks(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
         """Count one more local lease on block references pinned here (a clone's);
         returns the payloads that were pinned."""
-        return self._pins.repin(payload_ids)
+        return self._core.pins.repin(payload_ids)
 
     def unpin_blocks(self, payload_ids: Sequence[str]) -> None:
         """One local lease less on these payloads' pinned block references (a lease
         released, pickled or collected); the last one drops them."""
-        self._pins.unpin(payload_ids)
+        self._core.pins.unpin(payload_ids)
 
     def _grant_all(self, calls: Sequence[ShardCall[R]], what: str) -> Flow[list[R]]:
         """Per-call grants, or none at all: a shard that fails rolls the others back,
@@ -394,9 +417,9 @@ class LeasingStore(StoreCore):
         can a wait abandoned in flight: each grant is revoked when it lands)."""
 
         def revoke(index: int, granted: Any) -> list[ShardCall[list[str]]]:
-            return [shard_call(calls[index].shard, ShardApi.revoke_many, _lease_ids(granted))]
+            return [shard_call(calls[index].shard, ShardApi.revoke_many, granted_ids(granted))]
 
-        results = yield from self._calls(calls, what, each=True, undo=revoke)
+        results = yield from self._core.send_and_wait(calls, what, each=True, undo=revoke)
         granted: list[R] = []
         failures: list[BaseException] = []
         undo: list[ShardCall[list[str]]] = []
@@ -407,7 +430,7 @@ class LeasingStore(StoreCore):
                 granted.append(result)
                 undo += revoke(index, result)
         if failures:
-            yield from self._calls(undo, "roll back")
+            yield from self._core.send_and_wait(undo, "roll back")
             raise failures[0]
         return granted
 
@@ -416,35 +439,3 @@ def _named(holders: Sequence[str]) -> str:
     """The holders of a batched call, for its error messages (the first three)."""
     names = sorted(set(holders))
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _lease_ids(result: Any) -> list[str]:
-    if isinstance(result, Grant):
-        return list(result.lease_ids)
-    return list(result) if isinstance(result, list) else [result]  # clone_many's, clone's
-
-
-def _by_shard(leases: Sequence[Mapping[int, str]]) -> dict[int, list[tuple[int, str]]]:
-    """Each shard's ``(position, lease id)`` parts of many leases, in order."""
-    by_shard: dict[int, list[tuple[int, str]]] = {}
-    for at, parts in enumerate(leases):
-        for shard, lease_id in parts.items():
-            by_shard.setdefault(shard, []).append((at, lease_id))
-    return by_shard
-
-
-def lease_shard(item: str | LeakRecord, run: str, shards: int) -> tuple[int, str]:
-    """The shard that granted a lease: its id is ``{run}/{shard}/lease-{random}``."""
-    lease_id = item.lease_id if isinstance(item, LeakRecord) else item
-    prefix = lease_id.rsplit("/lease-", 1)[0]
-    owner, _, shard = prefix.rpartition("/")
-    if owner != run:
-        raise RunMismatch(
-            "lease of another run",
-            expected=f"a lease id of run {run}",
-            found=lease_id[:160],
-            where=f"run {run}",
-        )
-    if not shard.isdigit() or int(shard) >= shards:
-        raise HandleError("not a lease id of this store", found=lease_id[:160])
-    return int(shard), lease_id

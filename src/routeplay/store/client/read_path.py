@@ -1,4 +1,5 @@
-"""The read path: rows of many handles copied once into memory the caller owns.
+"""The read path of the route-store client (``ReadPath``, a part of ``RouteStore``): rows
+of many handles copied once into memory the caller owns (``Reader`` runs the plans).
 
 Where the bytes come from, cheapest first:
 - **block references this process already holds**: a lease granted here carries the
@@ -17,27 +18,31 @@ released, never later, so a reader never outlives a lease's semantics.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from routeplay.core.handle import EngineKey, Handle, InlineSource
+from routeplay.core.handle import EngineKey, Handle, InlineSource, StoreRef
 from routeplay.core.layers import LayerSubset
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MisuseError, RoutesLost, SpecMismatch, StoreTimeout
+from routeplay.store.client.core import StoreCore
+from routeplay.store.client.pins import BlockPins
 from routeplay.store.client.read_plan import BlockCopy, ReadPlan, plan_reads
 from routeplay.store.engine.key_check import check_key_payload
 from routeplay.store.flow import Wait, drive
 from routeplay.store.remote.backend import Backend
 from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
 
-__all__ = ["BlockPins", "MetadataCall", "Reader"]
+__all__ = ["MetadataCall", "ReadPath", "Reader", "Request"]
 
 R = TypeVar("R")
+
+Request: TypeAlias = tuple[Handle, int, int]
+"""Rows ``[start, stop)`` of a handle, as ``read_many`` takes them."""
 
 
 class MetadataCall(Protocol):
@@ -46,53 +51,70 @@ class MetadataCall(Protocol):
     def __call__(self, calls: Sequence[ShardCall[R]], what: str) -> list[R]: ...
 
 
-class BlockPins:
-    """Block references of payloads leased in this process, counted per lease."""
+class ReadPath:
+    """The reads of one client (a part of ``RouteStore``; every ``Lease`` reads through
+    it): requests checked against the run, releases that landed settled, then one
+    ``Reader`` pass.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # leases are released on one thread, read on another
-        self._held: dict[str, tuple[list[Any], int]] = {}
+    Example:
+        reads = ReadPath(core)
+        [rows] = reads.read_many([(handle, 0, handle.rows)])
+    """
 
-    def pin(self, blocks: Mapping[str, list[Any]]) -> tuple[str, ...]:
-        """Hold ``blocks`` for one more lease; returns the payload ids pinned."""
-        with self._lock:
-            for pid, refs in blocks.items():
-                _, count = self._held.get(pid, (refs, 0))
-                self._held[pid] = (refs, count + 1)
-        return tuple(blocks)
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+        self._reader = Reader(core.call, core.backend, core.run, core.pins)
 
-    def repin(self, payload_ids: Sequence[str]) -> tuple[str, ...]:
-        """Count one more lease on payloads already pinned here (clones); returns those."""
-        with self._lock:
-            present = tuple(pid for pid in payload_ids if pid in self._held)
-            for pid in present:
-                refs, count = self._held[pid]
-                self._held[pid] = (refs, count + 1)
-        return present
+    def resolve(
+        self, handle: Handle, rows: slice = slice(None), *, holder: str = ""
+    ) -> npt.NDArray[Any]:
+        """Rows ``handle[rows]`` (a contiguous slice), copied out once: ``read`` by slice."""
+        start, stop, step = rows.indices(handle.rows)
+        if step != 1:
+            raise HandleError("routing rows resolve by contiguous slices", found=rows)
+        return self.read(handle, start, max(start, stop), holder=holder)
 
-    def unpin(self, payload_ids: Sequence[str]) -> None:
-        """One lease less; references of payloads no local lease holds are dropped."""
-        with self._lock:
-            for pid in payload_ids:
-                refs, count = self._held.get(pid, ([], 0))
-                if count > 1:
-                    self._held[pid] = (refs, count - 1)
-                else:
-                    self._held.pop(pid, None)
+    def read(
+        self, handle: Handle, start: int = 0, stop: int | None = None, *, holder: str = ""
+    ) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of a handle, copied into memory the caller owns."""
+        stop = handle.rows if stop is None else stop
+        return self.read_many([(handle, start, stop)], holder=holder)[0]
 
-    def lookup_many(self, payload_ids: Sequence[str]) -> list[list[Any] | None]:
-        """``lookup`` of many payloads under one lock."""
-        with self._lock:
-            found = [self._held.get(pid) for pid in payload_ids]
-        return [None if held is None else held[0] for held in found]
+    def read_many(
+        self,
+        requests: Sequence[Request],
+        *,
+        holder: str = "",
+        out: Sequence[npt.NDArray[Any]] | None = None,
+        layers: LayerSubset | None = None,
+    ) -> list[npt.NDArray[Any]]:
+        """Rows of many handles, each block fetched once; leased payloads need no shard
+        call, others one ``locate`` per shard. ``out`` gives buffers to copy into (one
+        per request, of its exact shape and dtype: reused memory is faster than fresh
+        pages); after an error they hold only part of the rows. ``holder`` only names
+        the reader in errors. ``layers`` copies only those MoE layers' columns (a
+        pipeline stage's: ``[rows, len(layers.layers), K]`` per request).
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._held)
+        Example:
+            [rows] = store.read_many([(handle, 0, handle.rows)], layers=stage_layers)
+        """
+        core = self._core
+        run = core.run
+        for handle, _, _ in requests:
+            for segment in handle.segments:
+                source = segment.source
+                if isinstance(source, StoreRef):
+                    if source.run != run:
+                        core.check_run(source)
+                elif isinstance(source, EngineKey) and source.run != run:
+                    core.scoped(source)
+        core.drive(core.releases.settle(wait=False))
+        return self._reader.read_many(requests, holder=holder, out=out, layers=layers)
 
 
 class Reader:
-    """Executes read plans for one client (``RouteStore.read_many`` delegates here)."""
+    """Executes read plans for one client (``ReadPath.read_many`` delegates here)."""
 
     def __init__(
         self,

@@ -2,53 +2,54 @@
 
 It is a small picklable object (config + actor handles) that travels to rollout
 workers and trainer ranks; what it holds for this process only (pinned block
-references, releases in flight) stays behind when it is pickled. Metadata calls go to
-the shard that minted a payload (shards are chosen by hash); payload bytes never pass
-through a shard.
+references, releases in flight, batched awaitable calls) stays behind when it is
+pickled. Metadata calls go to the shard that minted a payload (shards are chosen by
+hash); payload bytes never pass through a shard.
 
-The client is one class made of parts, each in its own module over a shared core
-(``routeplay.store.client.core``):
+The client is one class holding small parts, each in its own module, each importable
+alone and none importing this one; every public method is one line here that forwards
+to the part that owns it (``routeplay.store.client.forwarding``):
 
-- Write path (``put``, ``put_many``, ``put_staged``): ``routeplay.store.client.write_path``;
-  one object-store write per payload, one adopt call per shard per batch
-  (``routeplay.store.write_plan`` lays a batch out, sharing verified-equal prompt prefixes).
-- Adopted engine keys (``adopt_keys``, ``free_engine_keys``):
-  ``routeplay.store.client.keys``.
-- Leases (``acquire``, ``acquire_many``, ``release_many``): ``routeplay.store.client.leases``;
+- ``StoreCore`` (``core``): config, backend, pinned block references, releases in flight,
+  shard calls and the ``drive``/``adrive`` of flows; the parts below are built over it.
+- ``WritePath`` (``write_path``: ``put``, ``put_many``, ``put_leased_many``,
+  ``put_staged_many``): one object-store write per payload, one adopt call per shard per
+  batch (``routeplay.store.write_plan`` lays a batch out, sharing verified-equal prompt
+  prefixes); it holds the leases too, so a put can lease in the same call.
+- ``ReadPath`` (``read_path``: ``read``, ``read_many``): every ``Lease`` reads through it.
+- ``Leases`` (``leases``: ``acquire_many``, ``release_many`` and what a ``Lease`` calls):
   one call per shard for a whole step; a grant carries the block references, releases
   are not waited for (``routeplay.store.client.releases``).
-- Read path (``read``, ``read_many``): ``routeplay.store.client.core`` (every part and
-  every ``Lease`` reads), over ``routeplay.store.client.read_path``.
-- Compaction and accounting (``compact``, ``stats``, ``leaks``, ``revoke``): here.
-- Awaitable twins (``aput_many``, ``aacquire_many``, ...): each call is one flow
-  (``routeplay.store.flow``) that the blocking method drives with ``ray.get`` and the
-  ``a``-prefixed one with ``await``; rescues of abandoned calls live in the flows.
+- ``KeyAdoption`` (``keys``: ``adopt_keys``, ``free_engine_keys``): adopted engine keys.
+- ``Accounting`` (``accounting``: ``stats``, ``leaks``, ``revoke``).
+- Compaction (``compact``: ``routeplay.store.client.compaction``) and the lifecycle
+  (``start``, ``local``, ``shutdown``): here.
+
+Awaitable twins (``aput_many``, ``aacquire_many``, ...): each call is one flow
+(``routeplay.store.flow``) that the part's blocking method drives with ``ray.get`` and its
+``a``-prefixed one with ``await``; rescues of abandoned calls live in the flows.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from routeplay.core.handle import Handle
-from routeplay.errors import MisuseError, RouteplayError
+from routeplay.errors import MisuseError
+from routeplay.store.client.accounting import Accounting, StoreStats
 from routeplay.store.client.compaction import Compacted, Write, compact_handles
-from routeplay.store.client.keys import KeyAdoptingStore
-from routeplay.store.client.lease import Lease
-from routeplay.store.client.leases import lease_shard
-from routeplay.store.client.write_path import WritingStore
-from routeplay.store.flow import Flow
-from routeplay.store.remote.backend import LocalBackend, RayBackend
-from routeplay.store.shard.api import ShardApi, shard_call
-from routeplay.store.shard.lease_table import LeakRecord, TableStats
+from routeplay.store.client.core import StoreCore
+from routeplay.store.client.forwarding import forward
+from routeplay.store.client.keys import KeyAdoption
+from routeplay.store.client.leases import Leases
+from routeplay.store.client.read_path import ReadPath
+from routeplay.store.client.write_path import WritePath
+from routeplay.store.remote.backend import Backend, LocalBackend, RayBackend
 from routeplay.store.write_plan import MIN_BLOCK_BYTES
 
 __all__ = ["MIN_BLOCK_BYTES", "RouteStore", "StoreConfig", "StoreStats"]
-
-log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,17 +118,7 @@ class StoreConfig:
         return RouteStore.start(self)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreStats(TableStats):
-    """Store-wide snapshot: every shard's table summed."""
-
-    shards: int
-    """Shard actors the numbers come from (live ones)."""
-    dead_shards: tuple[str, ...] = ()
-    """Shards that did not answer, each with why; their payloads are not counted."""
-
-
-class RouteStore(WritingStore, KeyAdoptingStore):
+class RouteStore:
     """Client of one run's route store (picklable with the Ray backend).
 
     Every call a rollout or a buffer makes has an awaitable twin of the same name with
@@ -153,15 +144,22 @@ class RouteStore(WritingStore, KeyAdoptingStore):
         [lease] = await store.aacquire_many([(handle, "train/step-1")])  # in a coroutine
     """
 
-    config: StoreConfig
-    """How this run's store is laid out (the parts read it as their ``StoreSettings``)."""
+    def __init__(self, config: StoreConfig, backend: Backend) -> None:
+        self.config = config
+        """How this run's store is laid out (the parts read it as their ``StoreSettings``)."""
+        self._core = StoreCore(config, backend)
+        self._leases = Leases(self._core, owner=self)  # its Lease objects call back here
+        self._writes = WritePath(self._core, self._leases)
+        self._reads = ReadPath(self._core)
+        self._keys = KeyAdoption(self._core)
+        self._accounts = Accounting(self._core)
 
     def __reduce__(self) -> tuple[object, ...]:
         # Pinned references and releases in flight belong to this process: a copy
         # elsewhere starts without them (it locates what it reads), so a pickled client
         # can never keep an object alive past the leases of the process that pinned it.
         # The copy is a plain RouteStore, whatever subclass was pickled.
-        return (RouteStore, (self.config, self._backend))
+        return (RouteStore, (self.config, self._core.backend))
 
     @classmethod
     def start(cls, config: StoreConfig) -> RouteStore:
@@ -192,7 +190,104 @@ class RouteStore(WritingStore, KeyAdoptingStore):
         )
         return cls(config, backend)
 
-    # -- compaction -------------------------------------------------------------------
+    @property
+    def run(self) -> str:
+        """Run this client belongs to."""
+        return self.config.run
+
+    @property
+    def identity(self) -> Hashable:
+        """The same for every client of this store, in any process (its run and shards):
+        leases granted through different copies of the client (unpickled one by one, as a
+        driver gets samples from many workers) move together, one call per shard."""
+        return self._core.identity
+
+    @property
+    def backend(self) -> Backend:
+        """Where the shards live."""
+        return self._core.backend
+
+    # -- the core: flows, engine keys of this run, payloads nobody leased -------------
+    drive = forward("_core", StoreCore.drive)
+    adrive = forward("_core", StoreCore.adrive)
+    scoped = forward("_core", StoreCore.scoped)
+    discard_written = forward("_core", StoreCore.discard_written)
+
+    # -- the write path ---------------------------------------------------------------
+    put = forward("_writes", WritePath.put)
+    aput = forward("_writes", WritePath.aput)
+    put_many = forward("_writes", WritePath.put_many)
+    aput_many = forward("_writes", WritePath.aput_many)
+    put_leased = forward("_writes", WritePath.put_leased)
+    aput_leased = forward("_writes", WritePath.aput_leased)
+    put_leased_many = forward("_writes", WritePath.put_leased_many)
+    aput_leased_many = forward("_writes", WritePath.aput_leased_many)
+    layout_blocks = forward("_writes", WritePath.layout_blocks)
+    block_rows_for = forward("_writes", WritePath.block_rows_for)
+    put_staged = forward("_writes", WritePath.put_staged)
+    aput_staged = forward("_writes", WritePath.aput_staged)
+    put_staged_flow = forward("_writes", WritePath.put_staged_flow)
+    put_staged_many = forward("_writes", WritePath.put_staged_many)
+    aput_staged_many = forward("_writes", WritePath.aput_staged_many)
+    put_staged_many_flow = forward("_writes", WritePath.put_staged_many_flow)
+    staged_adoption = forward("_writes", WritePath.staged_adoption)
+    written_handles = forward("_writes", WritePath.written_handles)
+
+    # -- adopted engine keys ----------------------------------------------------------
+    adopt_key = forward("_keys", KeyAdoption.adopt_key)
+    aadopt_key = forward("_keys", KeyAdoption.aadopt_key)
+    adopt_keys = forward("_keys", KeyAdoption.adopt_keys)
+    aadopt_keys = forward("_keys", KeyAdoption.aadopt_keys)
+    adopt_keys_each = forward("_keys", KeyAdoption.adopt_keys_each)
+    aadopt_keys_each = forward("_keys", KeyAdoption.aadopt_keys_each)
+    free_engine_keys = forward("_keys", KeyAdoption.free_engine_keys)
+    afree_engine_keys = forward("_keys", KeyAdoption.afree_engine_keys)
+    free_key = forward("_keys", KeyAdoption.free_key)
+    afree_key = forward("_keys", KeyAdoption.afree_key)
+
+    # -- leases -----------------------------------------------------------------------
+    acquire = forward("_leases", Leases.acquire)
+    aacquire = forward("_leases", Leases.aacquire)
+    acquire_many = forward("_leases", Leases.acquire_many)
+    aacquire_many = forward("_leases", Leases.aacquire_many)
+    pull = forward("_leases", Leases.pull)
+    release_many = forward("_leases", Leases.release_many)
+    arelease_many = forward("_leases", Leases.arelease_many)
+    flush = forward("_leases", Leases.flush)
+    aflush = forward("_leases", Leases.aflush)
+
+    # -- what a Lease calls (``routeplay.store.client.lease.LeaseOwner``) -------------
+    release_lease = forward("_leases", Leases.release_lease)
+    arelease_lease = forward("_leases", Leases.arelease_lease)
+    clone_lease = forward("_leases", Leases.clone_lease)
+    aclone_lease = forward("_leases", Leases.aclone_lease)
+    transfer_lease = forward("_leases", Leases.transfer_lease)
+    atransfer_lease = forward("_leases", Leases.atransfer_lease)
+    clone_leases = forward("_leases", Leases.clone_leases)
+    aclone_leases = forward("_leases", Leases.aclone_leases)
+    transfer_leases = forward("_leases", Leases.transfer_leases)
+    atransfer_leases = forward("_leases", Leases.atransfer_leases)
+    release_leases = forward("_leases", Leases.release_leases)
+    arelease_leases = forward("_leases", Leases.arelease_leases)
+    repin_blocks = forward("_leases", Leases.repin_blocks)
+    unpin_blocks = forward("_leases", Leases.unpin_blocks)
+
+    # -- the read path ----------------------------------------------------------------
+    resolve = forward("_reads", ReadPath.resolve)
+    read = forward("_reads", ReadPath.read)
+    read_many = forward("_reads", ReadPath.read_many)
+
+    # -- accounting -------------------------------------------------------------------
+    stats = forward("_accounts", Accounting.stats)
+    astats = forward("_accounts", Accounting.astats)
+    leaks = forward("_accounts", Accounting.leaks)
+    aleaks = forward("_accounts", Accounting.aleaks)
+    revoke = forward("_accounts", Accounting.revoke)
+    arevoke = forward("_accounts", Accounting.arevoke)
+    revoke_holder = forward("_accounts", Accounting.revoke_holder)
+    arevoke_holder = forward("_accounts", Accounting.arevoke_holder)
+
+    # -- compaction and shutdown ------------------------------------------------------
     def compact(
         self, handles: Sequence[Handle], holder: str, *, write: Write | None = None
     ) -> Compacted:
@@ -211,141 +306,10 @@ class RouteStore(WritingStore, KeyAdoptingStore):
         """
         return compact_handles(self, handles, holder, write=write)
 
-    # -- accounting -------------------------------------------------------------------
-    def stats(self) -> StoreStats:
-        """Sum of every live shard's snapshot (after the releases in flight have landed);
-        a shard that does not answer is named in ``dead_shards``, not fatal.
-
-        Example:
-            assert store.stats().leases == 0
-        """
-        parts, dead = self.drive(self._each_shard(ShardApi.stats))
-        return _merge_stats(parts, dead)
-
-    async def astats(self) -> StoreStats:
-        """Awaitable ``stats``.
-
-        Example:
-            assert (await store.astats()).leases == 0
-        """
-        parts, dead = await self.adrive(self._each_shard(ShardApi.stats))
-        return _merge_stats(parts, dead)
-
-    def leaks(self) -> list[LeakRecord]:
-        """Leases still held, oldest first, across the live shards (a dead shard's are
-        gone with it: it is logged, and ``stats().dead_shards`` names it).
-
-        Example:
-            for leak in store.leaks(): print(leak.holder, leak.age_s)
-        """
-        return _sorted_leaks(self.run, *self.drive(self._each_shard(ShardApi.leaks)))
-
-    async def aleaks(self) -> list[LeakRecord]:
-        """Awaitable ``leaks``.
-
-        Example:
-            assert await store.aleaks() == []
-        """
-        return _sorted_leaks(self.run, *await self.adrive(self._each_shard(ShardApi.leaks)))
-
-    def revoke(self, leases: Sequence[str | LeakRecord | Lease]) -> int:
-        """End leases whose holder died (from ``leaks()``, or their ids); returns how many
-        were live. Waited for; counted in ``stats().revoked_leases``.
-
-        Example:
-            stale = [leak for leak in store.leaks() if leak.age_s > 3600]
-            store.revoke(stale)
-        """
-        return self.drive(self._revoke(leases))
-
-    async def arevoke(self, leases: Sequence[str | LeakRecord | Lease]) -> int:
-        """Awaitable ``revoke``.
-
-        Example:
-            await store.arevoke(await store.aleaks())
-        """
-        return await self.adrive(self._revoke(leases))
-
-    def _revoke(self, leases: Sequence[str | LeakRecord | Lease]) -> Flow[int]:
-        by_shard: dict[int, list[str]] = {}
-        for item in leases:
-            ids = (
-                item.parts.items()
-                if isinstance(item, Lease)
-                else [lease_shard(item, self.run, self._backend.shard_count)]
-            )
-            for shard, lease_id in ids:
-                by_shard.setdefault(shard, []).append(lease_id)
-        calls = [shard_call(i, ShardApi.revoke_leases, ids) for i, ids in sorted(by_shard.items())]
-        ended = yield from self._calls(calls, "revoke leases", ends=True)
-        for item in leases:
-            if isinstance(item, Lease):
-                item.mark_released()
-        return sum(len(ids) for ids in ended)
-
-    def revoke_holder(self, holder: str) -> int:
-        """End every lease of ``holder`` (a worker that died) on every shard; returns how
-        many there were.
-
-        Example:
-            store.revoke_holder("rollout/worker-3")   # its samples' bytes can go now
-        """
-        return self.drive(self._revoke_holder(holder))
-
-    async def arevoke_holder(self, holder: str) -> int:
-        """Awaitable ``revoke_holder``.
-
-        Example:
-            await store.arevoke_holder("rollout/worker-3")
-        """
-        return await self.adrive(self._revoke_holder(holder))
-
-    def _revoke_holder(self, holder: str) -> Flow[int]:
-        shards = range(self._backend.shard_count)
-        calls = [shard_call(i, ShardApi.revoke_holder, holder) for i in shards]
-        ended = yield from self._calls(calls, f"revoke {holder}", ends=True)
-        return sum(len(ids) for ids in ended)
-
-    def _each_shard(self, op: Callable[[ShardApi], R]) -> Flow[tuple[list[R], list[str]]]:
-        """Every shard's answer to ``op``; those that failed, named, apart."""
-        shards = range(self._backend.shard_count)
-        calls = [shard_call(i, op) for i in shards]
-        results = yield from self._calls(calls, op.__name__, each=True)
-        live = [r for r in results if not isinstance(r, BaseException)]
-        dead = [
-            f"shard {i} ({type(r).__name__}: {r.summary if isinstance(r, RouteplayError) else r})"
-            for i, r in zip(shards, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        return live, dead
-
     def shutdown(self) -> None:
         """Stop the shards (their references go, so every payload can be reclaimed);
         a release that failed on the way is still raised."""
         try:
             self.flush()
         finally:
-            self._backend.shutdown()
-
-
-def _sorted_leaks(
-    run: str, per_shard: Sequence[list[LeakRecord]], dead: Sequence[str]
-) -> list[LeakRecord]:
-    for why in dead:
-        log.warning("run %s: leaks() skipped %s", run, why)
-    return sorted((r for rows in per_shard for r in rows), key=lambda r: (r.since, r.lease_id))
-
-
-def _merge_stats(parts: Sequence[TableStats], dead: Sequence[str] = ()) -> StoreStats:
-    totals: dict[str, Any] = {}
-    for name in (f.name for f in fields(TableStats)):
-        values = [getattr(part, name) for part in parts]
-        if name.endswith(("_by_holder", "_by_op")):  # (key, count) pairs: sum per key
-            per_holder: dict[str, int] = {}
-            for pairs in values:
-                for holder, value in pairs:
-                    per_holder[holder] = per_holder.get(holder, 0) + value
-            totals[name] = tuple(sorted(per_holder.items()))
-        else:
-            totals[name] = sum(values)
-    return StoreStats(shards=len(parts), dead_shards=tuple(dead), **totals)
+            self._core.backend.shutdown()

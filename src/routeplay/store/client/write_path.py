@@ -1,9 +1,12 @@
-"""The write path of the route-store client (``WritingStore``, a part of ``RouteStore``):
+"""The write path of the route-store client (``WritePath``, a part of ``RouteStore``):
 ``put_many`` writes a laid-out batch (``routeplay.store.write_plan``: shared prompt prefixes
 stored once, ``pack``) with one object-store write per payload and one adopt call;
 ``put_leased_many`` leases in the same call; ``put_staged``/``put_staged_many`` have a
 shard take a producer's staged blocks, so the shard owns them (``RoutesProducer``). A
 call abandoned in flight drops what it wrote when the shard's answer lands.
+
+Built over the client's ``StoreCore`` and its ``Leases`` (a put that leases in the same
+call hands out the same ``Lease`` objects an acquire does).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any
 from routeplay.core.handle import Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
+from routeplay.store.client.core import StoreCore
 from routeplay.store.client.lease import Lease
-from routeplay.store.client.leases import LeasingStore
+from routeplay.store.client.leases import Leases
 from routeplay.store.client.releases import Undo
 from routeplay.store.flow import Flow
 from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
@@ -30,15 +34,20 @@ from routeplay.store.write_plan import (
     split_blocks,
 )
 
-__all__ = ["WritingStore"]
+__all__ = ["WritePath"]
 
 
-class WritingStore(LeasingStore):
+class WritePath:
     """Put routing from this process or from a producer (a part of ``RouteStore``).
 
     Example:
+        writes = WritePath(core, leases)
         handles = store.put_many(group, shared_prefix=prompt_tokens)
     """
+
+    def __init__(self, core: StoreCore, leases: Leases) -> None:
+        self._core = core
+        self._leases = leases
 
     def put(self, routes: Routes, *, weight_version: int = 0) -> Handle:
         """Write from *this* process, which then owns the bytes: for long-lived callers
@@ -76,7 +85,7 @@ class WritingStore(LeasingStore):
             handles = store.put_many(group, shared_prefix=prompt_tokens)
             store.stats().shared_prefix_bytes_saved   # (G - 1) prompt copies not written
         """
-        return self.drive(self._put_many(batch, weight_version, shared_prefix, pack))
+        return self._core.drive(self._put_many(batch, weight_version, shared_prefix, pack))
 
     async def aput_many(
         self,
@@ -91,7 +100,7 @@ class WritingStore(LeasingStore):
         Example:
             handles = await store.aput_many(group, shared_prefix=prompt_tokens)
         """
-        return await self.adrive(self._put_many(batch, weight_version, shared_prefix, pack))
+        return await self._core.adrive(self._put_many(batch, weight_version, shared_prefix, pack))
 
     def _put_many(
         self, batch: Sequence[Routes], weight_version: int, shared_prefix: int, pack: bool
@@ -101,10 +110,12 @@ class WritingStore(LeasingStore):
             return planned  # nothing to store
         spec, layout = planned
         blocks, payloads = self.layout_blocks(layout, spec)
-        refs = self._backend.put_blocks(blocks)
-        shard = self._pick_shard(uuid.uuid4().hex)
+        refs = self._core.backend.put_blocks(blocks)
+        shard = self._core.pick_shard(uuid.uuid4().hex)
         call = shard_call(shard, ShardApi.adopt_many, refs, payloads, layout.saved_bytes)
-        [stored] = yield from self._calls([call], "adopt a batch", undo=_discard_stored(shard))
+        [stored] = yield from self._core.send_and_wait(
+            [call], "adopt a batch", undo=_discard_stored(shard)
+        )
         return _handles(layout, stored, spec, weight_version)
 
     def put_leased(
@@ -145,7 +156,7 @@ class WritingStore(LeasingStore):
             pairs = store.put_leased_many(group, "buffer/g-1", shared_prefix=prompt)
         """
         flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
-        return self.drive(flow)
+        return self._core.drive(flow)
 
     async def aput_leased_many(
         self,
@@ -162,7 +173,7 @@ class WritingStore(LeasingStore):
             pairs = await store.aput_leased_many(group, "buffer/g-1", shared_prefix=prompt)
         """
         flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
-        return await self.adrive(flow)
+        return await self._core.adrive(flow)
 
     def _put_leased_many(
         self,
@@ -178,16 +189,16 @@ class WritingStore(LeasingStore):
         layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
         if not layout.arrays:
             empty = [Handle(spec) for _ in batch]
-            leases = yield from self._acquire_many([(h, holder) for h in empty])
+            leases = yield from self._leases.acquire_many_flow([(h, holder) for h in empty])
             return list(zip(empty, leases, strict=True))
         blocks, payloads = self.layout_blocks(layout, spec)
-        refs = self._backend.put_blocks(blocks)
-        shard = self._pick_shard(uuid.uuid4().hex)
+        refs = self._core.backend.put_blocks(blocks)
+        shard = self._core.pick_shard(uuid.uuid4().hex)
         per_sample = [layout.payloads_of(i) for i in range(len(layout.samples))]
         call = shard_call(
             shard, ShardApi.adopt_leased, refs, payloads, layout.saved_bytes, per_sample, holder
         )
-        [(stored, grant)] = yield from self._calls(
+        [(stored, grant)] = yield from self._core.send_and_wait(
             [call], f"put for {holder}", undo=_release_adopted(shard)
         )
         handles = _handles(layout, stored, spec, weight_version)
@@ -199,9 +210,9 @@ class WritingStore(LeasingStore):
     def _lease_of(
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
     ) -> Lease:
-        pids = self._payload_ids(handle)
-        blocks = {pid: self._backend.borrow(grant.blocks[pid]) for pid in pids}
-        return Lease(self, handle, holder, {shard: lease_id}, pinned=self._pins.pin(blocks))
+        borrow = self._core.backend.borrow
+        blocks = {pid: borrow(grant.blocks[pid]) for pid in self._core.payload_ids(handle)}
+        return self._leases.granted_lease(handle, holder, {shard: lease_id}, blocks)
 
     def layout_blocks(
         self, layout: BatchLayout, spec: RouteSpec
@@ -227,15 +238,17 @@ class WritingStore(LeasingStore):
     def block_rows_for(self, spec: RouteSpec) -> int:
         """Rows per block for this model: the configured count (more for narrow rows),
         or, by default, as many rows as fit in ``max_block_bytes``."""
-        if self.config.block_rows <= 0:
-            return max(1, self.config.max_block_bytes // spec.row_nbytes)
-        return max(self.config.block_rows, -(-MIN_BLOCK_BYTES // spec.row_nbytes))
+        if self._core.config.block_rows <= 0:
+            return max(1, self._core.config.max_block_bytes // spec.row_nbytes)
+        return max(self._core.config.block_rows, -(-MIN_BLOCK_BYTES // spec.row_nbytes))
 
     def put_staged(
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
     ) -> Handle:
         """Have a shard take a producer's staged blocks: one write, owned by the shard."""
-        return self.drive(self.put_staged_flow(producer, token, blocks, routes, weight_version))
+        return self._core.drive(
+            self.put_staged_flow(producer, token, blocks, routes, weight_version)
+        )
 
     async def aput_staged(
         self, producer: Any, token: str, blocks: int, routes: Routes, *, weight_version: int = 0
@@ -246,14 +259,14 @@ class WritingStore(LeasingStore):
             handle = await store.aput_staged(me, token, blocks, routes)
         """
         flow = self.put_staged_flow(producer, token, blocks, routes, weight_version)
-        return await self.adrive(flow)
+        return await self._core.adrive(flow)
 
     def put_staged_flow(
         self, producer: Any, token: str, blocks: int, routes: Routes, weight_version: int
     ) -> Flow[Handle]:
         """The flow of ``put_staged`` (a producer drives it blocking or awaited)."""
         block_rows = self.block_rows_for(routes.spec) if blocks > 1 else 0
-        shard = self._pick_shard(token)
+        shard = self._core.pick_shard(token)
         call = shard_call(
             shard,
             ShardApi.adopt_from,
@@ -265,13 +278,13 @@ class WritingStore(LeasingStore):
             block_rows,
         )
         # The shard itself waits up to timeout_s for the producer; give its answer room.
-        [stored] = yield from self._calls(
+        [stored] = yield from self._core.send_and_wait(
             [call],
             f"adopt {token}",
-            timeout_s=2 * self.config.timeout_s,
+            timeout_s=2 * self._core.config.timeout_s,
             undo=lambda _, ref: [shard_call(shard, ShardApi.discard, [ref.payload_id])],
         )
-        return self._handle(stored, routes.spec, weight_version)
+        return _handle(stored, routes.spec, weight_version)
 
     def put_staged_many(
         self,
@@ -283,7 +296,9 @@ class WritingStore(LeasingStore):
         weight_version: int = 0,
     ) -> list[Handle]:
         """``put_staged`` for a whole laid-out batch: one shard call, one producer call."""
-        return self.drive(self.put_staged_many_flow(producer, token, layout, spec, weight_version))
+        return self._core.drive(
+            self.put_staged_many_flow(producer, token, layout, spec, weight_version)
+        )
 
     async def aput_staged_many(
         self,
@@ -300,7 +315,7 @@ class WritingStore(LeasingStore):
             handles = await store.aput_staged_many(me, token, layout, spec)
         """
         flow = self.put_staged_many_flow(producer, token, layout, spec, weight_version)
-        return await self.adrive(flow)
+        return await self._core.adrive(flow)
 
     def put_staged_many_flow(
         self, producer: Any, token: str, layout: BatchLayout, spec: RouteSpec, weight_version: int
@@ -322,14 +337,14 @@ class WritingStore(LeasingStore):
         Example:
             stored = yield from store.staged_adoption(me, token, payloads, saved_bytes)
         """
-        shard = self._pick_shard(token)
+        shard = self._core.pick_shard(token)
         call = shard_call(
             shard, ShardApi.adopt_from_many, producer, token, list(payloads), saved_bytes
         )
-        [stored] = yield from self._calls(
+        [stored] = yield from self._core.send_and_wait(
             [call],
             f"adopt {token}",
-            timeout_s=2 * self.config.timeout_s,
+            timeout_s=2 * self._core.config.timeout_s,
             undo=_discard_stored(shard),
         )
         return list(stored)
@@ -384,3 +399,11 @@ def _handles(
         )
         for parts in layout.samples
     ]
+
+
+def _handle(stored: StoreRef, spec: RouteSpec, weight_version: int) -> Handle:
+    """The handle of one whole stored payload."""
+    segment = Segment(
+        source=stored, start=0, stop=stored.rows, spec=spec, weight_version=weight_version
+    )
+    return Handle.of(segment)
