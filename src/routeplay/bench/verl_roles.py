@@ -57,7 +57,6 @@ class _VerlRollout(RoutesProducer):
     def __init__(self, store: RouteStore, shape: VerlStepShape) -> None:
         self.store, self.shape = store, shape
         self.rows = [sample_rows(shape, s) for s in range(shape.samples)]
-        verl_path.kind()  # verl's workers start with verl loaded: not a step's to pay
 
     def verl_batch(self) -> Any:
         """verl's batch: every sample int16, padded to the prompt + response width (its
@@ -102,7 +101,6 @@ class _VerlRank:
         self.layers = self.layout.moe_layers(shape.spec)
         self.name = rank_name(dp, tp, pp)
         self._verl_rows: dict[str, npt.NDArray[Any]] = {}  # a checked step's, per sample
-        verl_path.kind()  # verl's workers start with verl loaded: not a step's to pay
 
     def verl_pass(self, chunk: Any, check: bool = False) -> RankPass:
         """The chunk arrived deserialized (every layer, int16, padded): the bytes it
