@@ -9,7 +9,7 @@ module docstring of ``routeplay.bench.verl_step`` says what each path does and w
 measured; the results go to ``benchmarks/results/verl-data-path_vm_<UTC stamp>.json``
 (or ``--json``).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/verl_data_path.py [--samples 32]
+    PYTHONPATH=src .venv/bin/python benchmarks/verl_data_path.py [--samples 24]
         [--prompt 1024] [--response 3072] [--runs 5] [--json PATH]
 
 Example:
@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--response", type=int, default=3072)
     parser.add_argument("--runs", type=int, default=5)

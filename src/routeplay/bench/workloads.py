@@ -200,8 +200,11 @@ class VerlStepShape:
 
     model: str = "qwen3-235b-a22b"
     """Preset name (``routeplay.core.preset``): verl's example model."""
-    samples: int = 32
-    """Samples in the step, dealt to the DP ranks in verl's chunks (consecutive)."""
+    samples: int = 24
+    """Samples in the step, dealt to the DP ranks in verl's chunks (consecutive). 24 is
+    the most a 24 GiB host holds at DP2 x TP2 x PP4: each of verl's sixteen ranks holds
+    verl, torch and its chunk's whole tensor storage (about 1 GiB at 32 samples, where
+    Ray's memory monitor kills them)."""
     prompt: int = 1024
     """verl's ``prompt_length``: prompts (random lengths, at least half of it) are
     left-padded to it."""
