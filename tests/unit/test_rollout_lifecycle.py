@@ -22,6 +22,7 @@ from routeplay.errors import (
 )
 from routeplay.rollout import (
     BufferConfig,
+    Group,
     Origin,
     ReplayBuffer,
     RolloutState,
@@ -125,6 +126,19 @@ def test_the_states_session_and_weight_versions_are_copied_into_its_routing(
     assert store.leaks() == []
 
 
+def test_a_routing_of_none_is_refused_and_the_leases_stay_named(store: RouteStore) -> None:
+    # None would stand for "a new, empty holder" and drop the live lease (a review found
+    # dataclasses.replace(state, routing=None) doing so); the default is a marker instead.
+    state = sample(store, "n", "g", version=0)
+    with pytest.raises(MisuseError, match="routing cannot be None"):
+        dataclasses.replace(state, routing=None)  # type: ignore[arg-type]
+    assert state.routing.holds_lease
+    assert [leak.holder for leak in store.leaks()] == ["rollout/n"]
+    state.release()
+    assert store.leaks() == []
+    assert state.routing.prompt_tokens == len(state.prompt_ids) == 4
+
+
 def test_per_token_fields_must_agree() -> None:
     with pytest.raises(HandleError, match="logprobs"):
         RolloutState(sample_id="s", group_id="g", prompt_ids=(1,), response_ids=(2,))
@@ -196,6 +210,24 @@ def test_sampling_policies(store: RouteStore, policy: SamplingPolicy, order: lis
     for group in picked:
         for state in group.states:
             state.release()
+    assert store.leaks() == []
+
+
+def test_a_training_batch_refuses_rows_never_stamped_before_any_lease_moves(
+    store: RouteStore,
+) -> None:
+    state = RolloutState(sample_id="u", group_id="g", prompt_ids=(1, 2, 3, 4))
+    state = state.extend((5, 6, 7), (-0.1, -0.2, -0.3), 0)
+    handle = store.put(routing(state.tokens - 1, 0), weight_version=Handle.UNSTAMPED)
+    state = attached(state, handle, store.acquire(handle, "rollout/u"), Origin.PRODUCED)
+    with pytest.raises(MisuseError, match="never stamped"):
+        TrainingBatch(3, [Group(group_id="g", states=(state,))])
+    assert dict(store.stats().leases_by_holder) == {"rollout/u": 1}  # nothing moved
+    stamped = state.with_sample_routing(
+        dataclasses.replace(state.routing, handle=handle.stamped(0))
+    )
+    with TrainingBatch(3, [Group(group_id="g", states=(stamped,))]) as batch:
+        assert batch.states[0].routing.handle == handle.stamped(0)
     assert store.leaks() == []
 
 

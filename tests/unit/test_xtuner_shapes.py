@@ -29,6 +29,7 @@ from routeplay.errors import (  # noqa: E402
     DuplicateExperts,
     ExpertOutOfRange,
     HandleError,
+    MisuseError,
     RowCountMismatch,
     SpecMismatch,
 )
@@ -150,6 +151,18 @@ def test_a_providers_blocks_are_checked_on_their_real_rows() -> None:
         ReplaySource(lambda layer: bad[:, layer], SPEC, mask=mask).decoder_ids(
             2, device=CPU, rows=len(mask)
         )
+
+
+def test_a_mask_is_checked_on_every_kind_of_routes() -> None:
+    padded, mask = xtuner_padded(rows=6, pad=3, zeros=1)
+    for bad in (mask.astype(np.uint8), mask[None, :], [True] * len(mask)):
+        with pytest.raises(MisuseError, match="one bool per routing row"):
+            ReplaySource(padded, SPEC, mask=bad)  # type: ignore[arg-type]
+    source = ReplaySource(lambda layer: padded[:, layer], SPEC, mask=mask[:-1])
+    with pytest.raises(RowCountMismatch, match="mask"):  # a provider's block: not ignored
+        source.decoder_ids(2, device=CPU, rows=len(mask))
+    on_host = ReplaySource(padded, SPEC, mask=torch.from_numpy(mask))  # numpy routes
+    assert on_host.decoder_ids(1, device=CPU, rows=len(mask)) is not None
 
 
 # -- XTuner's version source -----------------------------------------------------------------

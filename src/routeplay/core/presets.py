@@ -16,7 +16,9 @@ from routeplay.errors import SpecMismatch
 __all__ = ["PRESETS", "preset"]
 
 
-def _spec(name: str, total: int, top_k: int, experts: int, first_dense: int = 0) -> RouteSpec:
+def _spec(
+    name: str, total: int, top_k: int, experts: int, first_dense: int = 0, mtp: int = 0
+) -> RouteSpec:
     layer_map = tuple(range(first_dense, total)) if first_dense else None
     return RouteSpec(
         num_layers=total - first_dense,
@@ -24,6 +26,7 @@ def _spec(name: str, total: int, top_k: int, experts: int, first_dense: int = 0)
         num_experts=experts,
         layer_map=layer_map,
         total_layers=total,
+        mtp_layers=mtp,  # num_nextn_predict_layers in the model's config.json
         name=name,
     )
 
@@ -38,10 +41,10 @@ PRESETS: Final = MappingProxyType(
             _spec("qwen1.5-moe-a2.7b", 24, 4, 60),
             _spec("qwen2-57b-a14b", 28, 8, 64),
             _spec("intern-s1", 94, 8, 128),
-            _spec("deepseek-v3", 61, 8, 256, first_dense=3),
+            _spec("deepseek-v3", 61, 8, 256, first_dense=3, mtp=1),
             _spec("kimi-k2", 61, 8, 384, first_dense=1),
-            _spec("glm-4.5", 92, 8, 160, first_dense=3),
-            _spec("glm-4.5-air", 46, 8, 128, first_dense=1),
+            _spec("glm-4.5", 92, 8, 160, first_dense=3, mtp=1),
+            _spec("glm-4.5-air", 46, 8, 128, first_dense=1, mtp=1),
             _spec("gpt-oss-120b", 36, 4, 128),
             _spec("gpt-oss-20b", 24, 4, 32),
             _spec("mixtral-8x7b", 32, 2, 8),

@@ -44,11 +44,18 @@ from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
 from routeplay.core.wires.base import Completion
-from routeplay.errors import EngineUnavailable, MalformedPayload, RouteplayError, RowCountMismatch
+from routeplay.errors import (
+    EngineUnavailable,
+    MalformedPayload,
+    MisuseError,
+    RouteplayError,
+    RowCountMismatch,
+)
 from routeplay.rollout import (
     ADAPTERS,
     RolloutState,
     RoutingContinuation,
+    RoutingKind,
     SampleRouting,
     Status,
     finish_all,
@@ -99,6 +106,7 @@ class WorkerShell(RoutesProducer):
     def rollout(self, state: RolloutState, sampling: Sampling, version: int) -> RolloutState:
         """Generate (or resume) ``state`` once; returns it COMPLETED or ABORTED, leased."""
         where = f"sample {state.sample_id}"
+        _refuse_dense(state)  # before any store call: a finish would lease, then refuse
         with state.routing.continuation(self._traces, state.prompt_ids) as cont:
             start = self._wire.routing_start(cont.rows)
             answer = self._post(*self._request(state, sampling, start), where)
@@ -158,6 +166,7 @@ class WorkerShell(RoutesProducer):
         self, stack: ExitStack, state: RolloutState
     ) -> RoutingContinuation[SampleRouting] | Exception:
         try:
+            _refuse_dense(state)
             return stack.enter_context(state.routing.continuation(self._traces, state.prompt_ids))
         except Exception as exc:  # e.g. the session's prefix could not be borrowed
             return _portable(exc)
@@ -224,12 +233,15 @@ class WorkerShell(RoutesProducer):
             for index, _, _, _ in finishing:
                 out[index] = _portable(exc)
             finishing, routings = [], []
+        placed = 0  # routings whose lease a state in ``out`` now names (or that ended)
         try:
             for (index, _, _, completion), routing in zip(finishing, routings, strict=True):
                 routed = states[index].with_sample_routing(routing)
                 out[index] = _finished_or_refused(routed, completion, version)
+                placed += 1
         except BaseException as exc:
             errors = _release_all([s for s in out if isinstance(s, RolloutState)])
+            errors += [e for r in routings[placed:] if (e := r.try_release()[1]) is not None]
             attach_notes(exc, errors, "releasing the group's finished members")
             raise
         return [state for state in out if state is not None]
@@ -360,6 +372,15 @@ def _store_turn(traces: TraceStoreClient, first: RolloutState, session: str | No
     return turn.with_sample_routing(
         turn.routing.store_turn(traces, turn.prompt_ids + turn.response_ids)
     )
+
+
+def _refuse_dense(state: RolloutState) -> None:
+    if state.routing_kind is RoutingKind.DENSE:
+        raise MisuseError(
+            "a dense-model sample has no routing to generate",
+            where=f"sample {state.sample_id}",
+            hint="Roll dense samples out without a routing continuation.",
+        )
 
 
 def _release_all(states: list[RolloutState]) -> list[Exception]:

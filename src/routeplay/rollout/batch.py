@@ -29,6 +29,7 @@ from typing import Generic
 from routeplay.errors import MisuseError
 from routeplay.rollout.buffer import Group, S, _taken_over, release_samples
 from routeplay.rollout.releasing import attempt_each, raise_first
+from routeplay.rollout.sample_routing import RoutedSample
 from routeplay.rollout.sessions import SessionLedger
 
 __all__ = ["TrainingBatch"]
@@ -63,6 +64,7 @@ class TrainingBatch(Generic[S]):
         self.step = step
         self.holder = f"train/step-{step}"
         states = [state for group in groups for state in group.states]
+        _refuse_unstamped(states, step)  # before any lease moves: nothing to undo
         self.states: tuple[S, ...] = self._take_all(states)
         self.sessions = sorted(
             {sid for s in self.states if (sid := s.sample_routing.session_id) is not None}
@@ -119,3 +121,22 @@ class TrainingBatch(Generic[S]):
 
     def __len__(self) -> int:
         return len(self.states)
+
+
+def _refuse_unstamped(states: Sequence[RoutedSample], step: int) -> None:
+    """Rows still ``Handle.UNSTAMPED`` never reach a step: their weight version, which
+    staleness and drift count, was never recorded (XTuner's buffer stamps it at ``put``)."""
+    unstamped = [
+        r.sample_id
+        for s in states
+        if (r := s.sample_routing).handle is not None and r.handle.unstamped
+    ]
+    if unstamped:
+        raise MisuseError(
+            "a training batch got rows whose weight version was never stamped",
+            expected="handles stamped with the version that generated them",
+            found=f"{len(unstamped)} unstamped samples: {unstamped[:5]}",
+            where=f"batch {step}",
+            hint="Stamp each handle where its version is known (handle.stamped(version),"
+            " as the XTuner recipe does in update_sample_version) before the buffer.",
+        )

@@ -280,6 +280,7 @@ def _spec_from_record(record: dict[str, Any]) -> RouteSpec:
         num_experts=int(record["num_experts"]),
         layer_map=tuple(int(i) for i in layer_map) if layer_map else None,
         total_layers=record.get("total_layers"),
+        mtp_layers=int(record.get("mtp_layers", 0)),  # absent before protocol 3: none
         name=str(record.get("name", "")),
     )
 
@@ -291,5 +292,6 @@ def _spec_record(spec: RouteSpec) -> dict[str, Any]:
         "num_experts": spec.num_experts,
         "layer_map": list(spec.layer_map) if spec.layer_map else None,
         "total_layers": spec.total_layers,
+        "mtp_layers": spec.mtp_layers,
         "name": spec.name,
     }

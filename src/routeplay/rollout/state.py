@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from routeplay.errors import HandleError, MisuseError
 from routeplay.rollout.routing_terms import Origin, StalenessBasis
@@ -78,6 +78,10 @@ class RoutingKind(Enum):
     """Routing must exist for every trained row; None means it is missing."""
 
 
+_NEW_HOLDER: Final = cast(SampleRouting, object())
+"""``RolloutState.routing``'s default: replaced by the sample's own empty holder."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutState:
     """One sample's tokens, scores, status and routing (one embedded ``SampleRouting``).
@@ -108,9 +112,9 @@ class RolloutState:
     """Engine finish reason (stop, length, abort)."""
     routing_kind: RoutingKind = RoutingKind.MOE
     """Dense models carry no routing."""
-    # None only as the constructor's default: __post_init__ puts the sample's own empty
-    # holder there, so every state has one (a typed field, never None after init).
-    routing: SampleRouting = None  # type: ignore[assignment]
+    # The default is a marker: __post_init__ puts the sample's own empty holder there,
+    # so every state has one. An explicit None is refused: it would drop live leases.
+    routing: SampleRouting = _NEW_HOLDER
     """The sample's routing holder: handle, own lease, stuck leases, origin, retries."""
 
     def __post_init__(self) -> None:
@@ -122,9 +126,18 @@ class RolloutState:
                 found=f"{len(self.logprobs)} logprobs, {len(self.weight_versions)} versions",
                 where=f"sample {self.sample_id}",
             )
-        routing = cast("SampleRouting | None", self.routing)  # None: the default
-        if routing is None:
+        routing = cast("SampleRouting | None", self.routing)
+        if routing is _NEW_HOLDER:
             routing = SampleRouting(sample_id=self.sample_id, session_id=self.session_id)
+        elif routing is None:
+            raise MisuseError(
+                "a state's routing cannot be None",
+                expected="a SampleRouting (or no routing argument: a new, empty one)",
+                found="None",
+                where=f"sample {self.sample_id}",
+                hint="None would drop the state's live and stuck leases; release first,"
+                " then reset_response().",
+            )
         self._check_routing(routing)
         object.__setattr__(self, "routing", self._synced(routing))  # frozen: set once, here
 

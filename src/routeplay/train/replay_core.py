@@ -225,7 +225,7 @@ class ReplaySource:
         """The meter this replay's routing drift goes to (None: not measured)."""
         self._spec = spec
         self._check_ids = check_ids
-        self._mask = mask
+        self._mask = _checked_mask(mask)
         self._array: npt.NDArray[Any] | None = None
         self._tensor: torch.Tensor | None = None
         self._provider: LayerProvider | None = None
@@ -455,7 +455,7 @@ class ReplaySource:
 
     def _check_block(self, block: npt.NDArray[Any] | torch.Tensor, where: str, rows: int) -> None:
         """Range and distinct ids of one provider block ``[rows, K]`` (real rows only)."""
-        mask = self._mask if self._mask is not None and len(self._mask) == rows else None
+        mask = None if self._mask is None else self._row_mask(block)
         check_ids_of(block[:, None, :], self._spec, where=where, mask=mask)
 
     def _row_mask(
@@ -472,7 +472,34 @@ class ReplaySource:
                 where="replay routes",
                 hint="Pass the mask of the same rows (MicroBatchRoutes.mask for a rank's).",
             )
+        if isinstance(routes, np.ndarray) and isinstance(self._mask, torch.Tensor):
+            return self._mask.cpu().numpy()  # numpy routes are checked on the host
         return self._mask
+
+
+def _checked_mask(
+    mask: npt.NDArray[np.bool_] | torch.Tensor | None,
+) -> npt.NDArray[np.bool_] | torch.Tensor | None:
+    """``mask`` if it is one bool per row (numpy or torch), else ``MisuseError``."""
+    if mask is None:
+        return None
+    found: object = mask  # typed as a mask, but a caller's value: check it whatever it is
+    if isinstance(found, torch.Tensor):
+        ok = found.dim() == 1 and found.dtype == torch.bool
+        shape, dtype = list(found.shape), str(found.dtype)
+    elif isinstance(found, np.ndarray):
+        ok = found.ndim == 1 and found.dtype == np.bool_
+        shape, dtype = list(found.shape), str(found.dtype)
+    else:
+        ok, shape, dtype = False, [], type(found).__name__
+    if not ok:
+        raise MisuseError(
+            "the padding mask must be one bool per routing row",
+            expected="a 1-D bool numpy array or torch tensor [tokens]",
+            found=f"{shape} {dtype}",
+            where="replay routes",
+        )
+    return mask
 
 
 def _check_subset_shape(shape: tuple[int, ...], subset: LayerSubset, spec: RouteSpec) -> None:

@@ -6,7 +6,9 @@ adopted keys, accounting); each public method is one line in its class body,
 the part's name, docstring and signature (``help()`` and ``inspect.signature`` show the
 part's), an awaitable stays a coroutine function, and mypy types every call through it
 as the part's method without its ``self``. A subclass may override a forwarded method
-and call ``super()``, as any method.
+and call ``super()``, as any method; the calls the parts make among themselves do not go
+through it (``put`` -> ``put_many``, ``acquire`` -> ``acquire_many``, ``read`` ->
+``read_many``): override the method a caller calls.
 """
 
 from __future__ import annotations

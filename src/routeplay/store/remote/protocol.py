@@ -110,7 +110,7 @@ def check_answer(answer: object, where: str, hint: str) -> None:
     if named:
         found = f"protocol {answer[0]} (routeplay {answer[1]})"  # type: ignore[index]
     elif answer == _BEFORE:
-        found = "a routeplay from before protocol versions (no routeplay.store.remote.protocol)"
+        found = "a routeplay from before protocol versions (no routeplay.store.protocol module)"
     elif answer == _FOREIGN:
         found = "an actor that does not run routeplay (no routeplay module loaded)"
     else:
@@ -153,7 +153,12 @@ def _question() -> Callable[[Any], tuple[int, str] | str]:
         # loads this module with its class (routeplay.store.remote.actors imports it).
         if "routeplay" not in sys.modules:
             return foreign
-        spoken = getattr(sys.modules.get("routeplay.store.remote.protocol"), "PROTOCOL", None)
+        # Protocol 3 moved this module; a protocol-2 peer has it at its old path.
+        homes = ("routeplay.store.remote.protocol", "routeplay.store.protocol")
+        spoken = next(
+            (p for h in homes if (p := getattr(sys.modules.get(h), "PROTOCOL", None)) is not None),
+            None,
+        )
         version = getattr(sys.modules["routeplay"], "__version__", "unknown")
         return before if spoken is None else (spoken, str(version))
 
