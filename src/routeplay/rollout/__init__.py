@@ -34,8 +34,10 @@ if TYPE_CHECKING:
     from routeplay.rollout.batch import TrainingBatch
     from routeplay.rollout.buffer import BufferConfig, Group, ReplayBuffer, SamplingPolicy
     from routeplay.rollout.checkpoint import (
+        RoutingRecord,
         SampleCodec,
         load_buffer,
+        record_routings,
         record_sample,
         restore_sample,
         save_buffer,
@@ -48,7 +50,6 @@ if TYPE_CHECKING:
     )
     from routeplay.rollout.routing_continuation import RoutingContinuation
     from routeplay.rollout.routing_groups import afinish_all, finish_all
-    from routeplay.rollout.routing_record import RoutingRecord, record_routings
     from routeplay.rollout.routing_terms import StalenessBasis, sample_holder
     from routeplay.rollout.sample_routing import Expiry, RoutedSample, SampleRouting
     from routeplay.rollout.session_compaction import CompactionPolicy
@@ -91,7 +92,7 @@ _HOME = {
     "RoutesWriter": "adapters",
     "RoutingContinuation": "routing_continuation",
     "RoutingKind": "state",
-    "RoutingRecord": "routing_record",
+    "RoutingRecord": "checkpoint",
     "SampleCodec": "checkpoint",
     "SampleRouting": "sample_routing",
     "SamplingPolicy": "buffer",
@@ -110,7 +111,7 @@ _HOME = {
     "finish_all": "routing_groups",
     "ingest_routing_group": "group_ingest",
     "load_buffer": "checkpoint",
-    "record_routings": "routing_record",
+    "record_routings": "checkpoint",
     "record_sample": "checkpoint",
     "restore_sample": "checkpoint",
     "sample_holder": "routing_terms",

@@ -10,7 +10,7 @@ checkpoint) take any ``RoutedSample``: a sample that exposes its ``SampleRouting
 return itself with a new one, and can drop its response for a retry (three members).
 Its parts live next to it: one request between ``continuation()`` and ``finish`` in
 ``routeplay.rollout.routing_continuation``, the checkpoint's record
-(``RoutingRecord.of(routing, store)``) in ``routeplay.rollout.routing_record``, the terms
+(``RoutingRecord.of(routing, store)``) in ``routeplay.rollout.checkpoint``, the terms
 and store protocols both share in ``routeplay.rollout.routing_terms``.
 
 **Immutable.** A ``SampleRouting`` is a frozen value: every step returns the next value

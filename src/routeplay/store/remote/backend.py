@@ -156,6 +156,7 @@ class RayBackend:
 
     def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
         self._shards = list(shards)
+        self._identity: tuple[str, ...] | None = None
         self._timeout_s = timeout_s
         self._waits = ray_calls.RayWaits(timeout_s)
         self._engines: dict[tuple[str, str], Any] = {}  # ray.get_actor costs a GCS call
@@ -193,8 +194,10 @@ class RayBackend:
     @property
     def identity(self) -> Hashable:
         # Actor ids survive pickling: a client unpickled from another process's copy
-        # reaches the same shard actors.
-        return tuple(shard._actor_id.hex() for shard in self._shards)
+        # reaches the same shard actors. Kept once made: a batch asks it per lease.
+        if self._identity is None:
+            self._identity = tuple(shard._actor_id.hex() for shard in self._shards)
+        return self._identity
 
     def send(self, calls: Sequence[ShardCall[Any]]) -> list[Any]:
         return [call.send_to(self._shards[call.shard]) for call in calls]
