@@ -244,6 +244,27 @@ def test_blocks_that_all_exist_are_fetched_with_one_get(monkeypatch: pytest.Monk
     assert waits == [False]  # only asked whether they exist, nothing pulled one by one
 
 
+def test_one_block_is_fetched_without_asking_whether_it_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A trainer rank's micro-batch reads one packed group (one block): asking first
+    # whether it exists was one more raylet round trip per micro-batch, for nothing (one
+    # object is its own bundle either way). Repeats of it are still one object.
+    block = ray.put(np.arange(100_000, dtype=np.uint32))
+    waits: list[Any] = []
+    real_wait = ray_calls.ray.wait
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        waits.append(args)
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray_calls.ray, "wait", spy)
+    [(positions, values)] = list(get_as_created([block, block], timeout_s=30, what="b"))
+    assert positions == [0, 1]
+    np.testing.assert_array_equal(values[1], np.arange(100_000, dtype=np.uint32))
+    assert waits == []
+
+
 @ray.remote(num_cpus=0)
 def _refused_block() -> None:
     raise ValueError("not a block")

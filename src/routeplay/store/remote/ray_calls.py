@@ -87,7 +87,10 @@ def get_as_created(
     is one batch, copied once all have arrived (Ray pins the whole bundle, as it does
     for the objects of any one batch). Existence is asked of each object's owner without
     waiting: an answer still on its way reads as "not yet", and the read takes the
-    per-object way, correct only slower.
+    per-object way, correct only slower. A single object is not asked about: it is its
+    own bundle either way (``ray.get`` pulls it once it exists, as the wait would), and
+    the question is one more round trip to the raylet per read, which a trainer rank
+    whose micro-batches each read one packed GRPO group made once per micro-batch.
 
     Ray has no call to stop such a pull: after an error, or when the caller stops
     early, the blocks already on their way still arrive (copies the node's store may
@@ -97,9 +100,10 @@ def get_as_created(
         return
     end = time.monotonic() + timeout_s
     remaining = list(range(len(refs)))
+    unique = list(dict.fromkeys(refs))  # ray.wait refuses repeats
     with translated(what, timeout_s):
-        every = _all_exist(refs)
-    if every:
+        one_bundle = len(unique) == 1 or _all_exist(unique)
+    if one_bundle:
         yield remaining, _blocks(list(refs), end, what, timeout_s)
         return
     while remaining:
@@ -146,9 +150,9 @@ def _not_arrived(what: str, count: int, timeout_s: float) -> StoreTimeout:
     )
 
 
-def _all_exist(refs: Sequence[Any]) -> bool:
-    """Whether every object exists already, somewhere (without waiting or pulling)."""
-    unique = list(dict.fromkeys(refs))  # ray.wait refuses repeats
+def _all_exist(unique: list[Any]) -> bool:
+    """Whether every object (no repeats) exists already, somewhere (without waiting or
+    pulling)."""
     ready, _ = ray.wait(unique, num_returns=len(unique), timeout=0, fetch_local=False)
     return len(ready) == len(unique)
 
