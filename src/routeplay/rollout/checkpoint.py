@@ -39,7 +39,7 @@ import numpy.typing as npt
 from routeplay.core.handle import Handle, Segment
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
-from routeplay.errors import HandleError, MalformedPayload
+from routeplay.errors import HandleError, MalformedPayload, RouteplayError
 from routeplay.rollout.buffer import BufferConfig, ReplayBuffer, release_samples
 from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.rollout.routing_terms import Origin, RoutesPutter, RowReader, sample_holder
@@ -307,6 +307,24 @@ def load_buffer(
     Example:
         >>> buffer = load_buffer(Path("ckpt/3"), store, BufferConfig(), codec=c)  # doctest: +SKIP
     """
+    try:
+        return _load_buffer(folder, store, config, codec)
+    except RouteplayError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        # A checkpoint is outside data: a field missing or of another type than this
+        # module writes is refused typed (whatever was leased is released by then).
+        raise MalformedPayload(
+            "the checkpoint does not parse",
+            expected="the buffer.json and routing.npz save_buffer writes",
+            found=f"{type(exc).__name__}: {exc}"[:200],
+            where=str(folder),
+        ) from exc
+
+
+def _load_buffer(
+    folder: Path, store: RouteStore, config: BufferConfig, codec: SampleCodec[Any]
+) -> ReplayBuffer[Any]:
     meta = json.loads((folder / "buffer.json").read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT or meta.get("version") not in (1, 2):
         raise MalformedPayload(
@@ -323,12 +341,12 @@ def load_buffer(
             for group in meta["groups"]:
                 for record in group["states"]:
                     routing = _routing_record(record, arrays).restore(store, spec)
-                    pending.append(codec.from_record(record, routing))
+                    pending.append(_sample_of(codec, record, routing))
                 buffer.add(group["group_id"], pending)
                 pending = []
             # Queued retries regenerate: their old routing is neither stored nor kept.
             retries = [
-                codec.from_record(record, _routing_record(record, None).restore(store, spec))
+                _sample_of(codec, record, _routing_record(record, None).restore(store, spec))
                 for record in meta.get("retries", [])
             ]
     except BaseException as exc:  # a half-loaded checkpoint leaves no lease, no payload
@@ -373,10 +391,15 @@ def restore_sample(
         'rollout/a'
     """
     arrays = None if array is None else {"rows": array}
-    routing = _routing_record(record, arrays).restore(store, spec)
+    return _sample_of(codec, record, _routing_record(record, arrays).restore(store, spec))
+
+
+def _sample_of(codec: SampleCodec[Any], record: dict[str, Any], routing: SampleRouting) -> Any:
+    """The codec's sample carrying ``routing`` (restored and leased); if the record's own
+    fields do not parse, nobody will own that lease: it ends before the error goes on."""
     try:
         return codec.from_record(record, routing)
-    except BaseException as exc:  # nobody will own the restored lease: end it
+    except BaseException as exc:
         _, error = routing.discard()
         attach_notes(exc, [error] if error is not None else [], "releasing the restored routing")
         raise
