@@ -637,8 +637,9 @@ def _sample_ids(plan: PackingPlan, mb: int) -> list[str]:
 
 
 def test_a_rank_takes_its_leases_in_one_call_and_reads_without_another() -> None:
-    """``Materializer.leasing``: one ``lease_many`` over exactly this rank's samples, no
-    locate (the grants carry the blocks), each lease ended as its micro-batch is done."""
+    """``Materializer.leasing``: one lease (one ``lease_many``) over exactly the payloads
+    of this rank's samples, no locate (the grant carries the blocks), ended with the
+    rank's last micro-batch."""
     store = RouteStore.local(StoreConfig(run="leasing"))
     arrays = [random_routing(SPEC, 9, seed) for seed in range(8)]
     handles = store.put_many([canonicalize(a, SPEC) for a in arrays])
@@ -648,18 +649,45 @@ def test_a_rank_takes_its_leases_in_one_call_and_reads_without_another() -> None
     mine = [s.sample_id for mb in plan.schedule(1) for s in plan.samples_of(mb)]
     before = dict(store.stats().calls_by_op)
     with Materializer.leasing(store, plan, RankCoords(dp_rank=1), holder="r1") as m:
-        assert dict(store.stats().leases_by_holder) == {"r1": len(mine)}
+        assert dict(store.stats().leases_by_holder) == {"r1": 1}
+        mine_bytes = sum(handles[int(sid[1:])].nbytes for sid in mine)
+        assert dict(store.stats().bytes_by_holder) == {"r1": mine_bytes}
+        assert m.stats().leases_held == 1
         got = {
             s.sample_id: mb.routes[s.offset : s.stop] for mb in m for s in plan.samples_of(mb.index)
         }
     after = dict(store.stats().calls_by_op)
     grew = {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
     assert grew["lease_many"] == 1
-    assert grew["release_many"] == 1  # all at once, after the rank's last micro-batch
+    assert grew["release_many"] == 1  # once, after the rank's last micro-batch
     assert "locate" not in grew
     assert store.stats().leases == 0
+    assert m.stats().leases_released == 1
+    assert m.stats().leases_held == 0
     for sample_id in mine:
         np.testing.assert_array_equal(got[sample_id], arrays[int(sample_id[1:])])
+
+
+def test_a_leasing_rank_ends_its_share_lease_when_it_stops_early_or_is_refused() -> None:
+    """The share lease ends with ``close()`` after one micro-batch (a trainer's step that
+    stops early), and when the constructor refuses the plan (an engine key among
+    the rank's samples): nothing stays leased either way."""
+    store = RouteStore.local(StoreConfig(run="share"))
+    handles = store.put_many([canonicalize(random_routing(SPEC, 9, s), SPEC) for s in range(6)])
+    plan = pack_samples([(f"s{i}", h, 10) for i, h in enumerate(handles)], pack_max_length=10)
+    m = Materializer.leasing(store, plan, RankCoords(), holder="r")
+    with m:
+        next(iter(m))
+        assert store.stats().leases == 1
+    # ``with`` closed it after one of its micro-batches, as an exception would.
+    assert store.stats().leases == 0
+    assert m.stats().leases_released == 1
+    keyed = Handle.of(Segment(source=EngineKey(key="k", rows=9), start=0, stop=9, spec=SPEC))
+    [fresh] = store.put_many([canonicalize(random_routing(SPEC, 9, 7), SPEC)])
+    mixed = pack_samples([("a", fresh, 10), ("k", keyed, 10)], pack_max_length=20)
+    with pytest.raises(MisuseError, match="engine key"):
+        Materializer.leasing(store, mixed, RankCoords(), holder="r")
+    assert store.stats().leases == 0
 
 
 def test_a_leasing_rank_starts_pulling_its_whole_share_at_once() -> None:

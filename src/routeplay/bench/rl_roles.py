@@ -26,11 +26,12 @@ hands each group on one of four ways:
   full prompt + response width, the worker's samples concatenated into one batch and
   returned to the driver whole.
 
-The ranks (``StepRank``) read their share: through the ``Materializer`` over their own
-leases (routeplay), by ``ray.get`` of their groups' objects and a copy of each sample's
-rows into its pack (Ray), or from the chunk their call carried (verl). Each reports how
-long it spent acquiring, reading and releasing, and, on a checked run, a digest of every
-sample's rows, so the step can check that all four paths delivered the same rows.
+The ranks (``StepRank``) read their share: through ``Materializer.leasing`` (routeplay:
+one lease over the payloads of their share), by ``ray.get`` of their groups' objects and
+a copy of each sample's rows into its pack (Ray), or from the chunk their call carried
+(verl). Each reports how long it spent acquiring, reading and releasing, and, on a
+checked run, a digest of every sample's rows, so the step can check that all four paths
+delivered the same rows.
 """
 
 from __future__ import annotations
@@ -267,26 +268,18 @@ class _StepRank:
         self._buffers: dict[tuple[int, ...], npt.NDArray[Any]] = {}  # reused across steps
 
     def read_routeplay(self, plan: PackingPlan, holder: str, check: bool = False) -> RankShare:
-        """Lease this rank's samples (one ``acquire_many``), read them one micro-batch at
-        a time through the ``Materializer`` (which ends each sample's lease after its last
-        micro-batch), then wait for those releases to land."""
+        """Lease this rank's share (``Materializer.leasing``: one lease over every payload
+        its samples read, its blocks pulled as one bundle), read it one micro-batch at
+        a time, then wait for the lease's release to land."""
         coords = RankCoords(dp_rank=self.dp_rank)
-        mine = {
-            s.sample_id: s.handle for mb in plan.schedule(self.dp_rank) for s in plan.samples_of(mb)
-        }
+        samples = sum(len(plan.samples_of(mb)) for mb in plan.schedule(self.dp_rank))
         start = time.perf_counter()
-        leases = self.store.acquire_many([(h, f"{holder}/dp{self.dp_rank}") for h in mine.values()])
-        self.store.pull(leases)  # as Materializer.leasing: the share crosses as one bundle
+        materializer = Materializer.leasing(
+            self.store, plan, coords, holder=f"{holder}/dp{self.dp_rank}", prefetch=1
+        )
         acquired = time.perf_counter()
         digests: list[tuple[str, str]] = []
-        with Materializer(
-            self.store,
-            plan,
-            coords,
-            leases=dict(zip(mine, leases, strict=True)),
-            prefetch=1,
-            release_each=False,  # as Materializer.leasing: the batch holds the rows anyway
-        ) as micro_batches:
+        with materializer as micro_batches:
             for mb in micro_batches:
                 if check:
                     digests.extend(_micro_batch_digests(plan, mb.index, mb.routes))
@@ -294,7 +287,7 @@ class _StepRank:
         self.store.flush()
         released = time.perf_counter()
         return RankShare(
-            len(mine), acquired - start, read - acquired, released - read, tuple(digests)
+            samples, acquired - start, read - acquired, released - read, tuple(digests)
         )
 
     def read_ray(self, wrapped: list[list[Any]], groups: Sequence[int], check: bool) -> RankShare:

@@ -16,8 +16,8 @@ on the driver's clock, one after the other:
 - the trainer's step: ``batch`` (``buffer.sample`` and ``TrainingBatch``, which takes
   the leases over; verl's ``chunk``; Ray's split of the references), ``reads`` (the
   ranks' reads of their share: routeplay packs the batch with ``pack_samples`` over the
-  DP ranks, sends each rank its ``plan.share``, and each rank leases its samples and
-  reads them through the ``Materializer``)
+  DP ranks, sends each rank its ``plan.share``, and each rank reads it through
+  ``Materializer.leasing``: one lease over the payloads of its share)
   and ``releases`` (the batch closes; verl and Ray drop their references).
 
 Between two phases (not timed) the store's ``stats()`` is read, so each phase gets its

@@ -35,11 +35,11 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 from routeplay.core.handle import Handle
+from routeplay.core.records import replaced
 from routeplay.rollout.releasing import first_error
 from routeplay.rollout.routing_continuation import RoutingContinuation
 from routeplay.rollout.routing_terms import sample_holder
@@ -270,7 +270,7 @@ def _hand_over_all(
     released = yield from _released([routings[i] for i in moving])
     out = list(routings)
     for i, (after, _) in zip(moving, released, strict=True):
-        out[i] = dataclasses.replace(after, lease=leases[i])
+        out[i] = replaced(after, lease=leases[i])
     return out
 
 
@@ -282,7 +282,7 @@ def _take_over_all(
     if every_live and Lease.one_shard(live):
         moved: Moved = yield _moving(live, holder)
         return [
-            dataclasses.replace(r, lease=lease, unreleased=(old,) if error else ())
+            replaced(r, lease=lease, unreleased=(old,) if error else ())
             for r, old, lease, error in zip(routings, live, *moved, strict=True)
         ]
     leases = yield from _claim_all(routings, holder, store)
@@ -343,8 +343,7 @@ def _finish_all(
     # The replaced own leases and the borrowed ones end together (a failure rides along
     # in that sample's ``unreleased``): the borrowed lease counts as one more own lease.
     routings = [
-        r if b is None else dataclasses.replace(r, unreleased=(*r.unreleased, b))
-        for r, b, _ in closing
+        r if b is None else replaced(r, unreleased=(*r.unreleased, b)) for r, b, _ in closing
     ]
     released = yield from _released(routings)
     return [
@@ -376,7 +375,7 @@ def _released(
         stuck = tuple(lease for lease, error in zip(leases, mine, strict=True) if error)
         failures = [cast(Exception, error) for error in mine if error is not None]
         error = first_error(failures, f"releasing sample {routing.sample_id}")
-        out.append((dataclasses.replace(routing, lease=None, unreleased=stuck), error))
+        out.append((replaced(routing, lease=None, unreleased=stuck), error))
     return out
 
 

@@ -95,12 +95,12 @@ The two pick different samples to expire when a session turn reuses old prompt r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
 
 from routeplay.core.handle import Handle
+from routeplay.core.records import fast_state, replaced
 from routeplay.errors import MisuseError, RowCountMismatch
 from routeplay.rollout.releasing import attach_notes, first_error
 from routeplay.rollout.routing_continuation import RoutingContinuation
@@ -225,6 +225,7 @@ class Expiry(NamedTuple):
     """The first release failure, or None."""
 
 
+@fast_state
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SampleRouting:
     """One sample's routing handle, its own lease, its stuck leases and weight versions,
@@ -338,9 +339,7 @@ class SampleRouting:
         """Hold ``handle`` under ``lease``; refuses while the own lease is live (it would
         be dropped)."""
         self._check_no_live_lease("attach new routing")
-        return dataclasses.replace(
-            self, handle=handle, lease=lease, origin=origin, prompt_tokens=None
-        )
+        return replaced(self, handle=handle, lease=lease, origin=origin, prompt_tokens=None)
 
     def complete(self, *, prompt_tokens: int, response_tokens: int) -> SampleRouting:
         """Check the rows against the sample's token counts (rows == prompt + response -
@@ -362,7 +361,7 @@ class SampleRouting:
                 hint="Keep the sample's tokens and its routing from the same answer (the"
                 " handle finish() returned, after the tokens that answer added).",
             )
-        return dataclasses.replace(self, prompt_tokens=prompt_tokens)
+        return replaced(self, prompt_tokens=prompt_tokens)
 
     def claim(self, holder: str, store: LeaseSource | None = None) -> Lease | None:
         """Phase 1 of a take-over: ``holder``'s own lease on the rows (a clone of the
@@ -415,7 +414,7 @@ class SampleRouting:
         if lease is None:
             return self
         after, _ = yield from self._try_release()
-        return dataclasses.replace(after, lease=lease)
+        return replaced(after, lease=lease)
 
     def take_over(self, holder: str, store: LeaseSource | None = None) -> SampleRouting:
         """``holder`` takes the sample over: its lease first, then the old one ends.
@@ -484,7 +483,7 @@ class SampleRouting:
         failures = yield from _release_each(leases)
         stuck = tuple(lease for lease, _ in failures)
         error = first_error([exc for _, exc in failures], f"releasing sample {self.sample_id}")
-        return dataclasses.replace(self, lease=None, unreleased=stuck), error
+        return replaced(self, lease=None, unreleased=stuck), error
 
     def discard(self) -> tuple[SampleRouting, Exception | None]:
         """The sample is dropped for good (trained, discarded, failed): every lease it
@@ -511,20 +510,20 @@ class SampleRouting:
         ``handle`` under ``lease`` (``RoutingContinuation.finish`` runs it)."""
         after, _ = yield from self._try_release()
         if borrowed is not None:
-            after, _ = yield from dataclasses.replace(after, lease=borrowed)._try_release()
+            after, _ = yield from replaced(after, lease=borrowed)._try_release()
         return after.attach(handle, lease, origin)
 
     def take_unreleased(self) -> tuple[SampleRouting, tuple[Lease, ...]]:
         """This value without its stuck leases, and those leases (still live in the
         store), for a caller that can revoke them; the caller then owns them."""
         stuck = tuple(lease for lease in self.unreleased if not lease.released)
-        return dataclasses.replace(self, unreleased=()), stuck
+        return replaced(self, unreleased=()), stuck
 
     def reset(self) -> SampleRouting:
         """Forget the routing for regeneration (pure: releases nothing; refuses while the
         own lease is live; stuck leases stay in ``unreleased``)."""
         self._check_no_live_lease("reset the routing")
-        return dataclasses.replace(
+        return replaced(
             self,
             handle=None,
             lease=None,

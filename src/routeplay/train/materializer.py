@@ -49,7 +49,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -74,6 +74,7 @@ __all__ = [
     "MicroBatchRoutes",
     "RowReader",
     "padding_rows",
+    "share_handle",
 ]
 
 
@@ -145,9 +146,9 @@ class MaterializerStats:
     peak_resident_bytes: int
     """Largest ``resident_bytes`` seen."""
     leases_released: int
-    """Sample leases released so far."""
+    """Leases released so far (sample leases, and the share lease of ``leasing``)."""
     leases_held: int
-    """Sample leases still held."""
+    """Leases still held (sample leases, and the share lease of ``leasing``)."""
 
 
 def padding_rows(spec: RouteSpec, rows: int) -> npt.NDArray[np.unsignedinteger]:
@@ -216,8 +217,10 @@ class Materializer:
     ``passes`` is how many times the trainer goes over them, in that order each time
     (see the module docstring): leases end after the last pass. ``release_each=False``
     ends them all at once after the last micro-batch (one call per shard), for leases
-    whose rows another holder keeps anyway (``leasing``). ``layers`` (MoE layer indices,
-    increasing) reads only those layers' columns: a pipeline stage's
+    whose rows another holder keeps anyway. ``share_lease`` is one lease over every
+    payload the rank reads (``leasing`` takes it): held through the last micro-batch of
+    the last pass, then ended (or at ``close()``, also on exceptions). ``layers`` (MoE
+    layer indices, increasing) reads only those layers' columns: a pipeline stage's
     (``MegatronLayout.moe_layers(spec)``), so the rows a rank copies and holds scale with
     1/PP; each micro-batch's ``layers`` says which MoE layer each column is, and the
     replays map layers to columns by it.
@@ -243,10 +246,12 @@ class Materializer:
         name: str = "",
         release_each: bool = True,
         layers: Sequence[int] | None = None,
+        share_lease: Lease | None = None,
     ) -> None:
         # The leases are ours from this call on: a refusal below releases them (the
         # caller has no object left to release them through).
         self._leases: dict[str, Lease] = dict(leases or {})
+        self._share_lease = share_lease
         self._release_each = release_each
         try:
             self._setup(
@@ -271,16 +276,16 @@ class Materializer:
         name: str = "",
         layers: Sequence[int] | None = None,
     ) -> Materializer:
-        """The way a trainer rank takes its leases: one ``acquire_many`` (one call per
-        store shard) over exactly the samples of this rank's micro-batches, under
-        ``holder`` (e.g. ``train/step-3/dp2``), handed to the materializer, which ends
-        them all once the rank's last micro-batch is consumed (one call per shard: the
-        step's ``TrainingBatch`` holds the same rows until it closes, so ending them one
-        micro-batch at a time would free nothing sooner, at one call per micro-batch).
-        The grants carry the block references, so the reads make no shard call, and the
+        """The way a trainer rank takes its leases: one lease (one call per store shard),
+        under ``holder`` (e.g. ``train/step-3/dp2``), over every payload the samples of
+        this rank's micro-batches read, handed to the materializer, which ends it once
+        the rank's last micro-batch is consumed (or at ``close()``). One lease, not one
+        per sample: the step's ``TrainingBatch`` holds the same rows until it closes, so
+        ending them sample by sample would free nothing sooner, and a thousand grants
+        cost the shard, the wire and the rank a thousand lease records for nothing. The
+        grant carries the block references, so the reads make no shard call, and the
         rank's blocks start crossing at once, as one bundle (``RouteStore.pull``: they
-        land in the node's object store, not in the process). The step's
-        ``TrainingBatch`` keeps its own leases until it closes. ``plan`` may be the whole
+        land in the node's object store, not in the process). ``plan`` may be the whole
         step's or the rank's share (``PackingPlan.share``: what a driver best sends each
         rank, its own samples only).
 
@@ -289,24 +294,23 @@ class Materializer:
             ...     for mb in m:
             ...         train(mb.routes)
         """
-        mine = {
-            sample.sample_id: sample.handle
+        handles = [
+            sample.handle
             for index in plan.schedule(coords.dp_rank)
             for sample in plan.samples_of(index)
-        }
-        leases = store.acquire_many([(handle, holder) for handle in mine.values()])
-        store.pull(leases)  # the rank's share crosses as one bundle, from now on
+        ]
+        [lease] = store.acquire_many([(share_handle(plan.spec, handles), holder)])
+        store.pull([lease])  # the rank's share crosses as one bundle, from now on
         return cls(
             store,
             plan,
             coords,
-            leases=dict(zip(mine, leases, strict=True)),
             prefetch=prefetch,
             order=order,
             passes=passes,
             name=name,
-            release_each=False,  # the step's batch holds the rows anyway: one release
             layers=layers,
+            share_lease=lease,
         )
 
     def _setup(
@@ -380,8 +384,10 @@ class Materializer:
     def _release_refused(self, refusal: BaseException) -> None:
         """The constructor refused: release every lease it was given (all attempted);
         a failed release is named in a note on the refusal, never raised over it."""
-        failures = attempt_each(list(self._leases.values()), lambda lease: lease.release())
+        held = [*self._leases.values(), *filter(None, [self._share_lease])]
+        failures = attempt_each(held, lambda lease: lease.release())
         self._leases.clear()
+        self._share_lease = None
         attach_notes(refusal, [exc for _, exc in failures], "releasing a refused rank's leases")
 
     # -- checks (all before any read) -------------------------------------------------
@@ -595,6 +601,8 @@ class Materializer:
             self._counts["done"] += 1
         self._slots.release()
         self._release(self._release_after.pop(self._position - 1, []))
+        if self._position == len(self._stream):
+            self._end_share_lease()
 
     def _release(self, sample_ids: Sequence[str]) -> None:
         """End the leases of finished samples together: one call per store shard, sent
@@ -608,6 +616,16 @@ class Materializer:
             type(leases[0]).release_all(leases)
         with self._stats_lock:
             self._counts["released"] += len(leases)
+
+    def _end_share_lease(self) -> None:
+        """End the lease over the rank's whole share (``leasing``): sent, not waited for."""
+        lease, self._share_lease = self._share_lease, None
+        if lease is None:
+            return
+        with self._store_lock:
+            type(lease).release_all([lease])
+        with self._stats_lock:
+            self._counts["released"] += 1
 
     def close(self) -> None:
         """Stop reading ahead, drop held rows, release every lease left (idempotent)."""
@@ -629,6 +647,7 @@ class Materializer:
                     self._counts["resident"] -= item.nbytes
         self._buffers.clear()
         self._release(list(self._leases))
+        self._end_share_lease()
 
     def __enter__(self) -> Materializer:
         return self
@@ -656,7 +675,7 @@ class Materializer:
             resident_bytes=c["resident"],
             peak_resident_bytes=c["peak"],
             leases_released=c["released"],
-            leases_held=len(self._leases),
+            leases_held=len(self._leases) + (self._share_lease is not None),
         )
 
     def __repr__(self) -> str:
@@ -693,6 +712,33 @@ def _overlapping(pack: Pack, start: int, stop: int) -> Iterator[PackedSample]:
             return
         if sample.stop > start and sample.rows:
             yield sample
+
+
+def share_handle(spec: RouteSpec, handles: Iterable[Handle]) -> Handle:
+    """Every row of every stored payload ``handles`` read, one segment per payload:
+    what one lease over a rank's whole share covers (a lease holds whole payloads).
+
+    Example:
+        [lease] = store.acquire_many([(share_handle(plan.spec, handles), "train/dp0")])
+    """
+    first: dict[str, Segment] = {}
+    for handle in handles:
+        for segment in handle.segments:
+            if isinstance(segment.source, StoreRef):
+                first.setdefault(segment.source.payload_id, segment)
+    return Handle(
+        spec,
+        [
+            Segment(
+                source=seg.source,
+                start=0,
+                stop=seg.source.rows,
+                spec=seg.spec,
+                weight_version=seg.weight_version,
+            )
+            for seg in first.values()
+        ],
+    )
 
 
 def _block_bytes(handle: Handle, spec: RouteSpec) -> int:

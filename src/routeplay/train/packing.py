@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from routeplay.core.handle import Handle
+from routeplay.core.records import fast_state
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch
 
@@ -159,6 +160,7 @@ def _packed_sample(
     return restored
 
 
+@fast_state
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pack:
     """Samples sharing one packed sequence; positions no sample covers are padding."""

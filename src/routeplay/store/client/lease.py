@@ -192,7 +192,11 @@ class Lease:
         self._pinned = pinned
         self._released = False
         # Runs once: on release, pickling, or when this object is collected unreleased.
-        self._unpin_once = weakref.finalize(self, store.unpin_blocks, pinned)
+        # Most leases pin nothing (a buffer's, a batch's): a finalizer each, thousands a
+        # step, cost the driver more than the moves themselves.
+        self._unpin_once: weakref.finalize[Any, Any] | _NoPins = (
+            weakref.finalize(self, store.unpin_blocks, pinned) if pinned else _NO_PINS
+        )
 
     def __reduce__(self) -> tuple[object, ...]:
         self._unpin()  # the copy may be the one that gets released: pin nothing here
@@ -312,7 +316,7 @@ class Lease:
         Example:
             fast = Lease.one_shard(group_leases)
         """
-        stores = {lease._store.identity for lease in leases}
+        stores = {store.identity for store in {id(x._store): x._store for x in leases}.values()}
         shards = {shard for lease in leases for shard in lease._parts}
         return len(stores) == 1 and len(shards) == 1 and all(len(x._parts) == 1 for x in leases)
 
@@ -454,16 +458,36 @@ class Lease:
             )
 
 
+class _NoPins:
+    """The finalizer of a lease that pinned nothing: nothing to run, nothing to detach."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        return None
+
+    def detach(self) -> None:
+        return None
+
+
+_NO_PINS = _NoPins()
+
+
 def _by_store(
     leases: Sequence[Lease], action: str | None
 ) -> list[tuple[LeaseOwner, list[tuple[int, Lease]]]]:
     """Leases grouped by the client that granted them, with their positions; ``action``
     (e.g. "clone") refuses a released one first."""
     by_store: dict[Hashable, tuple[LeaseOwner, list[tuple[int, Lease]]]] = {}
+    identities: dict[int, Hashable] = {}  # a store's identity, asked once per client object
     for at, lease in enumerate(leases):
         if action is not None:
             lease._check_live(action)
-        by_store.setdefault(lease._store.identity, (lease._store, []))[1].append((at, lease))
+        store = lease._store
+        identity = identities.get(id(store))
+        if identity is None:
+            identity = identities[id(store)] = store.identity
+        by_store.setdefault(identity, (store, []))[1].append((at, lease))
     return list(by_store.values())
 
 
