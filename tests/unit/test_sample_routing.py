@@ -90,12 +90,14 @@ class LeaseLog:
 
     def __init__(self, store: RouteStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.pins: list[bool] = []  # each acquire's pin (a rollout's leases pin nothing)
         acquire, clone, release = store.acquire, Lease.clone, Lease.release
         aacquire, aclone, arelease = store.aacquire, Lease.aclone, Lease.arelease
 
-        def logged_acquire(handle: Handle, holder: str) -> Lease:
+        def logged_acquire(handle: Handle, holder: str, *, pin: bool = True) -> Lease:
             self.calls.append(("acquire", holder))
-            return acquire(handle, holder)
+            self.pins.append(pin)
+            return acquire(handle, holder, pin=pin)
 
         def logged_clone(lease: Lease, holder: str) -> Lease:
             self.calls.append(("clone", holder))
@@ -106,9 +108,10 @@ class LeaseLog:
                 self.calls.append(("release", lease.holder))
             release(lease)
 
-        async def logged_aacquire(handle: Handle, holder: str) -> Lease:
+        async def logged_aacquire(handle: Handle, holder: str, *, pin: bool = True) -> Lease:
             self.calls.append(("acquire", holder))
-            return await aacquire(handle, holder)
+            self.pins.append(pin)
+            return await aacquire(handle, holder, pin=pin)
 
         async def logged_aclone(lease: Lease, holder: str) -> Lease:
             self.calls.append(("clone", holder))
@@ -253,6 +256,8 @@ def test_finish_acquires_the_new_lease_before_releasing_the_replaced_one(
     resumed = resume_order(store, log, None, face)
     assert resumed.holds_lease
     assert resumed.rows == PROMPT + FIRST + SECOND - 1
+    assert log.pins  # the sample's leases were acquired, pinning nothing in this process
+    assert not any(log.pins)
     np.testing.assert_array_equal(store.read(resumed.handle), truth(resumed.rows))  # type: ignore[arg-type]
     step(face, resumed, "release")
     assert store.leaks() == []

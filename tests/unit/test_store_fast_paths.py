@@ -137,6 +137,29 @@ def test_pins_go_with_the_release_the_pickle_or_the_garbage_collector(
     assert len(store._core.pins) == 0  # a lost lease object keeps no reference alive
 
 
+def test_an_unpinned_lease_carries_no_blocks_and_its_reads_locate_them(
+    store: RouteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pin=False`` (a rollout worker's sample leases): the grant brings no block
+    references, nothing is pinned, the rows stay alive all the same, and a read through
+    it asks the shard where the blocks are; a pinned lease reads without a shard call."""
+    kept, read_here = store.put_many([routing(8, seed=s) for s in range(2)])
+    unpinned = store.acquire_many([(kept, "rollout/a")], pin=False)[0]
+    assert unpinned.pinned == ()
+    assert len(store._core.pins) == 0
+    assert store.stats().leases == 1  # a lease all the same: the payload is held
+    spy = CountingStore(store, monkeypatch)
+    np.testing.assert_array_equal(unpinned.read(), routing(8, seed=0).array)
+    assert spy.calls.count("locate") == 1
+    pinned = store.acquire(read_here, "train/b")
+    spy.calls.clear()
+    np.testing.assert_array_equal(pinned.read(), routing(8, seed=1).array)
+    assert "locate" not in spy.calls
+    store.release_many([unpinned, pinned])
+    store.flush()
+    assert store.leaks() == []
+
+
 def test_a_failed_release_is_raised_not_lost(
     store: RouteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -68,13 +68,17 @@ __all__ = [
 class ManyLeaseSource(Protocol):
     """What ``claim_all`` needs for samples without a live lease: ``acquire_many``."""
 
-    def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]: ...
+    def acquire_many(
+        self, items: Sequence[tuple[Handle, str]], *, pin: bool = ...
+    ) -> list[Lease]: ...
 
 
 class AsyncManyLeaseSource(Protocol):
     """What ``aclaim_all`` needs: ``RouteStore.aacquire_many``."""
 
-    async def aacquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]: ...
+    async def aacquire_many(
+        self, items: Sequence[tuple[Handle, str]], *, pin: bool = ...
+    ) -> list[Lease]: ...
 
 
 Source = ManyLeaseSource | AsyncManyLeaseSource
@@ -380,5 +384,10 @@ def _released(
 
 
 def _acquiring_many(store: Source, items: list[tuple[Handle, str]]) -> Call[list[Lease]]:
+    """Unpinned, as ``routing_terms.acquiring``: the samples' leases keep rows alive,
+    nobody reads through them here."""
     blocking, awaited = cast(ManyLeaseSource, store), cast(AsyncManyLeaseSource, store)
-    return Call(lambda: blocking.acquire_many(items), lambda: awaited.aacquire_many(items))
+    return Call(
+        lambda: blocking.acquire_many(items, pin=False),
+        lambda: awaited.aacquire_many(items, pin=False),
+    )

@@ -75,13 +75,13 @@ def prefix_holder(sample_id: str) -> str:
 class LeaseSource(Protocol):
     """What ``finish`` and ``claim`` need from a store: ``RouteStore.acquire``."""
 
-    def acquire(self, handle: Handle, holder: str) -> Lease: ...
+    def acquire(self, handle: Handle, holder: str, *, pin: bool = ...) -> Lease: ...
 
 
 class AsyncLeaseSource(Protocol):
     """What ``afinish`` and ``aclaim`` need: ``RouteStore.aacquire``."""
 
-    async def aacquire(self, handle: Handle, holder: str) -> Lease: ...
+    async def aacquire(self, handle: Handle, holder: str, *, pin: bool = ...) -> Lease: ...
 
 
 class PrefixSource(Protocol):
@@ -115,9 +115,14 @@ class AsyncSessionSink(Protocol):
 
 def acquiring(store: LeaseSource | AsyncLeaseSource, handle: Handle, holder: str) -> Call[Lease]:
     """``store.acquire`` / ``store.aacquire`` as a step's call (each face calls only its
-    own half: a blocking step's store needs no awaitable method)."""
+    own half: a blocking step's store needs no awaitable method). Unpinned: a sample's
+    lease keeps its rows alive for the trainer, nobody reads through it here, so no
+    block references cross to this process (a rollout worker's thousands of samples)."""
     blocking, awaited = cast("LeaseSource", store), cast("AsyncLeaseSource", store)
-    return Call(lambda: blocking.acquire(handle, holder), lambda: awaited.aacquire(handle, holder))
+    return Call(
+        lambda: blocking.acquire(handle, holder, pin=False),
+        lambda: awaited.aacquire(handle, holder, pin=False),
+    )
 
 
 class RowReader(Protocol):

@@ -42,35 +42,42 @@ class Leases:
         self._core = core
         self._owner = owner
 
-    def acquire(self, handle: Handle, holder: str) -> Lease:
-        """A lease of ``holder`` over every stored payload of ``handle``.
+    def acquire(self, handle: Handle, holder: str, *, pin: bool = True) -> Lease:
+        """A lease of ``holder`` over every stored payload of ``handle`` (``pin``: see
+        ``acquire_many``).
 
         Example:
             with store.acquire(handle, "buffer/s-1") as lease: ...
         """
-        return self.acquire_many([(handle, holder)])[0]
+        return self.acquire_many([(handle, holder)], pin=pin)[0]
 
-    async def aacquire(self, handle: Handle, holder: str) -> Lease:
+    async def aacquire(self, handle: Handle, holder: str, *, pin: bool = True) -> Lease:
         """Awaitable ``acquire``.
 
         Example:
             async with await store.aacquire(handle, "buffer/s-1") as lease: ...
         """
-        return (await self.aacquire_many([(handle, holder)]))[0]
+        return (await self.aacquire_many([(handle, holder)], pin=pin))[0]
 
-    def acquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
+    def acquire_many(self, items: Sequence[tuple[Handle, str]], *, pin: bool = True) -> list[Lease]:
         """Leases for many ``(handle, holder)`` pairs (a training step): one call per
-        shard, all or nothing; each grant carries the block references of its payloads,
-        so reading leased rows in this process needs no further shard call.
+        shard, all or nothing. With ``pin`` (the default) each grant carries the block
+        references of its payloads, pinned in this process while the lease lives, so
+        reading leased rows here needs no further shard call. ``pin=False`` is for a
+        holder that keeps rows alive without reading them (a rollout worker's sample
+        leases): no references cross, nothing is pinned or handed back here, and a read
+        asks the shard where the blocks are (one ``locate`` per shard).
 
         Example:
             leases = store.acquire_many([(h, "train/step-3") for h in handles])
             rows = store.read_many([(h, lo, hi) for h in handles])  # no shard call
             store.release_many(leases)
         """
-        return self._core.drive(self.acquire_many_flow(items))
+        return self._core.drive(self.acquire_many_flow(items, pin=pin))
 
-    async def aacquire_many(self, items: Sequence[tuple[Handle, str]]) -> list[Lease]:
+    async def aacquire_many(
+        self, items: Sequence[tuple[Handle, str]], *, pin: bool = True
+    ) -> list[Lease]:
         """Awaitable ``acquire_many``. Concurrent awaitable acquires of this process (one
         coroutine per sample finishing) go out together, one call per shard
         (``routeplay.store.client.coalesce``); cancelled in flight: the grants it asked for are
@@ -79,12 +86,16 @@ class Leases:
         Example:
             leases = await store.aacquire_many([(h, "train/step-3") for h in handles])
         """
-        return await self._acquires.submit(items)
+        return await self._acquires[pin].submit(items)
 
     @functools.cached_property
-    def _acquires(self) -> Coalescer[tuple[Handle, str], Lease]:
-        return Coalescer(run=lambda items: self._core.adrive(self.acquire_many_flow(items)),
-                         undo=self._revoke_granted)  # fmt: skip
+    def _acquires(self) -> dict[bool, Coalescer[tuple[Handle, str], Lease]]:
+        """One coalescer per ``pin``: pinned and unpinned grants are different calls."""
+        return {pin: Coalescer(run=functools.partial(self._acquire_now, pin=pin),
+                               undo=self._revoke_granted) for pin in (True, False)}  # fmt: skip
+
+    async def _acquire_now(self, items: Sequence[tuple[Handle, str]], pin: bool) -> list[Lease]:
+        return await self._core.adrive(self.acquire_many_flow(items, pin=pin))
 
     def _revoke_granted(self, leases: Sequence[Lease]) -> None:
         """Undo grants nobody took (their waiter gave up): revoked, not released, so a
@@ -94,7 +105,9 @@ class Leases:
         for lease in leases:
             lease.mark_released()
 
-    def acquire_many_flow(self, items: Sequence[tuple[Handle, str]]) -> Flow[list[Lease]]:
+    def acquire_many_flow(
+        self, items: Sequence[tuple[Handle, str]], *, pin: bool = True
+    ) -> Flow[list[Lease]]:
         """The flow of ``acquire_many`` (the write path runs it for empty handles)."""
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
@@ -110,6 +123,7 @@ class Leases:
                 ShardApi.lease_many,
                 [(pids, items[at][1]) for at, pids in wanted[i]],
                 self._core.run,
+                with_blocks=pin,
             )
             for i in shards
         ]
@@ -123,7 +137,7 @@ class Leases:
             for (at, pids), lease_id in zip(wanted[shard], grant.lease_ids, strict=True):
                 parts[at][shard] = lease_id
                 pinned = blocks[at]
-                for pid in pids:
+                for pid in pids if pin else ():
                     pinned[pid] = borrow(granted[pid])
         return [
             self.granted_lease(handle, holder, parts[at], blocks[at])

@@ -240,8 +240,10 @@ class StoreShardShell(_Reaped):
                 self._validators[node_id] = KeyValidator.options(scheduling_strategy=place).remote()
             return self._validators[node_id]
 
-    def lease_many(self, requests: list[tuple[list[str], str]], run: str) -> Grant:
-        return self._locked(lambda: self._shard.lease_many(requests, run))
+    def lease_many(
+        self, requests: list[tuple[list[str], str]], run: str, *, with_blocks: bool = True
+    ) -> Grant:
+        return self._locked(lambda: self._shard.lease_many(requests, run, with_blocks=with_blocks))
 
     def release_many(self, lease_ids: list[str]) -> list[str]:
         return self._locked(lambda: self._shard.release_many(lease_ids))

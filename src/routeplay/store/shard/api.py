@@ -65,9 +65,11 @@ class ShardApi(Protocol):
         """``adopt_from`` for every staged block of a batch."""
         ...
 
-    def lease_many(self, requests: list[tuple[list[str], str]], run: str) -> Grant:
+    def lease_many(
+        self, requests: list[tuple[list[str], str]], run: str, *, with_blocks: bool = True
+    ) -> Grant:
         """Leases for many ``(payload_ids, holder)`` requests, all or none, with the
-        block references of every payload leased."""
+        block references of every payload leased (none without ``with_blocks``)."""
         ...
 
     def acquire(self, payload_ids: list[str], holder: str, run: str) -> str:
