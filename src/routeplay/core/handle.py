@@ -393,7 +393,10 @@ class Handle:
     def __reduce__(self) -> tuple[object, ...]:
         # Its segments were normalized when it was built: a copy takes them as they are
         # (a trainer rank unpickles a step's plan, thousands of handles, per step).
-        return (_restored_handle, (self.spec, self.segments, self._rows))
+        # Segments as plain tuples: a pickler's per-object hook (Ray's cloudpickle calls
+        # one for every object that is not a builtin) runs once per handle, not per segment.
+        rows = tuple((s.source, s.start, s.stop, s.weight_version) for s in self.segments)
+        return (_restored_handle_rows, (self.spec, rows, self._rows))
 
 
 _SOURCE_KINDS: dict[type, str] = {InlineSource: "inline", StoreRef: "store", EngineKey: "key"}
@@ -409,6 +412,18 @@ def _source_label(source: Source) -> str:
     ident = source.payload_id if isinstance(source, StoreRef) else source.key
     short = ident if len(ident) <= _ID_CHARS else ident[:_ID_CHARS] + "..."
     return f"{_SOURCE_KINDS[type(source)]} {short} ({source.rows} rows)"
+
+
+def _restored_handle_rows(
+    spec: RouteSpec, parts: tuple[tuple[Source, int, int, int], ...], rows: int
+) -> Handle:
+    """A pickled handle's segments, checked again (a segment's rows within its source),
+    not normalized again (they were when the handle was built)."""
+    segments = tuple(
+        Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
+        for source, start, stop, version in parts
+    )
+    return _restored_handle(spec, segments, rows)
 
 
 def _restored_handle(spec: RouteSpec, segments: tuple[Segment, ...], rows: int) -> Handle:

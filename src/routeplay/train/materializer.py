@@ -456,10 +456,8 @@ class Materializer:
                     lo, hi = max(start, sample.offset), min(stop, sample.stop)
                     if lo > position:
                         pad(lo - position)
-                    segments.extend(
-                        p.segment
-                        for p in sample.handle.pieces(lo - sample.offset, hi - sample.offset)
-                    )
+                    rows = sample.handle.spans(lo - sample.offset, hi - sample.offset)
+                    segments.extend(seg for seg, _ in rows)
                     spans.append((out + lo - start, out + hi - start))
                     position = hi
                 if position < stop:
