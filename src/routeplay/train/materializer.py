@@ -12,6 +12,12 @@ How the bytes move (what this module owns):
   runs from a zero-stride inline source in between. A single ``read_many`` of that handle
   fetches only the store blocks those slices touch and copies them straight into the
   micro-batch array: no whole sample, no whole pack, no second assembly copy.
+- **Blocks fetched a window at a time.** The thread fetches the stored blocks of its
+  next micro-batches (up to 32 of them, 64 MiB of blocks) in one call and copies each
+  micro-batch out of them as its slot frees (``routeplay.train.read_ahead``): the views
+  pin node memory, not the process's, and go before the window's last micro-batch is
+  handed out. A window whose fetch fails is read micro-batch by micro-batch, so an error
+  surfaces at the micro-batch it concerns.
 - **Bounded memory.** A background thread reads ahead ``prefetch`` micro-batches; a
   semaphore of ``prefetch + 1`` slots (one for the micro-batch the consumer holds) stops
   it from reading further, so resident routing bytes never exceed ``(prefetch + 1)``
@@ -63,6 +69,7 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import attach_notes, attempt_each
 from routeplay.train.packing import Pack, PackedSample, PackingPlan, RankCoords, local_ranges
+from routeplay.train.read_ahead import PlannedRead, hold_window, windows
 
 if TYPE_CHECKING:  # the store package imports Ray; a trainer process may run without it
     from routeplay.store.client.lease import Lease
@@ -468,30 +475,43 @@ class Materializer:
             mask[lo:hi] = True
         return Handle(spec, segments), mask, sum(hi - lo for lo, hi in spans)
 
-    def _build(self, pass_index: int, mb: int) -> MicroBatchRoutes:
-        packs = self._plan.micro_batches[mb]
-        handle, mask, real_rows = self._rows_handle(packs)
+    def _plan_read(self, pass_index: int, mb: int) -> PlannedRead:
+        handle, mask, real_rows = self._rows_handle(self._plan.micro_batches[mb])
+        return PlannedRead(
+            pass_index=pass_index,
+            mb=mb,
+            handle=handle,
+            mask=mask,
+            real_rows=real_rows,
+            block_bytes=_block_bytes(handle, self._plan.spec),
+        )
+
+    def _build(self, read: PlannedRead, held: object = None) -> MicroBatchRoutes:
+        handle = read.handle
         buffer = self._buffers.take(handle.rows)
-        # A reader that knows nothing of layer subsets still serves whole-row reads.
-        subset = {} if self._layers is None else {"layers": self._layers}
+        # A reader that knows nothing of layer subsets (or of held blocks) still serves
+        # whole-row reads.
+        options: dict[str, Any] = {} if self._layers is None else {"layers": self._layers}
+        if held is not None:
+            options["held"] = held
         with self._store_lock:
             [routes] = self._store.read_many(
-                [(handle, 0, handle.rows)], holder=self.name, out=[buffer], **subset
+                [(handle, 0, handle.rows)], holder=self.name, out=[buffer], **options
             )
         del buffer
         item = MicroBatchRoutes(
-            index=mb,
-            packs=packs,
+            index=read.mb,
+            packs=self._plan.micro_batches[read.mb],
             routes=routes,
-            mask=mask,
-            pass_index=pass_index,
+            mask=read.mask,
+            pass_index=read.pass_index,
             layers=None if self._layers is None else self._layers.layers,
         )
         with self._stats_lock:
             c = self._counts
             c["reads"] += 1
-            c["bytes_read"] += real_rows * self._row_bytes
-            c["block_bytes"] += _block_bytes(handle, self._plan.spec)
+            c["bytes_read"] += read.real_rows * self._row_bytes
+            c["block_bytes"] += read.block_bytes
             c["bytes_out"] += item.nbytes
             c["resident"] += item.nbytes
             c["peak"] = max(c["peak"], c["resident"])
@@ -499,12 +519,25 @@ class Materializer:
 
     # -- the prefetch thread -----------------------------------------------------------------
     def _produce(self) -> None:
+        """Read the stream a window at a time (``routeplay.train.read_ahead``): its blocks
+        held while each micro-batch is copied as a slot frees, and dropped before the
+        window's last micro-batch is handed out (so before any lease that item's
+        consumption ends)."""
         try:
-            for pass_index, mb in self._stream:
-                self._slots.acquire()  # a slot frees when the consumer moves past an item
-                if self._stop.is_set():
-                    return
-                self._ready.put(self._build(pass_index, mb))
+            reads = (self._plan_read(p, mb) for p, mb in self._stream)
+            for window in windows(reads):
+                with self._store_lock:
+                    holding = hold_window(self._store, window, self.name)
+                with holding as held:
+                    built = None
+                    for read in window:
+                        if built is not None:
+                            self._ready.put(built)
+                        self._slots.acquire()  # frees when the consumer moves past an item
+                        if self._stop.is_set():
+                            return
+                        built = self._build(read, held)
+                self._ready.put(built)
             self._ready.put(_DONE)
         except BaseException as exc:  # handed to the consumer, who re-raises it
             self._ready.put(_Failed(exc))
@@ -525,7 +558,7 @@ class Materializer:
         if self._position >= len(self._stream):
             return _DONE
         try:
-            return self._build(*self._stream[self._position])
+            return self._build(self._plan_read(*self._stream[self._position]))
         except BaseException as exc:
             return _Failed(exc)
 

@@ -29,6 +29,7 @@ from routeplay.core.layers import LayerSubset
 from routeplay.core.spec import RouteSpec
 from routeplay.core.validate import canonicalize
 from routeplay.errors import HandleError, MisuseError, RoutesLost, SpecMismatch, StoreTimeout
+from routeplay.store.client.block_copies import HeldBlocks, copy_blocks
 from routeplay.store.client.core import StoreCore
 from routeplay.store.client.pins import BlockPins
 from routeplay.store.client.read_plan import BlockCopy, ReadPlan, plan_reads
@@ -37,7 +38,7 @@ from routeplay.store.flow import Wait, drive
 from routeplay.store.remote.backend import Backend
 from routeplay.store.shard.api import ShardApi, ShardCall, shard_call
 
-__all__ = ["MetadataCall", "ReadPath", "Reader", "Request"]
+__all__ = ["HeldBlocks", "MetadataCall", "ReadPath", "Reader", "Request"]
 
 R = TypeVar("R")
 
@@ -88,17 +89,27 @@ class ReadPath:
         holder: str = "",
         out: Sequence[npt.NDArray[Any]] | None = None,
         layers: LayerSubset | None = None,
+        held: HeldBlocks | None = None,
     ) -> list[npt.NDArray[Any]]:
         """Rows of many handles, each block fetched once; leased payloads need no shard
         call, others one ``locate`` per shard. ``out`` gives buffers to copy into (one
         per request, of its exact shape and dtype: reused memory is faster than fresh
         pages); after an error they hold only part of the rows. ``holder`` only names
         the reader in errors. ``layers`` copies only those MoE layers' columns (a
-        pipeline stage's: ``[rows, len(layers.layers), K]`` per request).
+        pipeline stage's: ``[rows, len(layers.layers), K]`` per request). ``held``
+        (``hold_blocks``): blocks already fetched; a read they do not wholly cover
+        fetches as it would without them.
 
         Example:
             [rows] = store.read_many([(handle, 0, handle.rows)], layers=stage_layers)
         """
+        self._check_runs(requests)
+        core = self._core
+        core.drive(core.releases.settle(wait=False))
+        return self._reader.read_many(requests, holder=holder, out=out, layers=layers, held=held)
+
+    def _check_runs(self, requests: Sequence[Request]) -> None:
+        """Every stored source and engine key of the requests belongs to this run."""
         core = self._core
         run = core.run
         for handle, _, _ in requests:
@@ -109,8 +120,25 @@ class ReadPath:
                         core.check_run(source)
                 elif isinstance(source, EngineKey) and source.run != run:
                     core.scoped(source)
+
+    def hold_blocks(self, requests: Sequence[Request], *, holder: str = "") -> HeldBlocks:
+        """Fetch every stored block ``requests`` read, at once, and hold them as zero-copy
+        views until the result is released: later ``read_many(..., held=...)`` calls
+        over those rows copy from them without fetching (a trainer rank's next
+        micro-batches: one fetch, not one per micro-batch). The views pin the blocks in
+        the node's object store, not in this process; release them as soon as the reads
+        are done (``with``). Rows from engine keys are not held (keys are single-use:
+        their read consumes them).
+
+        Example:
+            with store.hold_blocks(requests) as held:
+                for request, buffer in zip(requests, buffers):
+                    store.read_many([request], out=[buffer], held=held)
+        """
+        self._check_runs(requests)
+        core = self._core
         core.drive(core.releases.settle(wait=False))
-        return self._reader.read_many(requests, holder=holder, out=out, layers=layers)
+        return self._reader.hold(requests, holder=holder)
 
 
 class Reader:
@@ -135,9 +163,11 @@ class Reader:
         holder: str,
         out: Sequence[npt.NDArray[Any]] | None = None,
         layers: LayerSubset | None = None,
+        held: HeldBlocks | None = None,
     ) -> list[npt.NDArray[Any]]:
         """Rows of each request, copied into ``out`` (reused buffers) or fresh arrays;
-        with ``layers``, only those MoE layers' columns."""
+        with ``layers``, only those MoE layers' columns; from ``held`` blocks when they
+        cover every block the read needs."""
         plan = plan_reads(requests)
         columns = _columns(layers, requests)
         # Engine keys first: their payloads are checked against the rows the responses
@@ -156,9 +186,47 @@ class Reader:
                 into[...] = rows
             else:
                 columns.copy(rows, into)
-        if plan.copies:
+        if plan.copies and not (held is not None and held.copy_into(plan.copies, outs, columns)):
             self._copy_as_fetched(plan, holder, outs, columns)
         return outs
+
+    def hold(self, requests: Sequence[Request], *, holder: str) -> HeldBlocks:
+        """Every stored block the requests read, fetched at once and held (engine keys
+        are left to their own read: consuming one here would spend it)."""
+        plan = plan_reads(requests)
+        if not plan.copies:
+            return HeldBlocks({})
+        keys, refs = self._block_refs(plan)
+        views: dict[tuple[str, int], Any] = {}
+        try:
+            for now, values in self._backend.fetch_as_created(refs, "blocks"):
+                views.update((keys[i], value) for i, value in zip(now, values, strict=True))
+                values.clear()
+        except (RoutesLost, StoreTimeout) as exc:
+            views.clear()
+            raise self._named(exc, keys, refs, holder) from exc
+        finally:
+            refs.clear()
+        return HeldBlocks(views)
+
+    def _named(
+        self,
+        exc: RoutesLost | StoreTimeout,
+        keys: Sequence[tuple[str, int]],
+        refs: Sequence[Any],
+        holder: str,
+    ) -> RoutesLost | StoreTimeout:
+        """``exc`` again, naming the payload (or the candidates) and the reader."""
+        # Named only on an error: a read's payload list is not built on every read.
+        lost = self._backend.lost_index(refs, exc) if isinstance(exc, RoutesLost) else None
+        payload = f"payload {keys[lost][0]}" if lost is not None else _candidates(keys)
+        return type(exc)(
+            exc.summary,
+            where=f"{payload} (run {self._run}), read by {holder or 'an unnamed reader'}",
+            expected=exc.expected,
+            found=exc.found,
+            hint=exc.hint,
+        )
 
     def _copy_as_fetched(
         self,
@@ -181,19 +249,10 @@ class Reader:
                 blocks = {keys[i]: value for i, value in zip(now, values, strict=True)}
                 values.clear()
                 batch = copies.of(blocks, whole=len(blocks) == len(keys))
-                _copy_blocks(batch, blocks, outs, columns)
+                copy_blocks(batch, blocks, outs, columns)
                 blocks.clear()
         except (RoutesLost, StoreTimeout) as exc:
-            # Named only on an error: a read's payload list is not built on every read.
-            lost = self._backend.lost_index(refs, exc) if isinstance(exc, RoutesLost) else None
-            payload = f"payload {keys[lost][0]}" if lost is not None else _candidates(keys)
-            raise type(exc)(
-                exc.summary,
-                where=f"{payload} (run {self._run}), read by {holder or 'an unnamed reader'}",
-                expected=exc.expected,
-                found=exc.found,
-                hint=exc.hint,
-            ) from exc
+            raise self._named(exc, keys, refs, holder) from exc
         finally:
             blocks.clear()
             refs.clear()
@@ -319,47 +378,6 @@ def _row_shape(spec: RouteSpec, columns: LayerSubset | None) -> tuple[int, ...]:
     if columns is None:
         return spec.row_shape
     return (len(columns.layers), *spec.row_shape[1:])
-
-
-def _copy_blocks(
-    copies: Sequence[BlockCopy],
-    blocks: Mapping[tuple[str, int], Any],
-    outs: Sequence[npt.NDArray[Any]],
-    columns: LayerSubset | None,
-) -> None:
-    """Copy each block range into its output. Ranges that follow each other in one
-    output (the segments of a handle, in order) go in one ``np.concatenate``: one C
-    loop for a run of 1,000 segments instead of 1,000 slice assignments."""
-    run: list[Any] = []  # the views of the current run: dropped before returning
-    start = end = request = -1
-    try:
-        for copy in copies:
-            view = blocks[(copy.payload_id, copy.block)][copy.lo : copy.hi]
-            if copy.request != request or copy.offset != end:
-                _flush_run(outs, request, start, end, run, columns)
-                request, start, end = copy.request, copy.offset, copy.offset
-            run.append(view)
-            end += copy.hi - copy.lo
-        _flush_run(outs, request, start, end, run, columns)
-    finally:
-        run.clear()
-
-
-def _flush_run(
-    outs: Sequence[npt.NDArray[Any]],
-    request: int,
-    start: int,
-    end: int,
-    run: list[Any],
-    columns: LayerSubset | None,
-) -> None:
-    if columns is not None and run:
-        columns.concatenate(run, outs[request][start:end])
-    elif len(run) == 1:
-        outs[request][start:end] = run[0]
-    elif run:
-        np.concatenate(run, axis=0, out=outs[request][start:end])
-    run.clear()
 
 
 def _candidates(keys: Sequence[tuple[str, int]]) -> str:

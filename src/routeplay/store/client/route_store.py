@@ -16,7 +16,8 @@ to the part that owns it (``routeplay.store.client.forwarding``):
   ``put_staged_many``): one object-store write per payload, one adopt call per shard per
   batch (``routeplay.store.write_plan`` lays a batch out, sharing verified-equal prompt
   prefixes); it holds the leases too, so a put can lease in the same call.
-- ``ReadPath`` (``read_path``: ``read``, ``read_many``): every ``Lease`` reads through it.
+- ``ReadPath`` (``read_path``: ``read``, ``read_many``, ``hold_blocks``): every ``Lease``
+  reads through it.
 - ``Leases`` (``leases``: ``acquire_many``, ``release_many`` and what a ``Lease`` calls):
   one call per shard for a whole step; a grant carries the block references, releases
   are not waited for (``routeplay.store.client.releases``).
@@ -276,6 +277,7 @@ class RouteStore:
     resolve = forward("_reads", ReadPath.resolve)
     read = forward("_reads", ReadPath.read)
     read_many = forward("_reads", ReadPath.read_many)
+    hold_blocks = forward("_reads", ReadPath.hold_blocks)
 
     # -- accounting -------------------------------------------------------------------
     stats = forward("_accounts", Accounting.stats)

@@ -1,0 +1,133 @@
+"""Read-ahead windows (``routeplay.train.read_ahead``, ``RouteStore.hold_blocks``): a
+rank's next micro-batches' blocks fetched in one call and held while each micro-batch is
+copied out; the same rows as one fetch per micro-batch; errors still surface at the
+micro-batch they concern; the views go before the window's last micro-batch is out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import random_routing
+
+from routeplay.core import Handle, RouteSpec, canonicalize
+from routeplay.errors import RoutesLost
+from routeplay.store import RouteStore, StoreConfig
+from routeplay.train import Materializer, RankCoords, pack_samples
+from routeplay.train.read_ahead import PlannedRead, hold_window, windows
+
+SPEC = RouteSpec(num_layers=2, top_k=3, num_experts=7)
+
+
+def planned(block_bytes: int) -> PlannedRead:
+    return PlannedRead(
+        pass_index=0,
+        mb=0,
+        handle=Handle(SPEC),
+        mask=np.zeros(0, bool),
+        real_rows=0,
+        block_bytes=block_bytes,
+    )
+
+
+@given(st.lists(st.integers(0, 100), max_size=40), st.integers(1, 150), st.integers(1, 6))
+def test_windows_keep_order_and_stay_within_their_bounds(
+    sizes: list[int], max_bytes: int, max_items: int
+) -> None:
+    reads = [planned(size) for size in sizes]
+    got = list(windows(reads, max_bytes=max_bytes, max_items=max_items))
+    assert [r for window in got for r in window] == reads
+    for window in got:
+        assert 1 <= len(window) <= max_items
+        total = sum(r.block_bytes for r in window)
+        assert total <= max_bytes or len(window) == 1  # an oversized read goes alone
+    for window, after in itertools.pairwise(got):  # a window closes only when full
+        full = len(window) == max_items
+        assert full or sum(r.block_bytes for r in window) + after[0].block_bytes > max_bytes
+
+
+class Fetches:
+    """Counts the backend's block fetches of a local store."""
+
+    def __init__(self, store: RouteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        backend = store.backend
+        real = backend.fetch_as_created
+
+        def counted(refs: Any, what: str) -> Iterator[Any]:
+            self.count += 1
+            return real(refs, what)
+
+        monkeypatch.setattr(backend, "fetch_as_created", counted)
+
+
+def stored(store: RouteStore, count: int, rows: int = 7) -> list[tuple[Handle, Any]]:
+    arrays = [random_routing(SPEC, rows, seed).astype(SPEC.dtype) for seed in range(count)]
+    return list(zip(store.put_many([canonicalize(a, SPEC) for a in arrays]), arrays, strict=True))
+
+
+def test_held_blocks_serve_reads_without_a_fetch_and_others_fetch_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = RouteStore.local(StoreConfig(run="hold"))
+    (a, rows_a), (b, rows_b), (c, rows_c) = stored(store, 3)
+    fetches = Fetches(store, monkeypatch)
+    with store.hold_blocks([(a, 0, a.rows), (b, 2, 5)]) as held:
+        assert fetches.count == 1
+        assert len(held) == 2
+        [got_b] = store.read_many([(b, 2, 5)], held=held)
+        [got_a] = store.read_many([(a, 0, a.rows)], held=held)
+        assert fetches.count == 1  # both came from the held views
+        [got_c] = store.read_many([(c, 0, c.rows)], held=held)  # not held: fetched
+        assert fetches.count == 2
+    assert len(held) == 0  # released by ``with``
+    np.testing.assert_array_equal(got_a, rows_a)
+    np.testing.assert_array_equal(got_b, rows_b[2:5])
+    np.testing.assert_array_equal(got_c, rows_c)
+
+
+def test_a_window_that_cannot_be_held_reads_each_micro_batch_on_its_own() -> None:
+    store = RouteStore.local(StoreConfig(run="nohold"))
+    (a, _), (b, _) = stored(store, 2)
+    reads = [planned(10), planned(10)]
+    with hold_window(object(), reads, "r") as held:  # a store without hold_blocks
+        assert held is None
+    with hold_window(store, reads[:1], "r") as held:  # one read: nothing to share
+        assert held is None
+    store.acquire(b, "gone").release()  # b's payload is dropped
+    lost = [
+        PlannedRead(pass_index=0, mb=i, handle=h, mask=np.ones(h.rows, bool), real_rows=h.rows,
+                    block_bytes=1)
+        for i, h in enumerate((a, b))
+    ]  # fmt: skip
+    with pytest.raises(RoutesLost):
+        store.hold_blocks([(h, 0, h.rows) for h in (a, b)])
+    with hold_window(store, lost, "r") as held:  # the fetch failed: read one by one
+        assert held is None
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_a_rank_fetches_a_window_at_a_time_and_reads_the_same_rows(
+    monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    store = RouteStore.local(StoreConfig(run="window"))
+    samples = stored(store, 40)
+    plan = pack_samples(
+        [(f"s{i}", h, h.rows + 1) for i, (h, _) in enumerate(samples)], pack_max_length=16
+    )  # two samples per pack, one pack per micro-batch: 20 micro-batches
+    fetches = Fetches(store, monkeypatch)
+    got: dict[str, Any] = {}
+    with Materializer.leasing(store, plan, RankCoords(), holder="r", prefetch=prefetch) as m:
+        for mb in m:
+            for s in plan.samples_of(mb.index):
+                got[s.sample_id] = mb.routes[s.offset : s.stop].copy()
+    assert len(plan.micro_batches) == 20
+    assert fetches.count == 1  # 20 micro-batches, one window (at most 32, 64 MiB)
+    for i, (_, array) in enumerate(samples):
+        np.testing.assert_array_equal(got[f"s{i}"], array)
+    assert store.stats().leases == 0
