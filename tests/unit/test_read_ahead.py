@@ -35,19 +35,25 @@ def planned(block_bytes: int) -> PlannedRead:
     )
 
 
-@given(st.lists(st.integers(0, 100), max_size=40), st.integers(1, 150), st.integers(1, 6))
+@given(
+    st.lists(st.integers(0, 100), max_size=40),
+    st.integers(1, 150),
+    st.integers(1, 6),
+    st.integers(1, 6),
+)
 def test_windows_keep_order_and_stay_within_their_bounds(
-    sizes: list[int], max_bytes: int, max_items: int
+    sizes: list[int], max_bytes: int, max_items: int, first_items: int
 ) -> None:
     reads = [planned(size) for size in sizes]
-    got = list(windows(reads, max_bytes=max_bytes, max_items=max_items))
+    got = list(windows(reads, max_bytes=max_bytes, max_items=max_items, first_items=first_items))
     assert [r for window in got for r in window] == reads
-    for window in got:
-        assert 1 <= len(window) <= max_items
+    limits = [min(first_items, max_items)] + [max_items] * len(got)
+    for window, limit in zip(got, limits, strict=False):
+        assert 1 <= len(window) <= limit
         total = sum(r.block_bytes for r in window)
         assert total <= max_bytes or len(window) == 1  # an oversized read goes alone
-    for window, after in itertools.pairwise(got):  # a window closes only when full
-        full = len(window) == max_items
+    for (window, after), limit in zip(itertools.pairwise(got), limits, strict=False):
+        full = len(window) == limit  # a window closes only when full
         assert full or sum(r.block_bytes for r in window) + after[0].block_bytes > max_bytes
 
 
@@ -127,7 +133,9 @@ def test_a_rank_fetches_a_window_at_a_time_and_reads_the_same_rows(
             for s in plan.samples_of(mb.index):
                 got[s.sample_id] = mb.routes[s.offset : s.stop].copy()
     assert len(plan.micro_batches) == 20
-    assert fetches.count == 1  # 20 micro-batches, one window (at most 32, 64 MiB)
+    # The first micro-batch alone (the trainer's first waits for nothing else), then the
+    # other 19 in one window (at most 32, 64 MiB).
+    assert fetches.count == 2
     for i, (_, array) in enumerate(samples):
         np.testing.assert_array_equal(got[f"s{i}"], array)
     assert store.stats().leases == 0

@@ -12,7 +12,8 @@ How the bytes move (what this module owns):
   runs from a zero-stride inline source in between. A single ``read_many`` of that handle
   fetches only the store blocks those slices touch and copies them straight into the
   micro-batch array: no whole sample, no whole pack, no second assembly copy.
-- **Blocks fetched a window at a time.** The thread fetches the stored blocks of its
+- **Blocks fetched a window at a time.** After the first micro-batch (read alone: the
+  trainer's first waits for nothing else), the thread fetches the stored blocks of its
   next micro-batches (up to 32 of them, 64 MiB of blocks) in one call and copies each
   micro-batch out of them as its slot frees (``routeplay.train.read_ahead``): the views
   pin node memory, not the process's, and go before the window's last micro-batch is

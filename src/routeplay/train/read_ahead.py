@@ -9,7 +9,9 @@ taken from the cores that move the bytes. A window's blocks are fetched together
 node's object store, where the rank's pull put them anyway, not in the process, so the
 materializer's bound on the rows it holds is unchanged. A window ends at ``WINDOW_BYTES``
 of blocks or ``WINDOW_ITEMS`` micro-batches; a micro-batch larger than that is a window
-of its own, read as before.
+of its own, read as before. The first micro-batch is a window of its own too: a window's
+micro-batches wait for all its blocks, and the trainer's first micro-batch should not
+(it starts the step's compute), while later windows are fetched as the trainer works.
 
 A window whose fetch fails (a payload lost, a timeout) is read micro-batch by
 micro-batch instead, so an error surfaces at the micro-batch whose rows it concerns,
@@ -60,20 +62,23 @@ def windows(
     *,
     max_bytes: int = WINDOW_BYTES,
     max_items: int = WINDOW_ITEMS,
+    first_items: int = 1,
 ) -> Iterator[list[PlannedRead]]:
     """Consecutive reads, grouped into windows of at most ``max_items`` reads and
-    ``max_bytes`` of blocks (a read over that is a window of its own).
+    ``max_bytes`` of blocks (a read over that is a window of its own); the first window
+    holds at most ``first_items`` reads.
 
     Example:
         >>> [len(w) for w in windows(reads, max_items=2)]  # doctest: +SKIP
-        [2, 2, 1]
+        [1, 2, 2]
     """
     window: list[PlannedRead] = []
     size = 0
+    limit = min(first_items, max_items)
     for read in reads:
-        if window and (size + read.block_bytes > max_bytes or len(window) >= max_items):
+        if window and (size + read.block_bytes > max_bytes or len(window) >= limit):
             yield window
-            window, size = [], 0
+            window, size, limit = [], 0, max_items
         window.append(read)
         size += read.block_bytes
     if window:
