@@ -2,8 +2,8 @@
 default, ``TrainerConfig.dtype``).
 
 Per step: the batch's samples are packed (``pack_samples``), the rank's routing comes one
-micro-batch at a time from the ``Materializer`` (``Materializer.leasing``: the rank's own
-leases, taken in one ``acquire_many``, each ended once its sample is read), and each
+micro-batch at a time from the ``Materializer`` (``Materializer.leasing``: one lease over
+the payloads of the rank's samples, ended after its last micro-batch), and each
 micro-batch runs
 
 1. a no-grad forward *without* replay, recording the trainer's own experts: the R3
@@ -192,7 +192,7 @@ class Trainer:
         gains = advantages(batch.states)
         self._optimizer.zero_grad(set_to_none=True)
         loss_sum, micro_batches = 0.0, 0
-        # The rank's leases in one acquire_many, ended by the materializer as it goes.
+        # One lease over the rank's share, ended by the materializer after its last read.
         materializer = Materializer.leasing(
             self.store, plan, self.coords, holder=holder, prefetch=self.config.prefetch
         )
