@@ -18,14 +18,17 @@ from strategies import random_routing
 from routeplay.core import Handle, RouteSpec, canonicalize
 from routeplay.errors import RoutesLost
 from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.client.block_copies import HeldBlocks
+from routeplay.store.client.lease import Lease
 from routeplay.train import Materializer, RankCoords, pack_samples
 from routeplay.train.read_ahead import PlannedRead, hold_window, windows
 
 SPEC = RouteSpec(num_layers=2, top_k=3, num_experts=7)
 
 
-def planned(block_bytes: int) -> PlannedRead:
+def planned(block_bytes: int, position: int = 0) -> PlannedRead:
     return PlannedRead(
+        position=position,
         pass_index=0,
         mb=0,
         handle=Handle(SPEC),
@@ -40,21 +43,35 @@ def planned(block_bytes: int) -> PlannedRead:
     st.integers(1, 150),
     st.integers(1, 6),
     st.integers(1, 6),
+    st.sets(st.integers(0, 40)),
 )
 def test_windows_keep_order_and_stay_within_their_bounds(
-    sizes: list[int], max_bytes: int, max_items: int, first_items: int
+    sizes: list[int], max_bytes: int, max_items: int, first_items: int, ends: set[int]
 ) -> None:
-    reads = [planned(size) for size in sizes]
-    got = list(windows(reads, max_bytes=max_bytes, max_items=max_items, first_items=first_items))
+    reads = [planned(size, position) for position, size in enumerate(sizes)]
+    got = list(
+        windows(
+            reads,
+            max_bytes=max_bytes,
+            max_items=max_items,
+            first_items=first_items,
+            ends_after=ends,
+        )
+    )
     assert [r for window in got for r in window] == reads
+    for window in got:  # a read that ends leases is a window's last
+        assert all(r.position not in ends for r in window[:-1])
     limits = [min(first_items, max_items)] + [max_items] * len(got)
     for window, limit in zip(got, limits, strict=False):
         assert 1 <= len(window) <= limit
         total = sum(r.block_bytes for r in window)
         assert total <= max_bytes or len(window) == 1  # an oversized read goes alone
     for (window, after), limit in zip(itertools.pairwise(got), limits, strict=False):
-        full = len(window) == limit  # a window closes only when full
-        assert full or sum(r.block_bytes for r in window) + after[0].block_bytes > max_bytes
+        full = len(window) == limit  # a window closes only when full, or at an end
+        ended = window[-1].position in ends
+        assert (
+            full or ended or sum(r.block_bytes for r in window) + after[0].block_bytes > max_bytes
+        )
 
 
 class Fetches:
@@ -107,8 +124,8 @@ def test_a_window_that_cannot_be_held_reads_each_micro_batch_on_its_own() -> Non
         assert held is None
     store.acquire(b, "gone").release()  # b's payload is dropped
     lost = [
-        PlannedRead(pass_index=0, mb=i, handle=h, mask=np.ones(h.rows, bool), real_rows=h.rows,
-                    block_bytes=1)
+        PlannedRead(position=i, pass_index=0, mb=i, handle=h, mask=np.ones(h.rows, bool),
+                    real_rows=h.rows, block_bytes=1)
         for i, h in enumerate((a, b))
     ]  # fmt: skip
     with pytest.raises(RoutesLost):
@@ -139,3 +156,66 @@ def test_a_rank_fetches_a_window_at_a_time_and_reads_the_same_rows(
     for i, (_, array) in enumerate(samples):
         np.testing.assert_array_equal(got[f"s{i}"], array)
     assert store.stats().leases == 0
+
+
+def test_no_view_outlives_a_sample_lease_the_materializer_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per-sample leases ended as their last micro-batch is consumed (``release_each``):
+    a window ends at every such micro-batch, so when a lease ends, no held view of its
+    payload is left."""
+    store = RouteStore.local(StoreConfig(run="views"))
+    samples = stored(store, 12)
+    plan = pack_samples(
+        [(f"s{i}", h, h.rows + 1) for i, (h, _) in enumerate(samples)], pack_max_length=16
+    )
+    leases = store.acquire_many([(h, "r") for h, _ in samples])
+    live: list[HeldBlocks] = []
+    real_init = HeldBlocks.__init__
+
+    def tracked(self: HeldBlocks, views: dict[tuple[str, int], Any]) -> None:
+        real_init(self, views)
+        live.append(self)
+
+    monkeypatch.setattr(HeldBlocks, "__init__", tracked)
+    overlaps: list[set[str]] = []
+    real_release = Lease.release_all
+
+    def release_all(ended: Any) -> None:
+        ended = list(ended)
+        pids = {seg.source.payload_id for lease in ended for seg in lease.handle.segments}
+        held = {pid for blocks in live for pid, _ in blocks._views}
+        overlaps.append(pids & held)
+        real_release(ended)
+
+    monkeypatch.setattr(Lease, "release_all", staticmethod(release_all))
+    by_id = {f"s{i}": lease for i, lease in enumerate(leases)}
+    with Materializer(store, plan, RankCoords(), leases=by_id, prefetch=3) as m:
+        assert sum(1 for _ in m) == len(plan.micro_batches)
+    assert len(overlaps) >= len(plan.micro_batches)  # a release per micro-batch
+    assert all(not overlap for overlap in overlaps)
+    assert store.stats().leases == 0
+
+
+def test_a_hold_that_fails_midway_keeps_no_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any error during a hold's fetch (not only the typed ones) drops the views it had
+    gathered: the traceback a trainer keeps must not pin blocks."""
+    store = RouteStore.local(StoreConfig(run="midway"))
+    (a, _), (b, _) = stored(store, 2)
+    backend = store.backend
+    real = backend.fetch_as_created
+
+    def one_then_fail(refs: Any, what: str) -> Iterator[Any]:
+        yield from real(refs[:1], what)
+        raise RuntimeError("the fetch broke")
+
+    monkeypatch.setattr(backend, "fetch_as_created", one_then_fail)
+    with pytest.raises(RuntimeError, match="broke") as caught:
+        store.hold_blocks([(a, 0, a.rows), (b, 0, b.rows)])
+    tb = caught.value.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    [hold] = [f for f in frames if f.f_code.co_name == "hold"]
+    assert hold.f_locals["views"] == {}

@@ -308,7 +308,11 @@ class Materializer:
             for sample in plan.samples_of(index)
         ]
         [lease] = store.acquire_many([(share_handle(plan.spec, handles), holder)])
-        store.pull([lease])  # the rank's share crosses as one bundle, from now on
+        try:
+            store.pull([lease])  # the rank's share crosses as one bundle, from now on
+        except BaseException:
+            lease.release()  # nobody else holds it yet
+            raise
         return cls(
             store,
             plan,
@@ -476,9 +480,11 @@ class Materializer:
             mask[lo:hi] = True
         return Handle(spec, segments), mask, sum(hi - lo for lo, hi in spans)
 
-    def _plan_read(self, pass_index: int, mb: int) -> PlannedRead:
+    def _plan_read(self, position: int) -> PlannedRead:
+        pass_index, mb = self._stream[position]
         handle, mask, real_rows = self._rows_handle(self._plan.micro_batches[mb])
         return PlannedRead(
+            position=position,
             pass_index=pass_index,
             mb=mb,
             handle=handle,
@@ -525,8 +531,12 @@ class Materializer:
         window's last micro-batch is handed out (so before any lease that item's
         consumption ends)."""
         try:
-            reads = (self._plan_read(p, mb) for p, mb in self._stream)
-            for window in windows(reads):
+            reads = (self._plan_read(position) for position in range(len(self._stream)))
+            # A window ends where consuming a micro-batch ends leases: its views are gone
+            # before that micro-batch is handed out.
+            for window in windows(reads, ends_after=frozenset(self._release_after)):
+                if self._stop.is_set():
+                    return
                 with self._store_lock:
                     holding = hold_window(self._store, window, self.name)
                 with holding as held:
@@ -559,7 +569,7 @@ class Materializer:
         if self._position >= len(self._stream):
             return _DONE
         try:
-            return self._build(self._plan_read(*self._stream[self._position]))
+            return self._build(self._plan_read(self._position))
         except BaseException as exc:
             return _Failed(exc)
 

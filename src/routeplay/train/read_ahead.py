@@ -13,14 +13,19 @@ of its own, read as before. The first micro-batch is a window of its own too: a 
 micro-batches wait for all its blocks, and the trainer's first micro-batch should not
 (it starts the step's compute), while later windows are fetched as the trainer works.
 
-A window whose fetch fails (a payload lost, a timeout) is read micro-batch by
-micro-batch instead, so an error surfaces at the micro-batch whose rows it concerns,
-after the ones before it were handed out, as without windows.
+A window also ends at every micro-batch whose consumption ends leases (the
+materializer's per-sample leases, ``release_each``): its views are dropped before that
+micro-batch is handed out, so a view never outlives the last lease on its payload.
+
+A window whose fetch finds a payload lost is read micro-batch by micro-batch instead, so
+the error surfaces at the micro-batch whose rows it concerns, after the ones before it
+were handed out, as without windows. A timeout is raised as it is: the window's reads
+would each wait it out again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routeplay.core.handle import Handle
-from routeplay.errors import RoutesLost, StoreTimeout
+from routeplay.errors import RoutesLost
 
 __all__ = ["WINDOW_BYTES", "WINDOW_ITEMS", "PlannedRead", "hold_window", "windows"]
 
@@ -43,6 +48,8 @@ WINDOW_ITEMS = 32
 class PlannedRead:
     """One micro-batch read, planned: the rank's rows as one handle, and their mask."""
 
+    position: int
+    """Position of the read in the rank's stream (every pass's micro-batches in order)."""
     pass_index: int
     """Pass over the step the read belongs to."""
     mb: int
@@ -63,10 +70,12 @@ def windows(
     max_bytes: int = WINDOW_BYTES,
     max_items: int = WINDOW_ITEMS,
     first_items: int = 1,
+    ends_after: Collection[int] = (),
 ) -> Iterator[list[PlannedRead]]:
     """Consecutive reads, grouped into windows of at most ``max_items`` reads and
     ``max_bytes`` of blocks (a read over that is a window of its own); the first window
-    holds at most ``first_items`` reads.
+    holds at most ``first_items`` reads, and a window ends after any read whose position
+    is in ``ends_after``.
 
     Example:
         >>> [len(w) for w in windows(reads, max_items=2)]  # doctest: +SKIP
@@ -81,6 +90,9 @@ def windows(
             window, size, limit = [], 0, max_items
         window.append(read)
         size += read.block_bytes
+        if read.position in ends_after:
+            yield window
+            window, size, limit = [], 0, max_items
     if window:
         yield window
 
@@ -90,7 +102,7 @@ def hold_window(
 ) -> AbstractContextManager[Any]:
     """The window's blocks, fetched at once and held (``RouteStore.hold_blocks``); a
     context whose value is None (read each micro-batch on its own) for a store that
-    cannot hold blocks, a window of one read, or a fetch that failed.
+    cannot hold blocks, a window of one read, or a fetch that found a payload lost.
 
     Example:
         >>> with hold_window(store, window, "materializer dp0") as held:  # doctest: +SKIP
@@ -103,6 +115,6 @@ def hold_window(
         held: AbstractContextManager[Any] = hold(
             [(read.handle, 0, read.handle.rows) for read in window], holder=holder
         )
-    except (RoutesLost, StoreTimeout):  # each read raises it at its own micro-batch
+    except RoutesLost:  # each read raises it at its own micro-batch
         return nullcontext(None)
     return held

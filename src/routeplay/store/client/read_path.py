@@ -128,7 +128,10 @@ class ReadPath:
         micro-batches: one fetch, not one per micro-batch). The views pin the blocks in
         the node's object store, not in this process; release them as soon as the reads
         are done (``with``). Rows from engine keys are not held (keys are single-use:
-        their read consumes them).
+        their read consumes them). Held rows are the rows as fetched: a payload dropped
+        after the fetch (revoked, expired) is still read from the views until they are
+        released, as a read that finished just before the drop would have returned it;
+        hold only what leases of the reader's keep alive.
 
         Example:
             with store.hold_blocks(requests) as held:
@@ -198,15 +201,18 @@ class Reader:
             return HeldBlocks({})
         keys, refs = self._block_refs(plan)
         views: dict[tuple[str, int], Any] = {}
+        fetched = False
         try:
             for now, values in self._backend.fetch_as_created(refs, "blocks"):
                 views.update((keys[i], value) for i, value in zip(now, values, strict=True))
                 values.clear()
+            fetched = True
         except (RoutesLost, StoreTimeout) as exc:
-            views.clear()
             raise self._named(exc, keys, refs, holder) from exc
         finally:
             refs.clear()
+            if not fetched:  # any error: no view may stay pinned by a traceback
+                views.clear()
         return HeldBlocks(views)
 
     def _named(
