@@ -19,7 +19,7 @@ from routeplay.core.wires import Engine, EngineRouting
 from routeplay.errors import DuplicateExperts
 from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
-from routeplay.store.remote.producer import AsyncRoutesProducer, producer_actor
+from routeplay.store.remote.producer import WRITE_ROUND, AsyncRoutesProducer, producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -146,6 +146,28 @@ def test_groups_answered_together_are_written_in_one_shard_call(store: RouteStor
         for m, routing in enumerate(group):
             np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
     assert result["saved"] > 0  # each group's prompt rows stored once
+    assert result["staged"] == 0
+    for group in finished:
+        for routing in group:
+            routing.release()
+    assert store.stats().leases == 0
+    assert store.stats().live_payloads == 0
+
+
+def test_more_groups_than_a_round_go_in_rounds_each_member_its_own_rows(
+    store: RouteStore,
+) -> None:
+    """40 groups answered together: a round of ``WRITE_ROUND`` puts is sent as soon as it
+    fills (its blocks cross while the next round is laid out), the rest in a second; the
+    members' leases follow in as many lease calls as the adopt answers land in."""
+    result = ray.get(GroupWorker.remote().write_groups.remote(store, 40), timeout=120)
+    assert WRITE_ROUND < 40 <= 2 * WRITE_ROUND
+    assert result["calls"]["adopt_from_many"] == 2
+    assert 1 <= result["calls"]["lease_many"] <= 2
+    finished = result["finished"]
+    for g, group in enumerate(finished):
+        for m, routing in enumerate(group):
+            np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
     assert result["staged"] == 0
     for group in finished:
         for routing in group:

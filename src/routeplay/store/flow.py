@@ -28,13 +28,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, TypeVar
 
 from routeplay.errors import RouteplayError, StoreTimeout
 
-__all__ = ["Flow", "Resolver", "Wait", "adrive", "answered", "awaiting", "drive"]
+__all__ = ["Flow", "Resolver", "Wait", "adrive", "answered", "awaiting", "drive", "primed"]
 
 R = TypeVar("R")
 W = TypeVar("W")
@@ -101,8 +101,31 @@ async def adrive(flow: Generator[W, Any, R], resolver: Resolver[W]) -> R:
     Example:
         handles = await adrive(store_flow, backend)
     """
+    return await primed(flow, resolver)
+
+
+def primed(flow: Generator[W, Any, R], resolver: Resolver[W]) -> Awaitable[R]:
+    """Run ``flow`` now, up to its first wait (its first calls go out at once, not when
+    a task next gets the loop), and return an awaitable of the rest (``adrive``'s).
+
+    Example:
+        pending = primed(store_flow, backend)   # the calls are sent
+        handles = await pending
+    """
     try:
         wait = next(flow)
+    except StopIteration as done:
+        return _ready(done.value)
+    return _driven(flow, wait, resolver)
+
+
+async def _ready(value: R) -> R:
+    return value
+
+
+async def _driven(flow: Generator[W, Any, R], wait: W, resolver: Resolver[W]) -> R:
+    """``adrive`` from the flow's first wait on."""
+    try:
         while True:
             try:
                 answer = await resolver.aresolve(wait)

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,10 +63,12 @@ class Coalescer(Generic[I, O]):
         undo: Callable[[list[O]], object] | None = None,
         *,
         retry_alone: bool = True,
+        round_requests: int | None = None,
     ) -> None:
         self._run = run
         self._undo = undo
         self._retry_alone = retry_alone
+        self._round_requests = round_requests
         self._rounds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Round[I, O]] = (
             weakref.WeakKeyDictionary()
         )
@@ -77,22 +80,37 @@ class Coalescer(Generic[I, O]):
         current = self._rounds.get(loop)
         if current is None:
             current = self._rounds[loop] = _Round()
-            loop.call_soon(self._send, loop)  # after every coroutine ready now has run
+            loop.call_soon(self._send, loop, current)  # after every coroutine ready now ran
         request: _Request[I, O] = _Request(list(items), loop.create_future())
         current.requests.append(request)
+        if self._round_requests is not None and len(current.requests) >= self._round_requests:
+            self._send(loop, current)  # a full round goes now, while later ones gather
         return await request.waiter
 
-    def _send(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _send(self, loop: asyncio.AbstractEventLoop, round_: _Round[I, O]) -> None:
+        if self._rounds.get(loop) is not round_:
+            return  # sent already (it filled up)
         requests = self._rounds.pop(loop).requests
-        task = loop.create_task(self._batch(requests))
+        items = [item for request in requests for item in request.items]
+        # ``run`` is called here, not in the task: a run that sends its call before it
+        # first awaits (``flow.primed``) has it on the wire before the loop moves on.
+        task = loop.create_task(self._batch(requests, self._call(items)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _batch(self, requests: list[_Request[I, O]]) -> None:
-        items = [item for request in requests for item in request.items]
+    def _call(self, items: list[I]) -> Awaitable[list[O]]:
+        """``run(items)``; an error it raises before answering is its answer, awaited."""
         try:
-            batch = await _outcome(self._run(items))
+            return self._run(items)
+        except Exception as exc:
+            return _raising(exc)
+
+    async def _batch(self, requests: list[_Request[I, O]], call: Awaitable[list[O]]) -> None:
+        try:
+            batch = await _outcome(call)
         except BaseException:  # the batch itself was cancelled (its flow rescued its calls)
+            if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == "CORO_CREATED":
+                call.close()  # cancelled before it ran: nothing was sent
             for request in requests:
                 request.waiter.cancel()
             raise
@@ -107,12 +125,16 @@ class Coalescer(Generic[I, O]):
         else:  # which request failed? each on its own: only its caller fails
             for at, request in enumerate(requests):
                 try:
-                    outcome = await _outcome(self._run(request.items))
+                    outcome = await _outcome(self._call(request.items))
                 except BaseException:
                     for left in requests[at:]:
                         left.waiter.cancel()
                     raise
                 _deliver(request, outcome, self._undo)
+
+
+async def _raising(exc: Exception) -> Any:
+    raise exc
 
 
 async def _outcome(call: Awaitable[list[O]]) -> list[O] | BaseException:

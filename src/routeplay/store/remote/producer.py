@@ -15,7 +15,7 @@ plain ``ray.remote(cls)``. An asyncio producer awaits ``aput_routes`` /
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -25,7 +25,7 @@ from routeplay.core.handle import Handle, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.store.client.coalesce import Coalescer
 from routeplay.store.client.route_store import RouteStore
-from routeplay.store.flow import Flow
+from routeplay.store.flow import Flow, primed
 from routeplay.store.remote.outbox import PayloadOutbox
 from routeplay.store.shard.shard import StoredPayload
 from routeplay.store.write_plan import plan_write
@@ -41,6 +41,11 @@ __all__ = [
 TAKE_GROUP: Final = "routeplay-take"
 PRODUCER_CONCURRENCY: Final = {TAKE_GROUP: 1}
 
+
+WRITE_ROUND: Final = 32
+"""Concurrent puts of one actor sent in one adopt call at most: a round that fills goes
+at once, so the shard takes its blocks (the copy into the object store) while the loop
+lays out the next ones, instead of after all of them (512 groups answered together)."""
 
 HANDED_OVER = "handed-over"
 """Last return value of ``take_staged``: fetched (a few bytes) to check the hand-over."""
@@ -207,21 +212,37 @@ class AsyncRoutesProducer(RoutesProducer):
             writes = self._routeplay_writes[id(store)] = Coalescer(
                 run=lambda staged: self._adopt_together(store, staged),
                 undo=lambda stored: store.discard_written([r for refs in stored for r in refs]),
+                round_requests=WRITE_ROUND,
             )
         return writes
 
-    async def _adopt_together(
+    def _adopt_together(
         self, store: RouteStore, batches: list[_Staged]
-    ) -> list[list[StoreRef]]:
-        """Every batch's blocks staged under one token and adopted in one shard call;
-        each batch's stored payloads, in order."""
+    ) -> Awaitable[list[list[StoreRef]]]:
+        """Every batch's blocks staged under one token and adopted in one shard call,
+        the call sent now (``flow.primed``: the shard starts taking the blocks while this
+        actor's loop lays out the next round); each batch's stored payloads, in order."""
         outbox = self._outbox()
         token = outbox.stage_many(tuple(block for staged in batches for block in staged.blocks))
         payloads = [payload for staged in batches for payload in staged.payloads]
         saved = sum(staged.saved_bytes for staged in batches)
         me = ray.get_runtime_context().current_actor
         try:
-            stored = await store.adrive(store.staged_adoption(me, token, payloads, saved))
+            pending = primed(store.staged_adoption(me, token, payloads, saved), store.backend)
+        except BaseException:
+            outbox.discard(token)
+            raise
+        return self._adopted(pending, outbox, token, batches)
+
+    async def _adopted(
+        self,
+        pending: Awaitable[list[StoreRef]],
+        outbox: Any,
+        token: str,
+        batches: list[_Staged],
+    ) -> list[list[StoreRef]]:
+        try:
+            stored = await pending
         finally:
             outbox.discard(token)  # a no-op once taken; frees it if the adopt failed
         out, at = [], 0
