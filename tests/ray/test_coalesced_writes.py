@@ -51,6 +51,15 @@ def answers(group: int) -> list[EngineRouting]:
     ]
 
 
+def release_all(store: RouteStore, finished: list[list[SampleRouting]]) -> None:
+    """Release every member's lease: nothing stays leased or stored."""
+    for group in finished:
+        for routing in group:
+            routing.release()
+    assert store.stats().leases == 0
+    assert store.stats().live_payloads == 0
+
+
 @pytest.fixture(scope="module")
 def store() -> Iterator[RouteStore]:
     built = StoreConfig(run=f"coalesced-{uuid.uuid4().hex[:6]}", timeout_s=30).build()
@@ -147,11 +156,7 @@ def test_groups_answered_together_are_written_in_one_shard_call(store: RouteStor
             np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
     assert result["saved"] > 0  # each group's prompt rows stored once
     assert result["staged"] == 0
-    for group in finished:
-        for routing in group:
-            routing.release()
-    assert store.stats().leases == 0
-    assert store.stats().live_payloads == 0
+    release_all(store, finished)
 
 
 def test_more_groups_than_a_round_go_in_rounds_each_member_its_own_rows(
@@ -169,11 +174,7 @@ def test_more_groups_than_a_round_go_in_rounds_each_member_its_own_rows(
         for m, routing in enumerate(group):
             np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
     assert result["staged"] == 0
-    for group in finished:
-        for routing in group:
-            routing.release()
-    assert store.stats().leases == 0
-    assert store.stats().live_payloads == 0
+    release_all(store, finished)
 
 
 def test_a_put_cancelled_mid_write_leaves_nothing_stored(store: RouteStore) -> None:
