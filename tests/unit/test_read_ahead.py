@@ -161,9 +161,10 @@ def test_a_rank_fetches_a_window_at_a_time_and_reads_the_same_rows(
 def test_no_view_outlives_a_sample_lease_the_materializer_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Per-sample leases ended as their last micro-batch is consumed (``release_each``):
-    a window ends at every such micro-batch, so when a lease ends, no held view of its
-    payload is left."""
+    """Per-sample leases ended as their last micro-batch is consumed (``release_each``),
+    over two passes: the first pass ends no lease, so its micro-batches are read from
+    held windows; a window ends at every micro-batch whose consumption ends leases, so
+    when a lease ends, no held view of its payload is left."""
     store = RouteStore.local(StoreConfig(run="views"))
     samples = stored(store, 12)
     plan = pack_samples(
@@ -171,11 +172,13 @@ def test_no_view_outlives_a_sample_lease_the_materializer_ends(
     )
     leases = store.acquire_many([(h, "r") for h, _ in samples])
     live: list[HeldBlocks] = []
+    held_sizes: list[int] = []  # blocks of each hold, when it was made
     real_init = HeldBlocks.__init__
 
     def tracked(self: HeldBlocks, views: dict[tuple[str, int], Any]) -> None:
         real_init(self, views)
         live.append(self)
+        held_sizes.append(len(views))
 
     monkeypatch.setattr(HeldBlocks, "__init__", tracked)
     overlaps: list[set[str]] = []
@@ -190,9 +193,10 @@ def test_no_view_outlives_a_sample_lease_the_materializer_ends(
 
     monkeypatch.setattr(Lease, "release_all", staticmethod(release_all))
     by_id = {f"s{i}": lease for i, lease in enumerate(leases)}
-    with Materializer(store, plan, RankCoords(), leases=by_id, prefetch=3) as m:
-        assert sum(1 for _ in m) == len(plan.micro_batches)
-    assert len(overlaps) >= len(plan.micro_batches)  # a release per micro-batch
+    with Materializer(store, plan, RankCoords(), leases=by_id, prefetch=3, passes=2) as m:
+        assert sum(1 for _ in m) == 2 * len(plan.micro_batches)
+    assert any(size > 1 for size in held_sizes)  # windows were held: the check saw some
+    assert len(overlaps) >= len(plan.micro_batches)  # a release per last-pass micro-batch
     assert all(not overlap for overlap in overlaps)
     assert store.stats().leases == 0
 
