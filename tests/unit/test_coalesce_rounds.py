@@ -104,7 +104,7 @@ def test_primed_answers_a_flow_that_never_waits() -> None:
     assert asyncio.run(_awaited(primed(flow(), Resolver()))) == 7
 
 
-def test_a_run_that_raises_at_once_fails_its_round_only() -> None:
+def test_a_run_that_raises_at_once_fails_only_its_caller() -> None:
     calls: list[list[int]] = []
 
     def run(items: list[int]) -> Any:

@@ -5,7 +5,9 @@ sample (``afinish``: an acquire, then releases) when its answer lands, so a step
 thousands of samples would make thousands of shard calls, one each. A ``Coalescer``
 gathers the requests made on one event loop before it next runs its ready callbacks and
 sends them as one batch (one call per shard): no timer, no added wait beyond one turn
-of the loop, and a lone request goes out alone.
+of the loop, and a lone request goes out alone. With ``round_requests`` a round that
+fills goes at once, and the next requests start another: its call is on the wire while
+the loop still runs the coroutines after it.
 
 Each waiter gets only its own results. A batch that fails is retried request by
 request, so one bad request (another run's handle, a released lease) fails only its
@@ -54,7 +56,9 @@ class Coalescer(Generic[I, O]):
     ends the results of a waiter that gave up before its batch landed (None: nothing to
     end, e.g. releases). ``retry_alone=False``: a batch that fails fails every request
     in it with its error, none is sent again (for requests that a failed attempt may
-    have consumed: engine keys).
+    have consumed: engine keys). ``round_requests``: the most requests a round holds;
+    ``run`` is called when its round is sent (a run that sends its call before it first
+    awaits, ``flow.primed``, has it on the wire at once).
     """
 
     def __init__(

@@ -10,7 +10,8 @@ store, they survive this actor's death, and they never travel through the shard.
 ``take_staged`` runs in its own concurrency group (it must answer while ``put_routes``
 is waiting), so producer actors are created with ``producer_actor(cls)`` instead of
 plain ``ray.remote(cls)``. An asyncio producer awaits ``aput_routes`` /
-``aput_routes_many`` instead (no ``ray.get``; its concurrent puts share one shard call).
+``aput_routes_many`` instead (no ``ray.get``; its concurrent puts share a shard call,
+``WRITE_ROUND`` of them at most).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ class AsyncRoutesProducer(RoutesProducer):
     Concurrent puts of one actor (one coroutine per sample or group, as XTuner's and
     verl's rollout workers run them) go out together: the batches awaited on the loop
     before it next runs its ready callbacks are staged under one token and adopted in
-    one shard call, with one call back to this actor (``routeplay.store.client.coalesce``).
+    one shard call, with one call back to this actor (``routeplay.store.client.coalesce``),
+    ``WRITE_ROUND`` puts a round at most: a round that fills is sent at once.
     Each caller gets only its own handles; a batch that fails is retried put by put, so
     one bad put fails only its caller; a caller cancelled in flight has its payloads
     dropped when the batch lands.
@@ -188,7 +190,7 @@ class AsyncRoutesProducer(RoutesProducer):
         pack: bool = False,
     ) -> list[Handle]:
         """Awaitable ``put_routes_many``; concurrent calls of this actor share one shard
-        call.
+        call per round of at most ``WRITE_ROUND``.
 
         Example:
             handles = await self.aput_routes_many(store, group, shared_prefix=prompt_rows)
