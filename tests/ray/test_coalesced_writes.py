@@ -19,6 +19,7 @@ from routeplay.core.wires import Engine, EngineRouting
 from routeplay.errors import DuplicateExperts
 from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
+from routeplay.store.joined_rows import JoinedRows
 from routeplay.store.remote.producer import WRITE_ROUND, AsyncRoutesProducer, producer_actor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -175,6 +176,25 @@ def test_more_groups_than_a_round_go_in_rounds_each_member_its_own_rows(
             np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
     assert result["staged"] == 0
     release_all(store, finished)
+
+
+def test_a_group_is_stored_as_its_pieces_and_read_from_them_without_a_copy(
+    store: RouteStore,
+) -> None:
+    """The producer never joins a group (one copy less on the write path): the object
+    the shard holds is the prompt's rows and each member's own, back to back in the
+    object store, read as zero-copy views, and a member's rows read from them whole."""
+    result = ray.get(GroupWorker.remote().write_groups.remote(store, 1), timeout=120)
+    [group] = result["finished"]
+    handle = group[2].handle
+    with store.hold_blocks([(handle, 0, handle.rows)], holder="test/held") as held:
+        [block] = held._views.values()
+        assert type(block) is JoinedRows
+        assert [p.shape[0] for p in block.pieces] == [PROMPT] + [TOKENS - 1 - PROMPT] * GROUP
+        assert not any(p.flags.writeable for p in block.pieces)  # views of the object store
+        [rows] = store.read_many([(handle, 0, handle.rows)], holder="test/held", held=held)
+    np.testing.assert_array_equal(rows, member_rows(0, 2))
+    release_all(store, [group])
 
 
 def test_a_put_cancelled_mid_write_leaves_nothing_stored(store: RouteStore) -> None:

@@ -1,5 +1,6 @@
-"""``JoinedRows``: a packed payload's pieces stay apart until the object store writes
-them, and whatever reads the payload gets the one plain array."""
+"""``JoinedRows``: a packed payload's pieces are never joined on the write path: pickled
+as their pieces (out of band with protocol 5, as Ray writes them), read back as views of
+them, and any row range of them is that range of the joined array."""
 
 from __future__ import annotations
 
@@ -46,12 +47,43 @@ def test_a_row_range_of_the_pieces_is_that_range_of_the_joined_array(
     assert part.shape == whole[start:stop].shape
 
 
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    start=st.integers(0, 60),
+    rows=st.integers(0, 60),
+)
+def test_views_are_the_pieces_that_hold_a_row_range(
+    lengths: list[int], start: int, rows: int
+) -> None:
+    pieces = _pieces(lengths)
+    whole = np.concatenate(pieces)
+    start = min(start, len(whole))
+    views = JoinedRows(pieces).views(start, start + rows)
+    got = np.concatenate(views) if views else whole[:0]
+    np.testing.assert_array_equal(got, whole[start : start + rows])
+    assert all(v.shape[0] > 0 for v in views)  # an empty piece gives no view
+    assert all(any(np.shares_memory(v, p) for p in pieces) for v in views)  # no copy
+
+
 @pytest.mark.parametrize("protocol", [2, 4, 5])
-def test_pickled_it_is_the_joined_plain_array(protocol: int) -> None:
+def test_pickled_it_stays_pieces_and_reads_the_same_rows(protocol: int) -> None:
     pieces = _pieces([4, 0, 3, 5])
     restored = pickle.loads(pickle.dumps(JoinedRows(pieces), protocol=protocol))
-    assert type(restored) is np.ndarray
-    np.testing.assert_array_equal(restored, np.concatenate(pieces))
+    assert type(restored) is JoinedRows
+    assert [p.shape for p in restored.pieces] == [p.shape for p in pieces]
+    np.testing.assert_array_equal(np.asarray(restored), np.concatenate(pieces))
+
+
+def test_with_protocol_5_each_piece_is_an_out_of_band_buffer_read_without_a_copy() -> None:
+    pieces = _pieces([400, 300, 500])
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(JoinedRows(pieces), protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(pieces)
+    assert len(data) < 1000  # the rows (7,200 bytes) never went through the pickle stream
+    stored = [bytearray(b.raw()) for b in buffers]  # what the object store holds
+    restored = pickle.loads(data, buffers=stored)
+    for view, backing in zip(restored.pieces, stored, strict=True):
+        assert np.shares_memory(view, np.frombuffer(backing, dtype=np.uint8))
 
 
 def test_a_packed_group_is_joined_only_when_written_and_blocks_stay_unjoined() -> None:

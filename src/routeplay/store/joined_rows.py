@@ -1,14 +1,18 @@
-"""``JoinedRows``: a packed payload's pieces, joined only as the object store writes it.
+"""``JoinedRows``: a packed payload's pieces, stored as pieces, read as one row range.
 
-A packed batch (a GRPO group: the prompt's rows once, then each member's own) is stored as
-one array. Joining the pieces when the batch is planned costs more than the copy: the
-joined arrays of every batch a producer stages together are alive at once until a shard
-takes them, so each one lands in freshly mapped memory (a page fault every 4 KiB: 0.4 s
-for 512 groups of 1.8 MB here, against 0.06 s for the same joins one at a time). Ray
-writes an actor method's results one by one, so a ``JoinedRows`` returned by the
-producer's ``take_staged`` is joined as Ray pickles it (one group at a time, into memory
-the last one freed), copied into the object store, and dropped: the object store holds a
-plain read-only array, and the producer never holds its staged groups joined.
+A packed batch (a GRPO group: the prompt's rows once, then each member's own) is one
+payload. Its pieces are never joined on the write path: Ray pickles a ``JoinedRows``
+(a producer's ``take_staged`` result, a ``ray.put``) as its pieces, each an out-of-band
+buffer copied once into the object store, back to back. A reader gets a ``JoinedRows``
+of zero-copy views into the stored object and copies its rows from the piece that
+holds them (``views``): a handle's segments are pieces or ranges of one (the prompt
+rows, a member's own), so a read copies exactly what the joined array would have.
+
+Why not one joined array: joining copies every byte once more, in the thread that
+writes a producer's results, before the copy into the object store. At 4,096 samples
+(512 groups of 1.8 MB) a step's writes took 816-848 ms joined and 713-749 ms as pieces
+(same session, ``benchmarks/rl_step_cpu.py``'s cluster); joining at planning time
+instead held every staged group joined at once, in freshly mapped pages.
 
 The pieces are the producer's canonical arrays (read-only views): nothing can change them
 between planning and the write.
@@ -16,11 +20,13 @@ between planning and the write.
 Example:
     rows = JoinedRows([prompt_rows, own_a, own_b])
     rows.shape            # (prompt + a + b rows, layers, top_k)
+    rows.views(2, 9)      # the pieces' views that are rows [2, 9), in order
     np.asarray(rows)      # joined now (the local backend stores this copy)
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +39,7 @@ __all__ = ["JoinedRows"]
 class JoinedRows:
     """Row pieces of one dtype and row shape that are stored as one array."""
 
-    __slots__ = ("dtype", "pieces", "shape")
+    __slots__ = ("_ends", "_starts", "dtype", "pieces", "shape")
 
     def __init__(self, pieces: Sequence[npt.NDArray[Any]]) -> None:
         if not pieces:
@@ -41,7 +47,13 @@ class JoinedRows:
         first = pieces[0]
         self.pieces = tuple(pieces)
         self.dtype = first.dtype
-        self.shape = (sum(int(p.shape[0]) for p in pieces), *first.shape[1:])
+        starts, ends, rows = [], [], 0
+        for piece in self.pieces:
+            starts.append(rows)
+            rows += int(piece.shape[0])
+            ends.append(rows)
+        self._starts, self._ends = starts, ends
+        self.shape = (rows, *first.shape[1:])
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +74,25 @@ class JoinedRows:
         out = self.join()
         return out if dtype is None else out.astype(dtype, copy=False)
 
+    def views(self, start: int, stop: int) -> list[npt.NDArray[Any]]:
+        """Rows ``[start, stop)`` (``0 <= start <= stop``) as views of the pieces that
+        hold them, in order: one view when one piece holds them all (a handle's segment
+        always is: a reader takes this path once per segment). A range past the end is
+        cut there, as a slice of an array is."""
+        at = bisect.bisect_right(self._starts, start) - 1
+        base, end = self._starts[at], self._ends[at]
+        if stop <= end:
+            return [self.pieces[at][start - base : stop - base]] if stop > start else []
+        out = []
+        stop = min(stop, self.shape[0])
+        while start < stop:
+            base, end = self._starts[at], self._ends[at]
+            if end > start:
+                out.append(self.pieces[at][start - base : min(stop, end) - base])
+                start = end
+            at += 1
+        return out
+
     def __getitem__(self, rows: slice) -> JoinedRows:
         """Rows ``[start, stop)`` (a block of a payload split in blocks), still unjoined."""
         if not isinstance(rows, slice):
@@ -80,7 +111,7 @@ class JoinedRows:
     def __len__(self) -> int:
         return int(self.shape[0])
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickled (by Ray, as a result) as the joined ndarray itself: the reader gets a
-        # plain array, and the joined copy lives only while this one is written.
-        return self.join().__reduce_ex__(protocol)
+    def __reduce__(self) -> tuple[type[JoinedRows], tuple[tuple[npt.NDArray[Any], ...]]]:
+        # Pickled as its pieces (with protocol 5, Ray's, each an out-of-band buffer: one
+        # copy into the object store, no join); unpickled, the pieces are zero-copy views.
+        return (JoinedRows, (self.pieces,))

@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from routeplay.core.layers import LayerSubset
 from routeplay.store.client.read_plan import BlockCopy
+from routeplay.store.joined_rows import JoinedRows
 
 __all__ = ["HeldBlocks", "copy_blocks"]
 
@@ -61,16 +62,21 @@ def copy_blocks(
 ) -> None:
     """Copy each block range into its output. Ranges that follow each other in one
     output (the segments of a handle, in order) go in one ``np.concatenate``: one C
-    loop for a run of 1,000 segments instead of 1,000 slice assignments."""
+    loop for a run of 1,000 segments instead of 1,000 slice assignments. A block stored
+    as pieces (``JoinedRows``: a packed group) gives the views of the pieces that hold
+    the range."""
     run: list[Any] = []  # the views of the current run: dropped before returning
     start = end = request = -1
     try:
         for copy in copies:
-            view = blocks[(copy.payload_id, copy.block)][copy.lo : copy.hi]
+            block = blocks[(copy.payload_id, copy.block)]
             if copy.request != request or copy.offset != end:
                 _flush_run(outs, request, start, end, run, columns)
                 request, start, end = copy.request, copy.offset, copy.offset
-            run.append(view)
+            if type(block) is JoinedRows:
+                run.extend(block.views(copy.lo, copy.hi))
+            else:
+                run.append(block[copy.lo : copy.hi])
             end += copy.hi - copy.lo
         _flush_run(outs, request, start, end, run, columns)
     finally:
