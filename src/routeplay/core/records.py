@@ -11,15 +11,13 @@ a batch, releasing them), on the step's critical path.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, TypeVar
 
 __all__ = ["fast_state", "replaced"]
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
-
-_FIELDS: dict[type, tuple[str, ...]] = {}
-"""Field names of each class ``replaced`` has copied, looked up once."""
 
 
 def fast_state(cls: C) -> C:
@@ -37,13 +35,17 @@ def fast_state(cls: C) -> C:
         Row(at=3, name='a')
     """
     names = tuple(field.name for field in dataclasses.fields(cls))
+    values_of = operator.attrgetter(*names) if len(names) > 1 else None
+    slots = tuple(_slots(cls, names).values())
 
     def __getstate__(self: Any) -> tuple[Any, ...]:
-        return tuple([getattr(self, name) for name in names])
+        if values_of is None:
+            return tuple([getattr(self, name) for name in names])
+        return values_of(self)
 
     def __setstate__(self: Any, state: tuple[Any, ...]) -> None:
-        for name, value in zip(names, state, strict=True):
-            object.__setattr__(self, name, value)
+        for slot, value in zip(slots, state, strict=True):
+            slot.__set__(self, value)
 
     # setattr: mypy cannot see that a class may take these methods after it is made.
     setattr(cls, "__getstate__", __getstate__)  # noqa: B010
@@ -64,13 +66,49 @@ def replaced(obj: T, **changes: Any) -> T:
     cls = type(obj)
     if hasattr(cls, "__post_init__"):
         return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))  # type: ignore[arg-type]
-    unknown = set(changes) - set(names)
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
-    new = object.__new__(cls)
+    copier = _COPIERS.get(cls)
+    if copier is None:
+        copier = _COPIERS[cls] = _Copier(cls)
+    return copier.copy(obj, changes)  # type: ignore[no-any-return]
+
+
+class _Copier:
+    """Copies objects of one frozen, slotted dataclass: every field read at once
+    (``operator.attrgetter``), written through its slot (no frozen ``__setattr__``)."""
+
+    __slots__ = ("_cls", "_names", "_slots", "_values_of")
+
+    def __init__(self, cls: type) -> None:
+        self._cls = cls
+        self._names = tuple(f.name for f in dataclasses.fields(cls))
+        self._slots = _slots(cls, self._names)
+        self._values_of = operator.attrgetter(*self._names) if len(self._names) > 1 else None
+
+    def copy(self, obj: Any, changes: dict[str, Any]) -> Any:
+        slots = self._slots
+        unknown = [name for name in changes if name not in slots]
+        if unknown:
+            raise TypeError(f"{self._cls.__name__} has no fields {sorted(unknown)}")
+        new: Any = object.__new__(self._cls)
+        values = (
+            (getattr(obj, self._names[0]),) if self._values_of is None else self._values_of(obj)
+        )
+        for slot, value in zip(slots.values(), values, strict=True):
+            slot.__set__(new, value)
+        for name, value in changes.items():
+            slots[name].__set__(new, value)
+        return new
+
+
+_COPIERS: dict[type, _Copier] = {}
+"""The copier of each class ``replaced`` has copied, built once."""
+
+
+def _slots(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+    """Each field's slot descriptor (``__set__`` writes past a frozen ``__setattr__``),
+    from the class that declares it."""
+    found: dict[str, Any] = {}
     for name in names:
-        object.__setattr__(new, name, changes[name] if name in changes else getattr(obj, name))
-    return new
+        owner = next(k for k in cls.__mro__ if name in vars(k))
+        found[name] = vars(owner)[name]
+    return found

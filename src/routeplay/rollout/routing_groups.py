@@ -364,13 +364,15 @@ def _released(
     """Every lease the samples name (own, then unreleased) released in one call per
     shard; per sample its value with no own lease and its failed leases in
     ``unreleased``, and its first error."""
-    named = [[lease for lease in (r.lease, *r.unreleased) if lease is not None] for r in routings]
+    named = [_named_leases(r) for r in routings]
     flat = [lease for leases in named for lease in leases]
     errors: list[BaseException | None] = (
         (yield Call(lambda: Lease.release_each(flat), lambda: Lease.arelease_each(flat)))
         if flat
         else []
     )
+    if not any(errors):  # the common case: every lease ended, nothing stuck, no error
+        return [(replaced(routing, lease=None, unreleased=()), None) for routing in routings]
     out: list[tuple[SampleRouting, Exception | None]] = []
     at = 0
     for routing, leases in zip(routings, named, strict=True):
@@ -381,6 +383,13 @@ def _released(
         error = first_error(failures, f"releasing sample {routing.sample_id}")
         out.append((replaced(routing, lease=None, unreleased=stuck), error))
     return out
+
+
+def _named_leases(routing: SampleRouting) -> list[Lease]:
+    """The sample's own lease (if any), then its stuck ones."""
+    if not routing.unreleased:
+        return [] if routing.lease is None else [routing.lease]
+    return [lease for lease in (routing.lease, *routing.unreleased) if lease is not None]
 
 
 def _acquiring_many(store: Source, items: list[tuple[Handle, str]]) -> Call[list[Lease]]:

@@ -95,15 +95,17 @@ The two pick different samples to expire when a session turn reuses old prompt r
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
 
 from routeplay.core.handle import Handle
 from routeplay.core.records import fast_state, replaced
 from routeplay.errors import MisuseError, RowCountMismatch
 from routeplay.rollout.releasing import attach_notes, first_error
 from routeplay.rollout.routing_continuation import RoutingContinuation
+from routeplay.rollout.routing_pickle import routing_reduced
 from routeplay.rollout.routing_terms import (
     AsyncLeaseSource,
     AsyncPrefixSource,
@@ -261,6 +263,18 @@ class SampleRouting:
     changes the rows)."""
     retries: int = 0
     """Times this sample was reset for regeneration."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # One flat tuple, rebuilt by one call (``routing_pickle``: a driver takes
+        # thousands a step from its rollout workers). A subclass may add fields: it
+        # pickles by its whole state, as a dataclass does.
+        if type(self) is not SampleRouting:
+            return (copyreg.__newobj__, (type(self),), self.__getstate__())  # type: ignore[attr-defined]
+        return routing_reduced(self)
+
+    def __copy__(self) -> SampleRouting:
+        # The same value, naming the same Lease object (not a pickled twin of it).
+        return replaced(self)
 
     # -- reading ----------------------------------------------------------------------
     @property
