@@ -50,12 +50,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from routeplay.core.handle import Handle
 from routeplay.core.records import fast_state
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch
+from routeplay.train.plan_pickle import plan_reduced
 
 __all__ = [
     "CpSplit",
@@ -85,6 +86,7 @@ SpSplit: TypeAlias = Literal["even", "pad_to_multiple"]
 _SP_SPLITS: tuple[SpSplit, ...] = ("even", "pad_to_multiple")
 
 
+@fast_state
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PackedSample:
     """One sample placed in a pack; its routing rows land on positions ``[offset, stop)``."""
@@ -148,16 +150,9 @@ class PackedSample:
 def _packed_sample(
     sample_id: str, handle: Handle, tokens: int, offset: int, span: int | None
 ) -> PackedSample:
-    restored = object.__new__(PackedSample)
-    for name, value in (
-        ("sample_id", sample_id),
-        ("handle", handle),
-        ("tokens", tokens),
-        ("offset", offset),
-        ("span", span),
-    ):
-        object.__setattr__(restored, name, value)
-    return restored
+    restored: Any = object.__new__(PackedSample)
+    restored.__setstate__((sample_id, handle, tokens, offset, span))
+    return restored  # type: ignore[no-any-return]
 
 
 @fast_state
@@ -331,6 +326,11 @@ class PackingPlan:
             micro_batches=tuple(groups),
             dp_ranks=tuple(i % dp_size for i in range(len(groups))),
         )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Columns of plain tuples (``plan_pickle``): a driver pickles every rank's share
+        # before sending it, on the step's critical path.
+        return plan_reduced(self)
 
     def share(self, dp_rank: int) -> PackingPlan:
         """The plan as data-parallel rank ``dp_rank`` reads it: every other rank's pack
