@@ -372,7 +372,7 @@ def _released(
         else []
     )
     if not any(errors):  # the common case: every lease ended, nothing stuck, no error
-        return [(replaced(routing, lease=None, unreleased=()), None) for routing in routings]
+        return [(_leaseless(routing), None) for routing in routings]
     out: list[tuple[SampleRouting, Exception | None]] = []
     at = 0
     for routing, leases in zip(routings, named, strict=True):
@@ -383,6 +383,14 @@ def _released(
         error = first_error(failures, f"releasing sample {routing.sample_id}")
         out.append((replaced(routing, lease=None, unreleased=stuck), error))
     return out
+
+
+def _leaseless(routing: SampleRouting) -> SampleRouting:
+    """``routing`` without its leases: itself when it names none (a frozen value: a
+    fresh sample finishing has nothing to end, and thousands finish a step)."""
+    if routing.lease is None and not routing.unreleased:
+        return routing
+    return replaced(routing, lease=None, unreleased=())
 
 
 def _named_leases(routing: SampleRouting) -> list[Lease]:
