@@ -62,3 +62,21 @@ def test_a_lease_over_another_handle_keeps_that_handle(store: RouteStore) -> Non
     restored.lease.release()
     store.flush()
     assert store.stats().leases == 0
+
+
+def test_a_lease_named_twice_in_one_payload_arrives_as_one_lease(store: RouteStore) -> None:
+    """The pickler's memo keeps shared objects shared: releasing the lease through the
+    sample is seen by every other name of it in the same payload."""
+    handle = store.put(canonicalize(_routes(5), SPEC))
+    lease = store.acquire(handle, "rollout/5", pin=False)
+    first = SampleRouting(sample_id="5", handle=handle, lease=lease)
+    twin = SampleRouting(sample_id="5b", handle=handle, lease=lease)
+    a, b, leases = pickle.loads(pickle.dumps((first, twin, [lease]), protocol=5))
+    assert a.lease is b.lease
+    assert a.lease is leases[0]
+    assert a.handle is b.handle
+    assert a.lease.handle is a.handle
+    a.lease.release()
+    assert not b.holds_lease
+    store.flush()
+    assert store.stats().leases == 0

@@ -6,6 +6,7 @@ checked where they land."""
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from routeplay.core.handle import Segment, StoreRef
 from routeplay.errors import HandleError
 from routeplay.store import RouteStore, StoreConfig
 from routeplay.train import Materializer, PackingPlan, RankCoords, pack_samples
+from routeplay.train.packing import Pack, PackedSample
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 
@@ -102,3 +104,41 @@ def test_a_handle_whose_rows_left_its_source_is_refused_where_it_lands() -> None
     object.__setattr__(sample, "handle", forged)
     with pytest.raises(HandleError, match="outside their source"):
         pickle.loads(pickle.dumps(plan))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TaggedSample(PackedSample):
+    weight: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TaggedPack(Pack):
+    source: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TaggedPlan(PackingPlan):
+    step: int = 0
+
+
+def test_subclasses_keep_their_own_fields() -> None:
+    store = _store()
+    a, b = _put(store, 6, 1), _put(store, 4, 2)
+    tagged = _TaggedSample(sample_id="a", handle=a, tokens=7, offset=0, weight=0.5)
+    plain = PackedSample(sample_id="b", handle=b, tokens=5, offset=8)
+    packs = (
+        Pack(samples=(plain,), length=16),
+        _TaggedPack(samples=(tagged,), length=16, source="x"),
+    )
+    plan = _TaggedPlan(spec=SPEC, packs=packs, micro_batches=((0,), (1,)), step=42)
+    restored = pickle.loads(pickle.dumps(plan, protocol=5))
+    assert restored == plan
+    assert type(restored) is _TaggedPlan
+    assert restored.step == 42
+    assert type(restored.packs[1]) is _TaggedPack
+    assert restored.packs[1].source == "x"
+    assert type(restored.packs[1].samples[0]) is _TaggedSample
+    assert restored.packs[1].samples[0].weight == 0.5
+    assert type(restored.packs[0].samples[0]) is PackedSample
+    base = PackingPlan(spec=SPEC, packs=packs, micro_batches=((0,), (1,)))
+    assert pickle.loads(pickle.dumps(base)) == base  # a subclass inside a plain plan

@@ -78,3 +78,28 @@ def test_fast_state_round_trips_and_stays_frozen() -> None:
     assert row == _Row(3, "a")
     with pytest.raises(dataclasses.FrozenInstanceError):
         row.at = 4  # type: ignore[misc]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Unslotted(SampleRouting):
+    tag: str = "t"
+    weight: float
+
+
+@dataclass(frozen=True)
+class _NoFields:
+    pass
+
+
+def test_a_subclass_without_slots_is_copied_and_pickled_with_every_field() -> None:
+    routing = _Unslotted(sample_id="1", weight=0.5, retries=1)
+    copied = replaced(routing, retries=3, tag="u")
+    assert copied == dataclasses.replace(routing, retries=3, tag="u")
+    assert copied.weight == 0.5
+    restored = pickle.loads(pickle.dumps(routing))
+    assert type(restored) is _Unslotted
+    assert (restored.tag, restored.weight, restored.retries) == ("t", 0.5, 1)
+
+
+def test_a_class_without_fields_is_copied() -> None:
+    assert replaced(_NoFields()) == _NoFields()

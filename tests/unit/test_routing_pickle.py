@@ -4,6 +4,7 @@ whose store pickles only as a Ray client: ``tests/ray/test_routing_pickle_ray.py
 
 from __future__ import annotations
 
+import copy
 import pickle
 from dataclasses import dataclass
 
@@ -56,3 +57,9 @@ def test_a_subclass_keeps_its_own_fields() -> None:
     assert type(restored) is _Tagged
     assert restored.tag == "kept"
     assert restored.retries == 2
+
+
+def test_a_copy_names_the_same_lease_object() -> None:
+    routing = SampleRouting(sample_id="4", retries=1)
+    assert copy.copy(routing) == routing
+    assert copy.deepcopy(routing) == routing

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import types
 from typing import Any, TypeVar
 
-__all__ = ["fast_state", "replaced"]
+__all__ = ["fast_state", "fields_reduced", "replaced"]
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
@@ -36,7 +37,10 @@ def fast_state(cls: C) -> C:
     """
     names = tuple(field.name for field in dataclasses.fields(cls))
     values_of = operator.attrgetter(*names) if len(names) > 1 else None
-    slots = tuple(_slots(cls, names).values())
+    found = _slots(cls, names)
+    if found is None:
+        raise TypeError(f"fast_state needs a slotted dataclass; {cls.__name__} is not")
+    slots = tuple(found.values())
 
     def __getstate__(self: Any) -> tuple[Any, ...]:
         if values_of is None:
@@ -64,11 +68,12 @@ def replaced(obj: T, **changes: Any) -> T:
         Row(at=3, name='b')
     """
     cls = type(obj)
-    if hasattr(cls, "__post_init__"):
+    if cls in _COPIERS:
+        copier = _COPIERS[cls]
+    else:
+        copier = _COPIERS[cls] = _Copier.of(cls)
+    if copier is None:  # checks to run, or fields outside slots: the standard way
         return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
-    copier = _COPIERS.get(cls)
-    if copier is None:
-        copier = _COPIERS[cls] = _Copier(cls)
     return copier.copy(obj, changes)  # type: ignore[no-any-return]
 
 
@@ -78,11 +83,22 @@ class _Copier:
 
     __slots__ = ("_cls", "_names", "_slots", "_values_of")
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type, names: tuple[str, ...], slots: dict[str, Any]) -> None:
         self._cls = cls
-        self._names = tuple(f.name for f in dataclasses.fields(cls))
-        self._slots = _slots(cls, self._names)
-        self._values_of = operator.attrgetter(*self._names) if len(self._names) > 1 else None
+        self._names = names
+        self._slots = slots
+        self._values_of = operator.attrgetter(*names) if len(names) > 1 else None
+
+    @classmethod
+    def of(cls, target: type) -> _Copier | None:
+        """The copier of ``target``, or None where ``dataclasses.replace`` must copy: a
+        ``__post_init__`` to run, or a field not held in a slot (a subclass without
+        ``slots=True`` keeps its fields in a ``__dict__``)."""
+        if hasattr(target, "__post_init__"):
+            return None
+        names = tuple(f.name for f in dataclasses.fields(target))
+        slots = _slots(target, names)
+        return None if slots is None or not names else cls(target, names, slots)
 
     def copy(self, obj: Any, changes: dict[str, Any]) -> Any:
         slots = self._slots
@@ -100,15 +116,40 @@ class _Copier:
         return new
 
 
-_COPIERS: dict[type, _Copier] = {}
-"""The copier of each class ``replaced`` has copied, built once."""
+_COPIERS: dict[type, _Copier | None] = {}
+"""The copier of each class ``replaced`` has copied (None: it copies the standard way)."""
 
 
-def _slots(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+def _slots(cls: type, names: tuple[str, ...]) -> dict[str, Any] | None:
     """Each field's slot descriptor (``__set__`` writes past a frozen ``__setattr__``),
-    from the class that declares it."""
+    the first the class's MRO defines; None when a field has none (it lives in a
+    ``__dict__``, or a class attribute, such as its default, shadows the slot)."""
     found: dict[str, Any] = {}
     for name in names:
-        owner = next(k for k in cls.__mro__ if name in vars(k))
-        found[name] = vars(owner)[name]
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        slot = None if owner is None else vars(owner)[name]
+        if not isinstance(slot, types.MemberDescriptorType):
+            return None
+        found[name] = slot
     return found
+
+
+def fields_reduced(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A dataclass object's ``__reduce__`` by every field its class has, slotted or not:
+    what a class with a faster pickled form of its own falls back to for a subclass,
+    which may add fields.
+
+    Example:
+        >>> build, args = fields_reduced(Row(3, "a"))
+        >>> build(*args)
+        Row(at=3, name='a')
+    """
+    names = tuple(f.name for f in dataclasses.fields(obj))
+    return (_restored_fields, (type(obj), names, tuple(getattr(obj, n) for n in names)))
+
+
+def _restored_fields(cls: type, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    restored: Any = object.__new__(cls)
+    for name, value in zip(names, values, strict=True):
+        object.__setattr__(restored, name, value)
+    return restored

@@ -95,13 +95,12 @@ The two pick different samples to expire when a session turn reuses old prompt r
 
 from __future__ import annotations
 
-import copyreg
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
 
 from routeplay.core.handle import Handle
-from routeplay.core.records import fast_state, replaced
+from routeplay.core.records import fast_state, fields_reduced, replaced
 from routeplay.errors import MisuseError, RowCountMismatch
 from routeplay.rollout.releasing import attach_notes, first_error
 from routeplay.rollout.routing_continuation import RoutingContinuation
@@ -266,10 +265,9 @@ class SampleRouting:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # One flat tuple, rebuilt by one call (``routing_pickle``: a driver takes
-        # thousands a step from its rollout workers). A subclass may add fields: it
-        # pickles by its whole state, as a dataclass does.
+        # thousands a step from its rollout workers). A subclass may add fields.
         if type(self) is not SampleRouting:
-            return (copyreg.__newobj__, (type(self),), self.__getstate__())  # type: ignore[attr-defined]
+            return fields_reduced(self)
         return routing_reduced(self)
 
     def __copy__(self) -> SampleRouting:

@@ -5,8 +5,8 @@ payload. Its pieces are never joined on the write path: Ray pickles a ``JoinedRo
 (a producer's ``take_staged`` result, a ``ray.put``) as its pieces, each an out-of-band
 buffer copied once into the object store, back to back. A reader gets a ``JoinedRows``
 of zero-copy views into the stored object and copies its rows from the piece that
-holds them (``views``): a handle's segments are pieces or ranges of one (the prompt
-rows, a member's own), so a read copies exactly what the joined array would have.
+holds them (``views``): a read copies exactly the rows the joined array would have
+given it, from one piece or, for a range that spans pieces, from each in turn.
 
 Why not one joined array: joining copies every byte once more, in the thread that
 writes a producer's results, before the copy into the object store. At 4,096 samples
@@ -75,10 +75,12 @@ class JoinedRows:
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def views(self, start: int, stop: int) -> list[npt.NDArray[Any]]:
-        """Rows ``[start, stop)`` (``0 <= start <= stop``) as views of the pieces that
-        hold them, in order: one view when one piece holds them all (a handle's segment
-        always is: a reader takes this path once per segment). A range past the end is
-        cut there, as a slice of an array is."""
+        """Rows ``[start, stop)`` (``0 <= start``) as views of the pieces that hold them,
+        in order: one view when one piece holds them all (most of a handle's segments:
+        a prompt, a member's own rows; the first member's, merged with the prompt,
+        spans two). A range past the end is cut there, as a slice of an array is."""
+        if start < 0:
+            raise ValueError(f"JoinedRows.views takes rows from 0; found start {start}")
         at = bisect.bisect_right(self._starts, start) - 1
         base, end = self._starts[at], self._ends[at]
         if stop <= end:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 from routeplay.core.handle import Handle
-from routeplay.core.records import fast_state
+from routeplay.core.records import fast_state, fields_reduced
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch
 from routeplay.train.plan_pickle import plan_reduced
@@ -129,6 +129,8 @@ class PackedSample:
 
     def __reduce__(self) -> tuple[object, ...]:
         # Positional, checked when built: every rank unpickles the step's whole plan.
+        if type(self) is not PackedSample:  # a subclass may add fields
+            return fields_reduced(self)
         return (_packed_sample, (self.sample_id, self.handle, self.tokens, self.offset, self.span))
 
     @property
@@ -329,8 +331,14 @@ class PackingPlan:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Columns of plain tuples (``plan_pickle``): a driver pickles every rank's share
-        # before sending it, on the step's critical path.
-        return plan_reduced(self)
+        # before sending it, on the step's critical path. Subclasses may add fields.
+        reduced = None if type(self) is not PackingPlan else plan_reduced(self, Pack, PackedSample)
+        return fields_reduced(self) if reduced is None else reduced
+
+    def __copy__(self) -> PackingPlan:
+        # Shallow: the same packs (not a rebuilt plan, as the pickled form would be).
+        build, args = fields_reduced(self)
+        return build(*args)  # type: ignore[no-any-return]
 
     def share(self, dp_rank: int) -> PackingPlan:
         """The plan as data-parallel rank ``dp_rank`` reads it: every other rank's pack

@@ -26,18 +26,20 @@ __all__ = ["plan_reduced"]
 Columns = tuple[Any, ...]
 
 
-def plan_reduced(plan: Any) -> tuple[Any, tuple[Any, ...]]:
+def plan_reduced(
+    plan: Any, pack_cls: type[Any], sample_cls: type[Any]
+) -> tuple[Any, tuple[Any, ...]] | None:
     """``plan.__reduce__()`` (a ``PackingPlan``: typed ``Any``, as ``packing`` imports
     this module): its classes, spec, micro-batches and ranks, and per pack its length
-    and its samples as ``(sample_id, tokens, offset, span, handle.__reduce__())``."""
-    packs = plan.packs
-    pack_cls = type(packs[0]) if packs else None
-    sample_cls = None
+    and its samples as ``(sample_id, tokens, offset, span, handle.__reduce__())``.
+    None when a pack or a sample is not exactly ``pack_cls`` / ``sample_cls`` (a
+    subclass may add fields: the plan then pickles the standard way). Handles travel
+    as values: two samples naming one ``Handle`` object arrive with equal ones."""
     columns = []
-    for pack in packs:
+    for pack in plan.packs:
         samples = pack.samples
-        if samples and sample_cls is None:
-            sample_cls = type(samples[0])
+        if type(pack) is not pack_cls or any(type(s) is not sample_cls for s in samples):
+            return None
         columns.append(
             (
                 pack.length,
@@ -63,8 +65,8 @@ def plan_reduced(plan: Any) -> tuple[Any, tuple[Any, ...]]:
 
 def _restored_plan(
     plan_cls: type[Any],
-    pack_cls: type[Any] | None,
-    sample_cls: type[Any] | None,
+    pack_cls: type[Any],
+    sample_cls: type[Any],
     spec: Any,
     columns: tuple[tuple[int, Columns], ...],
     micro_batches: tuple[tuple[int, ...], ...],
@@ -72,7 +74,7 @@ def _restored_plan(
 ) -> Any:
     packs = []
     for length, samples in columns:
-        pack: Any = object.__new__(pack_cls)  # type: ignore[arg-type]
+        pack: Any = object.__new__(pack_cls)
         pack.__setstate__((tuple(_sample(sample_cls, row) for row in samples), length))
         packs.append(pack)
     plan = object.__new__(plan_cls)
