@@ -251,6 +251,19 @@ def test_every_wanted_block_is_used_and_grouped_by_its_shard(
     assert fetched == wanted
 
 
+@given(worlds_and_requests())
+def test_planning_blocks_only_wants_the_same_blocks_and_copies_nothing(
+    case: tuple[World, list[tuple[Handle, int, int]]],
+) -> None:
+    """What ``hold_blocks`` plans: the full plan's blocks, per shard, in the same order."""
+    _, requests = case
+    full, blocks_only = plan_reads(requests), plan_reads(requests, copies=False)
+    assert blocks_only.wanted == full.wanted
+    assert blocks_only.blocks == full.blocks
+    assert blocks_only.copies == []
+    assert blocks_only.direct == []
+
+
 def _stored(rows: int, block_rows: int, payload_id: str = "2.a") -> Handle:
     ref = StoreRef(payload_id=payload_id, run=RUN, rows=rows, block_rows=block_rows)
     return Handle.of(Segment(source=ref, start=0, stop=rows, spec=SPEC))

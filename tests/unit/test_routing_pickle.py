@@ -8,11 +8,16 @@ import copy
 import pickle
 from dataclasses import dataclass
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from routeplay.core import RouteSpec, canonicalize
 from routeplay.rollout import SampleRouting
 from routeplay.rollout.routing_terms import Origin
+from routeplay.store import RouteStore, StoreConfig
+
+SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 
 
 @given(
@@ -60,6 +65,16 @@ def test_a_subclass_keeps_its_own_fields() -> None:
 
 
 def test_a_copy_names_the_same_lease_object() -> None:
-    routing = SampleRouting(sample_id="4", retries=1)
-    assert copy.copy(routing) == routing
-    assert copy.deepcopy(routing) == routing
+    store = RouteStore.local(StoreConfig(run="copy"))
+    rows = canonicalize(np.zeros((3, 2, 2), dtype=np.uint8) + np.array([0, 1], np.uint8), SPEC)
+    handle = store.put(rows)
+    lease = store.acquire(handle, "rollout/4", pin=False)
+    routing = SampleRouting(sample_id="4", handle=handle, lease=lease, retries=1)
+    copied = copy.copy(routing)
+    assert copied == routing
+    assert copied.lease is lease
+    assert copied.handle is handle
+    assert copy.deepcopy(SampleRouting(sample_id="5", retries=2)) == SampleRouting(
+        sample_id="5", retries=2
+    )
+    lease.release()

@@ -15,7 +15,7 @@ import operator
 import types
 from typing import Any, TypeVar
 
-__all__ = ["fast_state", "fields_reduced", "replaced"]
+__all__ = ["fast_state", "fields_reduced", "replaced", "restored_fields"]
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
@@ -145,10 +145,17 @@ def fields_reduced(obj: Any) -> tuple[Any, tuple[Any, ...]]:
         Row(at=3, name='a')
     """
     names = tuple(f.name for f in dataclasses.fields(obj))
-    return (_restored_fields, (type(obj), names, tuple(getattr(obj, n) for n in names)))
+    return (restored_fields, (type(obj), names, tuple(getattr(obj, n) for n in names)))
 
 
-def _restored_fields(cls: type, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+def restored_fields(cls: type, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """An object of ``cls`` with each named field set, without ``__init__`` (frozen or
+    not, slotted or not): ``fields_reduced``'s constructor, and any pickled form's.
+
+    Example:
+        >>> restored_fields(Row, ("at", "name"), (3, "a"))
+        Row(at=3, name='a')
+    """
     restored: Any = object.__new__(cls)
     for name, value in zip(names, values, strict=True):
         object.__setattr__(restored, name, value)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from routeplay.core.records import restored_fields
+
 __all__ = ["plan_reduced"]
 
 Columns = tuple[Any, ...]
@@ -77,15 +79,11 @@ def _restored_plan(
         pack: Any = object.__new__(pack_cls)
         pack.__setstate__((tuple(_sample(sample_cls, row) for row in samples), length))
         packs.append(pack)
-    plan = object.__new__(plan_cls)
-    for name, value in (
-        ("spec", spec),
-        ("packs", tuple(packs)),
-        ("micro_batches", micro_batches),
-        ("dp_ranks", dp_ranks),
-    ):
-        object.__setattr__(plan, name, value)
-    return plan
+    return restored_fields(
+        plan_cls,
+        ("spec", "packs", "micro_batches", "dp_ranks"),
+        (spec, tuple(packs), micro_batches, dp_ranks),
+    )
 
 
 def _sample(sample_cls: Any, row: Columns) -> Any:

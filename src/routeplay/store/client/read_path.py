@@ -195,9 +195,10 @@ class Reader:
 
     def hold(self, requests: Sequence[Request], *, holder: str) -> HeldBlocks:
         """Every stored block the requests read, fetched at once and held (engine keys
-        are left to their own read: consuming one here would spend it)."""
-        plan = plan_reads(requests)
-        if not plan.copies:
+        are left to their own read: consuming one here would spend it). Only the blocks
+        are planned: each later read plans its own copies."""
+        plan = plan_reads(requests, copies=False)
+        if not plan.blocks:
             return HeldBlocks({})
         keys, refs = self._block_refs(plan)
         views: dict[tuple[str, int], Any] = {}

@@ -83,22 +83,26 @@ class ReadPlan:
         ]
 
 
-def plan_reads(requests: Sequence[tuple[Handle, int, int]]) -> ReadPlan:
-    """Plan reading rows ``[start, stop)`` of each handle."""
+def plan_reads(requests: Sequence[tuple[Handle, int, int]], *, copies: bool = True) -> ReadPlan:
+    """Plan reading rows ``[start, stop)`` of each handle. ``copies=False`` plans only
+    the blocks to fetch (``copies`` and ``direct`` stay empty): what holding blocks for
+    later reads needs, each of which plans its own copies."""
     plan = ReadPlan()
     for index, (handle, start, stop) in enumerate(requests):
         plan.rows.append(stop - start)
         for segment, offset in handle.spans(start, stop):
             source = segment.source
             if isinstance(source, StoreRef):
-                _plan_stored(plan, index, offset, segment, source)
-            else:
+                _plan_stored(plan, index, offset, segment, source, copies)
+            elif copies:
                 assert isinstance(source, (InlineSource, EngineKey))
                 plan.direct.append(DirectCopy(request=index, offset=offset, segment=segment))
     return plan
 
 
-def _plan_stored(plan: ReadPlan, request: int, offset: int, seg: Segment, ref: StoreRef) -> None:
+def _plan_stored(
+    plan: ReadPlan, request: int, offset: int, seg: Segment, ref: StoreRef, copies: bool
+) -> None:
     pid = ref.payload_id
     blocks = plan.blocks.get(pid)
     if blocks is None:  # first use of this payload: its shard is looked up once
@@ -107,12 +111,17 @@ def _plan_stored(plan: ReadPlan, request: int, offset: int, seg: Segment, ref: S
     if ref.block_rows <= 0:  # one block (the default): no block arithmetic
         if not blocks:
             blocks.append(0)
-        plan.copies.append(BlockCopy(request, offset, pid, 0, seg.start, seg.stop, seg.start, seg))
+        if copies:
+            plan.copies.append(
+                BlockCopy(request, offset, pid, 0, seg.start, seg.stop, seg.start, seg)
+            )
         return
     for block in ref.blocks(seg.start, seg.stop):
         if (pid, block) not in plan.seen:
             plan.seen.add((pid, block))
             blocks.append(block)
+        if not copies:
+            continue
         base = block * ref.block_rows
         lo = max(seg.start, base)
         hi = min(seg.stop, base + ref.block_rows)
