@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from routeplay.core.bytes_equal import bytes_equal
 from routeplay.core.handle import Handle
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
@@ -190,7 +191,7 @@ def _equal_prefix_groups(batch: Sequence[Routes], prefix_rows: int) -> dict[int,
         head = routes.array[:prefix_rows]
         candidates = leaders.setdefault(_digest(head), [])
         leader = next(
-            (i for i in candidates if _same_rows(batch[i].array[:prefix_rows], head)), None
+            (i for i in candidates if bytes_equal(batch[i].array[:prefix_rows], head)), None
         )
         if leader is None:
             candidates.append(index)
@@ -219,13 +220,3 @@ def _digest(rows: npt.NDArray[Any]) -> bytes:
     step = max(1, count // _SAMPLED_ROWS)
     picked: bytes = np.ascontiguousarray(rows[::step]).tobytes() + rows[-1].tobytes()
     return count.to_bytes(8, "little") + picked
-
-
-def _same_rows(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
-    """Byte-equal rows; compared eight bytes at a time where both are C-contiguous views
-    of a whole number of words (half the time of an element-wise compare of uint8)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.flags.c_contiguous and b.flags.c_contiguous and a.nbytes % 8 == 0:
-        return bool(np.array_equal(a.reshape(-1).view(np.uint64), b.reshape(-1).view(np.uint64)))
-    return bool(np.array_equal(a, b))
