@@ -30,9 +30,11 @@ from routeplay.rollout import (
 from routeplay.rollout.fake_engines import FakeSglang
 from routeplay.rollout.routing_groups import (
     adiscard_all,
+    adiscard_failures,
     afinish_all,
     atake_over_all,
     discard_all,
+    discard_failures,
     finish_all,
     take_over_all,
 )
@@ -199,6 +201,33 @@ def test_a_dead_lease_stays_with_its_own_sample_only() -> None:
     [(clean, retried)] = discard_all([stuck])
     assert retried is None
     assert clean.unreleased == ()
+    assert store.leaks() == []
+
+
+@pytest.mark.parametrize("face", ["blocking", "awaitable"])
+def test_discarding_for_nobody_returns_only_the_failures(face: str) -> None:
+    """``discard_failures`` ends every lease as ``discard_all`` does and gives back only
+    the sample whose release failed: its position, its value with the stuck lease, its
+    error; a retry of that value ends it."""
+    store, backend = faulty_store(run=f"failures-{face}")
+    group = finished_group(store, 0, 4)
+    backend.lose_releases(group[1].lease)  # type: ignore[arg-type]
+    before = dict(store.stats().calls_by_op)
+    if face == "blocking":
+        failures = discard_failures(group)
+    else:
+        failures = asyncio.run(adiscard_failures(group))
+    calls = {op: n - before.get(op, 0) for op, n in store.stats().calls_by_op}
+    assert {op: n for op, n in calls.items() if n} == {"release": 3}  # the lost one: not
+    [(at, stuck, error)] = failures
+    assert at == 1
+    assert isinstance(error, RoutesLost)
+    assert stuck.sample_id == "g0-m1"
+    assert stuck.lease is None
+    assert [lease.holder for lease in stuck.unreleased] == ["rollout/g0-m1"]
+    assert dict(store.stats().leases_by_holder) == {"rollout/g0-m1": 1}
+    backend.heal()
+    assert discard_failures([stuck]) == []
     assert store.leaks() == []
 
 

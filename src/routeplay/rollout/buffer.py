@@ -41,7 +41,7 @@ from routeplay.errors import MisuseError
 from routeplay.rollout.releasing import raise_first
 from routeplay.rollout.routing_groups import (
     ManyLeaseSource,
-    discard_all,
+    discard_failures,
     expire_all,
     take_over_all,
 )
@@ -67,21 +67,16 @@ S = TypeVar("S", bound=RoutedSample)
 
 def release_samples(samples: Iterable[S]) -> tuple[list[S], list[Exception]]:
     """``discard`` every sample's routing (all attempted, one call per store shard for
-    all of them: ``discard_all``); returns the samples whose release failed, released
+    all of them: ``discard_failures``); returns the samples whose release failed, released
     (their live leases in ``unreleased``), and the errors.
 
     Example:
         >>> failed, errors = release_samples(group.states)  # doctest: +SKIP
     """
     samples = list(samples)
-    failed: list[S] = []
-    errors: list[Exception] = []
-    outcomes = discard_all([sample.sample_routing for sample in samples])
-    for sample, (after, error) in zip(samples, outcomes, strict=True):
-        if error is not None:
-            failed.append(sample.with_sample_routing(after))
-            errors.append(error)
-    return failed, errors
+    failures = discard_failures([sample.sample_routing for sample in samples])
+    failed = [samples[at].with_sample_routing(after) for at, after, _ in failures]
+    return failed, [error for _, _, error in failures]
 
 
 class SamplingPolicy(Enum):

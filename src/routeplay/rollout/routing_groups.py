@@ -19,6 +19,7 @@ make the same moves for a whole group or batch with one call per store shard:
                                   every borrowed lease (one call each     the own stay
                                   per shard)
     discard_all(rs)               release every lease each names          stuck ones ride along
+    discard_failures(rs)          discard_all, keeping only the failures  (position, value, error)
     expire_all(rs)                discard_all, then reset (a retry)       ``Expiry`` per sample
 
 The order inside each is ``SampleRouting``'s: a new lease exists before the one it
@@ -52,12 +53,14 @@ __all__ = [
     "ManyLeaseSource",
     "aclaim_all",
     "adiscard_all",
+    "adiscard_failures",
     "aexpire_all",
     "afinish_all",
     "ahand_over_all",
     "atake_over_all",
     "claim_all",
     "discard_all",
+    "discard_failures",
     "expire_all",
     "finish_all",
     "hand_over_all",
@@ -170,6 +173,31 @@ def discard_all(
         >>> outcomes = discard_all([s.sample_routing for s in batch.states])  # doctest: +SKIP
     """
     return run_step(_discard_all(routings))
+
+
+def discard_failures(
+    routings: Sequence[SampleRouting],
+) -> list[tuple[int, SampleRouting, Exception]]:
+    """``discard_all`` for a holder that keeps none of the samples (a training batch
+    closing, a buffer dropping its groups): only the samples whose release failed, as
+    ``(position, value with the failed leases in unreleased, first error)``. The
+    others' leaseless values are not built: a step ends thousands of samples.
+
+    Example:
+        >>> failed = discard_failures([s.sample_routing for s in batch.states])  # doctest: +SKIP
+    """
+    return run_step(_discard_failures(routings))
+
+
+async def adiscard_failures(
+    routings: Sequence[SampleRouting],
+) -> list[tuple[int, SampleRouting, Exception]]:
+    """Awaitable ``discard_failures``.
+
+    Example:
+        >>> failed = await adiscard_failures(routings)  # doctest: +SKIP
+    """
+    return await arun_step(_discard_failures(routings))
 
 
 async def adiscard_all(
@@ -364,6 +392,16 @@ def _released(
     """Every lease the samples name (own, then unreleased) released in one call per
     shard; per sample its value with no own lease and its failed leases in
     ``unreleased``, and its first error."""
+    named, errors = yield from _release_named(routings)
+    if not any(errors):  # the common case: every lease ended, nothing stuck, no error
+        return [(_leaseless(routing), None) for routing in routings]
+    return _outcomes(routings, named, errors)
+
+
+def _release_named(
+    routings: Sequence[SampleRouting],
+) -> Step[tuple[list[list[Lease]], list[BaseException | None]]]:
+    """Every lease each sample names, and per lease (flat, in order) its release's error."""
     named = [_named_leases(r) for r in routings]
     flat = [lease for leases in named for lease in leases]
     errors: list[BaseException | None] = (
@@ -371,8 +409,16 @@ def _released(
         if flat
         else []
     )
-    if not any(errors):  # the common case: every lease ended, nothing stuck, no error
-        return [(_leaseless(routing), None) for routing in routings]
+    return named, errors
+
+
+def _outcomes(
+    routings: Sequence[SampleRouting],
+    named: Sequence[Sequence[Lease]],
+    errors: Sequence[BaseException | None],
+) -> list[tuple[SampleRouting, Exception | None]]:
+    """Per sample its value after a release with errors: no own lease, the failed ones
+    in ``unreleased``, and its first error (or None)."""
     out: list[tuple[SampleRouting, Exception | None]] = []
     at = 0
     for routing, leases in zip(routings, named, strict=True):
@@ -383,6 +429,16 @@ def _released(
         error = first_error(failures, f"releasing sample {routing.sample_id}")
         out.append((replaced(routing, lease=None, unreleased=stuck), error))
     return out
+
+
+def _discard_failures(
+    routings: Sequence[SampleRouting],
+) -> Step[list[tuple[int, SampleRouting, Exception]]]:
+    named, errors = yield from _release_named(routings)
+    if not any(errors):  # nothing failed: no sample's value is built (nobody keeps them)
+        return []
+    outcomes = _outcomes(routings, named, errors)
+    return [(at, after, error) for at, (after, error) in enumerate(outcomes) if error]
 
 
 def _leaseless(routing: SampleRouting) -> SampleRouting:
