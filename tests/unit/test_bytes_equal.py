@@ -65,10 +65,30 @@ def test_strided_views_are_compared_by_value(
     pair: tuple[np.ndarray, np.ndarray], step: int, path: str
 ) -> None:
     a, b = pair
-    if a.shape != b.shape or a.dtype != b.dtype or a.ndim == 0:
+    if a.shape != b.shape or a.dtype != b.dtype:
         return
     with _compared_by(path):
         assert bytes_equal(a[::step], b[::step]) is bool(np.array_equal(a[::step], b[::step]))
+
+
+def test_integer_rows_are_compared_by_memcmp_and_floats_by_numpy() -> None:
+    """The fast path is taken where it is right, and only there: equal floats need not
+    have equal bytes (-0.0), nor equal bytes equal floats (NaN)."""
+    real = module._memcmp()
+    assert real is not None
+    calls: list[int] = []
+
+    def counted(x: int, y: int, n: int) -> int:
+        calls.append(n)
+        return real(x, y, n)
+
+    with mock.patch.object(module, "_memcmp", return_value=counted):
+        rows = np.arange(24, dtype=np.uint16).reshape(2, 3, 4)
+        assert bytes_equal(rows, rows.copy())
+        assert calls == [rows.nbytes]
+        assert bytes_equal(np.array([0.0]), np.array([-0.0]))
+        assert not bytes_equal(np.array([np.nan]), np.array([np.nan]))
+        assert calls == [rows.nbytes]  # the floats went to numpy
 
 
 @PATHS

@@ -207,25 +207,30 @@ def test_a_dead_lease_stays_with_its_own_sample_only() -> None:
 @pytest.mark.parametrize("face", ["blocking", "awaitable"])
 def test_discarding_for_nobody_returns_only_the_failures(face: str) -> None:
     """``discard_failures`` ends every lease as ``discard_all`` does and gives back only
-    the sample whose release failed: its position, its value with the stuck lease, its
-    error; a retry of that value ends it."""
+    the sample whose release failed: its position among the samples (not among their
+    leases: ahead of it, one names no lease and one a stuck lease only), its value with
+    the stuck lease, its error; a retry of that value ends it."""
     store, backend = faulty_store(run=f"failures-{face}")
     group = finished_group(store, 0, 4)
-    backend.lose_releases(group[1].lease)  # type: ignore[arg-type]
+    backend.lose_releases(group[0].lease)  # type: ignore[arg-type]
+    [(stuck_before, _)] = discard_all([group[0]])  # its lease rides in unreleased now
+    backend.heal()
+    backend.lose_releases(group[2].lease)  # type: ignore[arg-type]
+    routings = [SampleRouting(sample_id="no-lease"), stuck_before, group[1], group[2], group[3]]
     before = dict(store.stats().calls_by_op)
     if face == "blocking":
-        failures = discard_failures(group)
+        failures = discard_failures(routings)
     else:
-        failures = asyncio.run(adiscard_failures(group))
+        failures = asyncio.run(adiscard_failures(routings))
     calls = {op: n - before.get(op, 0) for op, n in store.stats().calls_by_op}
     assert {op: n for op, n in calls.items() if n} == {"release": 3}  # the lost one: not
     [(at, stuck, error)] = failures
-    assert at == 1
+    assert at == 3
     assert isinstance(error, RoutesLost)
-    assert stuck.sample_id == "g0-m1"
+    assert stuck.sample_id == "g0-m2"
     assert stuck.lease is None
-    assert [lease.holder for lease in stuck.unreleased] == ["rollout/g0-m1"]
-    assert dict(store.stats().leases_by_holder) == {"rollout/g0-m1": 1}
+    assert [lease.holder for lease in stuck.unreleased] == ["rollout/g0-m2"]
+    assert dict(store.stats().leases_by_holder) == {"rollout/g0-m2": 1}
     backend.heal()
     assert discard_failures([stuck]) == []
     assert store.leaks() == []

@@ -14,7 +14,7 @@ then tells its trace sessions. With ``sessions`` (a ``SessionLedger``) each samp
 ``release_session`` every session the samples consumed is released at once (right only
 when no other waiting sample shares one). The samples are any ``RoutedSample``: the
 take-over is ``take_over_all`` (``routeplay.rollout.routing_groups``: ``claim`` for every
-sample, then ``hand_over``, one call per store shard each), the release ``discard_all``.
+sample, then ``hand_over``, one call per store shard each), the release ``discard_failures``.
 Every release is attempted even if another fails; the first failure is raised after
 all of them ran, and the samples whose release failed stay in ``release_failed()`` (the
 next ``close()`` retries them).

@@ -438,7 +438,7 @@ def _discard_failures(
     if not any(errors):  # nothing failed: no sample's value is built (nobody keeps them)
         return []
     outcomes = _outcomes(routings, named, errors)
-    return [(at, after, error) for at, (after, error) in enumerate(outcomes) if error]
+    return [(at, after, error) for at, (after, error) in enumerate(outcomes) if error is not None]
 
 
 def _leaseless(routing: SampleRouting) -> SampleRouting:
