@@ -17,6 +17,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from faults import faulty_store
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from routeplay.core import Handle, RouteSpec, read_response
 from routeplay.core.wires import Engine
@@ -234,6 +236,30 @@ def test_discarding_for_nobody_returns_only_the_failures(face: str) -> None:
     backend.heal()
     assert discard_failures([stuck]) == []
     assert store.leaks() == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 6), lost=st.sets(st.integers(0, 5)), run=st.uuids())
+def test_the_failures_are_the_ones_discard_all_reports(size: int, lost: set[int], run: Any) -> None:
+    """Two identical groups, one released by ``discard_all``, the other by
+    ``discard_failures``, the same members' releases lost in each: the same samples fail,
+    at the same positions, with the same stuck holders and error types."""
+
+    def failures(discard: Any) -> list[tuple[int, str, list[str], type]]:
+        store, backend = faulty_store(run=f"same-{run}-{discard.__name__}")
+        group = finished_group(store, 0, size)
+        backend.lose_releases(*(group[i].lease for i in sorted(lost) if i < size))
+        outcome = discard(group)
+        if discard is discard_all:
+            outcome = [(at, after, error) for at, (after, error) in enumerate(outcome) if error]
+        return [
+            (at, after.sample_id, [x.holder for x in after.unreleased], type(error))
+            for at, after, error in outcome
+        ]
+
+    expected = failures(discard_all)
+    assert failures(discard_failures) == expected
+    assert [at for at, *_ in expected] == sorted(i for i in lost if i < size)
 
 
 def test_a_failed_take_over_leaves_every_sample_as_it_was() -> None:
