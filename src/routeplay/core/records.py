@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import types
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = ["fast_state", "fields_reduced", "replaced", "restored_fields"]
@@ -36,15 +37,13 @@ def fast_state(cls: C) -> C:
         Row(at=3, name='a')
     """
     names = tuple(field.name for field in dataclasses.fields(cls))
-    values_of = operator.attrgetter(*names) if len(names) > 1 else None
     found = _slots(cls, names)
     if found is None:
         raise TypeError(f"fast_state needs a slotted dataclass; {cls.__name__} is not")
     slots = tuple(found.values())
+    values_of = _values_getter(names)
 
-    def __getstate__(self: Any) -> tuple[Any, ...]:
-        if values_of is None:
-            return tuple([getattr(self, name) for name in names])
+    def __getstate__(self: Any) -> tuple[Any, ...]:  # a function: attrgetter does not bind
         return values_of(self)
 
     def __setstate__(self: Any, state: tuple[Any, ...]) -> None:
@@ -81,13 +80,12 @@ class _Copier:
     """Copies objects of one frozen, slotted dataclass: every field read at once
     (``operator.attrgetter``), written through its slot (no frozen ``__setattr__``)."""
 
-    __slots__ = ("_cls", "_names", "_slots", "_values_of")
+    __slots__ = ("_cls", "_slots", "_values_of")
 
     def __init__(self, cls: type, names: tuple[str, ...], slots: dict[str, Any]) -> None:
         self._cls = cls
-        self._names = names
         self._slots = slots
-        self._values_of = operator.attrgetter(*names) if len(names) > 1 else None
+        self._values_of = _values_getter(names)
 
     @classmethod
     def of(cls, target: type) -> _Copier | None:
@@ -106,14 +104,19 @@ class _Copier:
         if unknown:
             raise TypeError(f"{self._cls.__name__} has no fields {sorted(unknown)}")
         new: Any = object.__new__(self._cls)
-        values = (
-            (getattr(obj, self._names[0]),) if self._values_of is None else self._values_of(obj)
-        )
-        for slot, value in zip(slots.values(), values, strict=True):
+        for slot, value in zip(slots.values(), self._values_of(obj), strict=True):
             slot.__set__(new, value)
         for name, value in changes.items():
             slots[name].__set__(new, value)
         return new
+
+
+def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """A function giving an object's ``names`` values as a tuple: one C call
+    (``operator.attrgetter``) for two or more, which returns a bare value for one."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda obj: tuple([getattr(obj, name) for name in names])
 
 
 _COPIERS: dict[type, _Copier | None] = {}

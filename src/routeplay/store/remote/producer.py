@@ -239,7 +239,7 @@ class AsyncRoutesProducer(RoutesProducer):
     async def _adopted(
         self,
         pending: Awaitable[list[StoreRef]],
-        outbox: Any,
+        outbox: PayloadOutbox,
         token: str,
         batches: list[_Staged],
     ) -> list[list[StoreRef]]:
