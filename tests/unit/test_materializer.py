@@ -632,6 +632,28 @@ def test_output_buffers_are_recycled_only_when_the_consumer_let_go() -> None:
         np.testing.assert_array_equal(item.routes[item.mask], np.concatenate(rows))
 
 
+def test_a_closed_materializer_leaves_its_buffers_to_the_next_step() -> None:
+    """A trainer makes a materializer per step: the next one copies into the buffers the
+    last one freed (warm pages), never into one a consumer still holds."""
+    store = new_store()
+    spec = RouteSpec(num_layers=3, top_k=5, num_experts=11)  # a row shape no other test reads
+    samples = [(f"s{i}", put_sample(store, spec, 7, seed=i)[0], 8) for i in range(4)]
+    plan = pack_samples(samples, pack_max_length=16)  # two micro-batches of two samples
+    with Materializer(store, plan, RankCoords(), prefetch=1) as m:
+        first_step = {id(item.routes.base) for item in m}
+    with Materializer(store, plan, RankCoords(), prefetch=1) as m:
+        kept = list(m)  # this step's arrays stay with the consumer
+    assert {id(item.routes.base) for item in kept} <= first_step
+    with Materializer(store, plan, RankCoords(), prefetch=1) as m:
+        third_step = list(m)
+    assert not {id(item.routes.base) for item in third_step} & {
+        id(item.routes.base) for item in kept
+    }
+    for item in kept:  # nothing the third step copied overwrote the kept arrays
+        rows = [store.read(sample.handle) for sample in plan.samples_of(item.index)]
+        np.testing.assert_array_equal(item.routes[item.mask], np.concatenate(rows))
+
+
 def _sample_ids(plan: PackingPlan, mb: int) -> list[str]:
     return [sample.sample_id for sample in plan.samples_of(mb)]
 
