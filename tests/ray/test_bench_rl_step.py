@@ -41,7 +41,7 @@ def _anywhere(role: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[RouteStore]:
-    start_engine_store()
+    start_engine_store(spec=SHAPE.spec)  # as the bench runs it: validated at ingest
     store = StoreConfig(run="test-rl-step", timeout_s=60).build()
     try:
         yield store

@@ -150,6 +150,40 @@ def test_a_payload_refused_at_ingest_is_refused_by_the_adoption(
     assert _settled(baseline)
 
 
+@pytest.mark.parametrize("settled", [True, False], ids=["ended", "still-running"])
+def test_a_group_of_keys_validated_at_ingest_is_adopted_from_their_blocks(
+    engine_store: Any, store: RouteStore, settled: bool
+) -> None:
+    """A GRPO group's keys (``adopt_keys_each(..., shared_prefix=..., pack=True)``): each
+    member's block validated at ingest is laid out as it is, a validation still running
+    is waited for; a member refused at ingest is refused by the adoption alone, the
+    others read their exact rows, and every byte goes."""
+    baseline = used_bytes()
+    prompt, own = 64, 40
+    shared = make_routing(SPEC, prompt, all_layers=True, seed=11)
+    raws = [
+        np.concatenate([shared, make_routing(SPEC, own, all_layers=True, seed=12 + m)])
+        for m in range(3)
+    ]
+    raws[1][prompt + 5, 3] = 0  # a zero-padded row in member 1's own rows
+    keys = [EngineKey(key=_put(engine_store, raw), rows=prompt + own, actor=NAME) for raw in raws]
+    if settled:
+        assert wait_until(
+            lambda: all(ray.get(engine_store.validated.remote(k.key)) is not None for k in keys)
+        )
+    out = store.adopt_keys_each(keys, SPEC, shared_prefix=prompt, pack=True)
+    assert isinstance(out[1], DuplicateExperts)
+    assert "row 69, layer 2" in str(out[1])
+    leases = store.acquire_many([(out[0], "train/group"), (out[2], "train/group")])
+    for handle, raw in ((out[0], raws[0]), (out[2], raws[2])):
+        np.testing.assert_array_equal(np.array(store.read(handle)), _canonical(raw))
+    store.release_many(leases)
+    assert not set(k.key for k in keys) & set(ray.get(engine_store.keys.remote(), timeout=20))
+    store.flush()
+    assert store.stats().live_payloads == 0
+    assert _settled(baseline)
+
+
 def test_another_spec_validates_the_raw_payload_as_before(store: RouteStore) -> None:
     other = preset("qwen3-30b-a3b")
     engine_store = start_engine_store(name="ingest_other", ttl_s=60, spec=SPEC)

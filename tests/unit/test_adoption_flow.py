@@ -83,8 +83,8 @@ class Steps:
         return f"{canonical}[{start}:{stop}]"
 
     def send_group(self, node: str, keys: Any, spec: Any, starts: Any, prefix: int, pack: bool,
-                   raws: Any) -> Any:  # fmt: skip
-        self.sent.append(("group", tuple(raws), prefix, pack))
+                   raws: Any, validated: Any) -> Any:  # fmt: skip
+        self.sent.append(("group", tuple(raws), prefix, pack, tuple(validated)))
         outcomes: list[Any] = []
         samples: list[tuple[Part, ...]] = []
         for raw in raws:
@@ -307,13 +307,37 @@ def test_a_group_is_validated_together_and_a_bad_member_costs_only_itself() -> N
     keys = [key("a"), key("b"), key("c"), key("d")]
     out, resolver = run(steps, keys, shared_prefix=4)
     assert ("take", "shared_store", (0, 0, 0, 0), True) in steps.sent
-    assert ("group", ("raw-a", "raw-c", "raw-d"), 4, False) in steps.sent
+    assert ("group", ("raw-a", "raw-c", "raw-d"), 4, False, (False,) * 3) in steps.sent
     assert out[1] is meta
     assert out[2] is bad
     prompt = StoreRef(payload_id="g0", run="r", rows=4)
     assert out[0] == ((prompt, 0, 4), (StoreRef(payload_id="g1", run="r", rows=4), 0, 6))
     assert out[3] == ((prompt, 0, 4), (StoreRef(payload_id="g2", run="r", rows=4), 0, 6))
     assert [w.what for w in resolver.waits][-1] == "validate a group of 3 engine keys"
+
+
+def test_a_group_lays_out_the_blocks_validated_at_ingest_and_waits_for_those_running() -> None:
+    """Members validated at ingest go to the group's layout as their blocks (flagged: not
+    validated again); a validation still running is waited for first and decides; a
+    member with none, or one whose validation proves nothing, goes raw."""
+    refusal = DuplicateExperts("an expert appears twice", where="engine key, row 7, layer 1")
+    done = Validated(canonical=["ingest-a"], rows=ROWS)
+    running, refused = ingest(Settled()), ingest(Settled(error=refusal))
+    lost = ingest(Settled(error=RoutesLost("validator died")))
+    taken = [done, ["raw-b"], ["raw-c"], ["raw-d"], ["raw-e"]]
+    steps = Steps(taken={"shared_store": (taken, [None, running, refused, None, lost])})
+    keys = [key(name) for name in "abcde"]
+    out, resolver = run(steps, keys, shared_prefix=4, pack=True)
+    assert [w.what for w in resolver.waits] == [
+        "lmdeploy/shared_store: take 5 keys",
+        "validations at ingest",
+        "validate a group of 4 engine keys",
+    ]
+    group = ("group", ("ingest-a", "ingest-block-10", "raw-d", "raw-e"), 4, True)
+    assert (*group, (True, True, False, False)) in steps.sent
+    assert out[2] is refusal  # its own rows refused at ingest: set aside, not laid out
+    assert all(isinstance(out[i], tuple) for i in (0, 1, 3, 4))
+    assert not [s for s in steps.sent if s[0] == "validate"]  # nothing validated alone
 
 
 def test_an_engine_store_restarted_since_its_lookup_is_looked_up_again_once() -> None:

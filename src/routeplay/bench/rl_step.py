@@ -83,9 +83,10 @@ def rl_steps(
     nodes = cluster(shape.store_bytes) if address is None else joined(address)
     with nodes:
         store = StoreConfig(run="bench-rl", resources=(("head", 0.01),), timeout_s=120).build()
-        # A GRPO group's keys are validated at adoption, together near the engine (their
-        # layout needs every member's rows), so the engine store validates nothing at put.
-        start_engine_store(resources={"engine": 0.01})
+        # As we recommend it (docs/engine-store.md): the engine store knows the model and
+        # validates each payload as the engine puts it; a group's adoption then lays out
+        # the members' validated blocks, validating none again.
+        start_engine_store(resources={"engine": 0.01}, spec=shape.spec)
         try:
             points = []
             for samples in shape.samples:
@@ -226,9 +227,12 @@ class _StepBench:
         self.step += 1
         keys = None
         if path == "adopt":  # the engine has put every sample's routing: not in the step
+            before = self._prepared()
             keys = ray.get(
                 self.engine.put_step.remote(self.groups, self.samples), timeout=_DEADLINE_S
             )
+            if self._prepared() > before:  # an engine store with a spec: validated at ingest
+                self._validated_at_ingest(keys[-1][-1])
         meter = _PhaseMeter(self.store)
         busy = busy_core_ms()
         steps = {
@@ -319,6 +323,20 @@ class _StepBench:
         with meter.phase("releases"):
             del batch, chunks, reads
         return read
+
+    def _prepared(self) -> int:
+        """Payloads the engine store has started validating at ingest so far."""
+        return int(ray.get(self.engine_store.stats.remote(), timeout=_DEADLINE_S).prepared)
+
+    def _validated_at_ingest(self, last_key: str) -> None:
+        """Untimed, as the producer path's decoding: wait until the engine store's
+        validations of the step's payloads have ended (while a real engine still
+        generates). They run one at a time in the order put, so the last key's tells."""
+        deadline = time.monotonic() + _DEADLINE_S
+        while ray.get(self.engine_store.validated.remote(last_key), timeout=_DEADLINE_S) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rl step x{self.samples}: validations at ingest never ended")
+            time.sleep(0.01)
 
     def _check_nothing_left(self, path: str, stats: StoreStats) -> None:
         """Fail the run on anything the step left behind (after its last phase)."""

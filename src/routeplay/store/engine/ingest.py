@@ -21,9 +21,11 @@ there, on the rollout side, with the same error naming the same rows either way.
 Python: the Ray calls are passed in.
 
 Costs: one canonical block per payload next to the raw one until the key goes; a key
-read with LMDeploy's ``get``, freed, or adopted in a group or under another spec is
-validated all the same (its block is dropped). With LMDeploy's trailing row, the block
-keeps that row (one row per sample; readers never read it).
+read with LMDeploy's ``get``, freed, or adopted under another spec is validated all the
+same (its block is dropped). A GRPO group's members are laid out from their blocks
+(``key_check.canonical_group(..., validated=...)``), not validated again. With
+LMDeploy's trailing row, the block keeps that row (one row per sample; readers never
+read it).
 
 Lifetime: a ``Validated`` block is owned by the engine store actor and borrowed by the
 adopting shard, as the raw payload was until its adoption; it lives while a holder

@@ -169,6 +169,35 @@ class GroupLayout:
     """Per key, in order: its index into ``layout.samples``, or the error refusing it."""
 
 
+def validated_routes(block: object, key: EngineKey, spec: RouteSpec, start: int = 0) -> Routes:
+    """Rows ``[start, key.rows)`` of a block validated at ingest
+    (``routeplay.store.engine.ingest``: every row of the key's payload, canonical), as
+    ``Routes``, validated again by nothing but their type and shape (a view: no copy).
+
+    Example:
+        >>> routes = validated_routes(block, key, spec, start=0)  # doctest: +SKIP
+    """
+    where = key_where(key)
+    if not isinstance(block, np.ndarray) or block.dtype != spec.dtype:
+        raise MalformedPayload(
+            "a block validated at ingest is not a canonical array",
+            expected=f"a numpy {spec.dtype} array [T, L, K]",
+            found=getattr(block, "dtype", type(block).__name__),
+            where=where,
+        )
+    if tuple(block.shape[1:]) != spec.row_shape:
+        raise MalformedPayload(
+            "a block validated at ingest has another row shape",
+            expected=spec.row_shape,
+            found=tuple(block.shape[1:]),
+            where=where,
+        )
+    check_key_rows(int(block.shape[0]), key, where=where)
+    rows = block[start : key.rows].view()
+    rows.flags.writeable = False
+    return Routes(array=rows, spec=spec, start_row=start, source_dtype=spec.dtype.name)
+
+
 def canonical_group(
     payloads: Sequence[object],
     keys: Sequence[EngineKey],
@@ -177,10 +206,13 @@ def canonical_group(
     *,
     shared_prefix: int = 0,
     pack: bool = False,
+    validated: Sequence[bool] = (),
 ) -> GroupLayout:
     """Each key's rows ``[start, rows)`` validated on its own; the accepted ones laid out
     together (``plan_batch``: verified-equal first ``shared_prefix`` rows once, ``pack``
     one array), a refused one set aside with its error, so it costs only its member.
+    ``validated[i]``: payload ``i`` is the key's block validated at ingest, taken as it is
+    (``validated_routes``); the others are raw payloads (default: all of them).
 
     Example:
         >>> group = canonical_group(raw, keys, spec, [0] * len(keys), shared_prefix=600)
@@ -189,9 +221,11 @@ def canonical_group(
     """
     accepted: list[Routes] = []
     outcomes: list[int | RouteplayError] = []
-    for payload, key, start in zip(payloads, keys, starts, strict=True):
+    ready = list(validated) or [False] * len(keys)
+    for payload, key, start, done in zip(payloads, keys, starts, ready, strict=True):
         try:
-            accepted.append(canonical_routes(payload, key, spec, start))
+            read = validated_routes if done else canonical_routes
+            accepted.append(read(payload, key, spec, start))
         except RouteplayError as exc:
             # Without its traceback: the frames would hold every raw payload of the group
             # (zero-copy views of the object store) in a cycle only the GC breaks.

@@ -349,10 +349,8 @@ class _RayAdoption:
     def send_take(
         self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
     ) -> Any:
-        run = self._shell._shard.run
-        if grouped:  # a group's layout needs every member's raw rows
-            return engine.take_checked_many.remote(keys, spec, run)
-        return engine.take_offered_many.remote(keys, spec, run, starts)
+        # A group too: a member validated at ingest comes as its block, laid out as it is.
+        return engine.take_offered_many.remote(keys, spec, self._shell._shard.run, starts)
 
     def send_validate(
         self, node: str, raw: Any, key: EngineKey, spec: RouteSpec, start: int
@@ -371,10 +369,13 @@ class _RayAdoption:
         starts: list[int],
         shared_prefix: int,
         pack: bool,
-        raws: list[Any],
+        payloads: list[Any],
+        validated: list[bool],
     ) -> Any:
         validator = self._shell._validator(node)
-        return validator.canonical_group.remote(keys, spec, starts, shared_prefix, pack, *raws)
+        return validator.canonical_group.remote(
+            keys, spec, starts, shared_prefix, pack, validated, *payloads
+        )
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
         refs = self._shell._validator(node).take.options(num_returns=count).remote(token)
@@ -598,16 +599,19 @@ class KeyValidatorShell:
         starts: list[int],
         shared_prefix: int,
         pack: bool,
+        validated: list[bool],
         *payloads: Any,
     ) -> GroupAnswer:
-        """Validate a group's payloads (rows from each start) and lay the accepted ones
+        """Validate a group's payloads (rows from each start; a block validated at
+        ingest, where ``validated`` says so, taken as it is) and lay the accepted ones
         out (``key_check.canonical_group``); the arrays wait here until the shard takes
         them, so the shard owns the blocks. Returns the staging token, each key's
         outcome (its sample index, or its error), the samples' parts, the payloads and
         the bytes the shared prefix saved."""
         group = canonical_group(
-            payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack
-        )
+            payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack,
+            validated=validated,
+        )  # fmt: skip
         del payloads
         arrays = tuple(group.layout.arrays)
         return GroupAnswer.of(group, self._outbox.stage_many(arrays) if arrays else "")

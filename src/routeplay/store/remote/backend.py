@@ -539,12 +539,16 @@ class _LocalAdoption:
         starts: list[int],
         shared_prefix: int,
         pack: bool,
-        raws: list[Any],
+        payloads: list[Any],
+        validated: list[bool],
     ) -> Any:
-        payloads = [raw.value() for raw in raws]
+        # In process nothing is validated at ingest (``send_take`` offers no block):
+        # every payload is a raw one, validated here.
+        arrays = [raw.value() for raw in payloads]
         group = canonical_group(
-            payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack
-        )
+            arrays, keys, spec, starts, shared_prefix=shared_prefix, pack=pack,
+            validated=validated,
+        )  # fmt: skip
         return Settled(value=GroupAnswer.of(group, group.layout.arrays))
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:

@@ -22,8 +22,9 @@ capture is refused here, on the rollout side, where its sample can be set aside:
    engine (all sent at once, pipelined on the node's validator), and the adopter waits
    for every verdict (up to half the deadline): a refusal or a ``StoreTimeout`` is that
    key's alone, its block dropped.
-4. Groups (``shared_prefix`` or ``pack``): validated and laid out together near the
-   engine, as before; a refused member is set aside with its error.
+4. Groups (``shared_prefix`` or ``pack``): step 2 first, then the members are laid out
+   together near the engine, each validated there unless its block validated at ingest
+   stands for it (then taken as it is); a refused member is set aside with its error.
 
 A refused key is consumed: its raw payload goes with the last reference the flow drops.
 """
@@ -148,9 +149,12 @@ class AdoptionSteps(Protocol):
         starts: list[int],
         shared_prefix: int,
         pack: bool,
-        raws: list[Any],
+        payloads: list[Any],
+        validated: list[bool],
     ) -> Any:
-        """Validate and lay out a group near the engine: answers a ``GroupAnswer``."""
+        """Validate and lay out a group near the engine: answers a ``GroupAnswer``.
+        ``payloads``: per member its raw reference, or its block validated at ingest
+        where ``validated`` says so (taken as it is, not validated again)."""
         ...
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
@@ -285,21 +289,30 @@ def _take(
     return _Taken(keys=keys, starts=starts, taken=list(taken), waits=list(waits), node=node)
 
 
+def _decide_ingest(call: _Call, batch: _Taken) -> Flow[None]:
+    """Step 2: the validations at ingest still open are waited for (up to half the
+    deadline) and decide, in ``batch.taken``: valid, the block; refused for the key's own
+    rows, the refusal; anything else, the raw payload stays."""
+    keys, starts, out = batch.keys, batch.starts, batch.taken
+    opened = [(i, ready) for i, ready in enumerate(batch.waits) if isinstance(ready, Prepared)]
+    if not opened:
+        return
+    statuses = tuple(ready.status for _, ready in opened)
+    answers = yield Wait(statuses, "validations at ingest", call.timeout_s / 2, each=True)
+    for (i, ready), answer in zip(opened, answers, strict=True):
+        verdict = refuse_after_ingest(answer, ready, keys[i], starts[i])
+        if verdict is IngestVerdict.VALID:
+            out[i] = ready.as_validated()
+        elif verdict is IngestVerdict.REFUSED:
+            out[i] = answer
+
+
 def _singles(call: _Call, batch: _Taken) -> Flow[list[Any]]:
     """Keys adopted one by one (steps 2 and 3): the validations at ingest still open
     decide first, then every key left on the raw path is validated and waited for."""
     keys, starts, out = batch.keys, batch.starts, batch.taken
     half = call.timeout_s / 2
-    opened = [(i, ready) for i, ready in enumerate(batch.waits) if isinstance(ready, Prepared)]
-    if opened:
-        statuses = tuple(ready.status for _, ready in opened)
-        answers = yield Wait(statuses, "validations at ingest", half, each=True)
-        for (i, ready), answer in zip(opened, answers, strict=True):
-            verdict = refuse_after_ingest(answer, ready, keys[i], starts[i])
-            if verdict is IngestVerdict.VALID:
-                out[i] = ready.as_validated()
-            elif verdict is IngestVerdict.REFUSED:
-                out[i] = answer
+    yield from _decide_ingest(call, batch)
     raw = [i for i, one in enumerate(out) if isinstance(one, list)]  # wrapped raw refs
     sent = [
         call.steps.send_validate(batch.node, out[i][0], keys[i], call.spec, starts[i]) for i in raw
@@ -346,13 +359,16 @@ def _adopt_validated(call: _Call, ready: Validated, key: EngineKey, start: int, 
 
 
 def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[list[Any]]:
-    """A group's keys (a GRPO group's samples), validated and laid out together near the
-    engine, waited for (the layout depends on every member's rows): each member's rows
-    as ``(StoreRef, start, stop)`` ranges, or the refusal of that member only."""
+    """A group's keys (a GRPO group's samples), laid out together near the engine and
+    waited for (the layout depends on every member's rows): a member validated at ingest
+    by its block, any other validated there from its raw payload. Each member's rows as
+    ``(StoreRef, start, stop)`` ranges, or the refusal of that member only."""
+    yield from _decide_ingest(call, batch)
     out = batch.taken
     good = [i for i, one in enumerate(out) if not isinstance(one, BaseException)]
     if not good:
         return out
+    validated = [isinstance(out[i], Validated) for i in good]
     sent = call.steps.send_group(
         batch.node,
         [batch.keys[i] for i in good],
@@ -360,7 +376,11 @@ def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[l
         [batch.starts[i] for i in good],
         shared_prefix,
         pack,
-        [out[i][0] for i in good],
+        [
+            out[i].canonical[0] if done else out[i][0]
+            for i, done in zip(good, validated, strict=True)
+        ],
+        validated,
     )
     for i in good:
         out[i] = None  # the raw payloads go once the validator is done with them
