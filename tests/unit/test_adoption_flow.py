@@ -314,6 +314,7 @@ def test_a_group_is_validated_together_and_a_bad_member_costs_only_itself() -> N
     assert out[0] == ((prompt, 0, 4), (StoreRef(payload_id="g1", run="r", rows=4), 0, 6))
     assert out[3] == ((prompt, 0, 4), (StoreRef(payload_id="g2", run="r", rows=4), 0, 6))
     assert [w.what for w in resolver.waits][-1] == "validate a group of 3 engine keys"
+    assert resolver.waits[-1].timeout_s == 8.0  # no wait at ingest: the whole deadline
 
 
 def test_a_group_lays_out_the_blocks_validated_at_ingest_and_waits_for_those_running() -> None:
@@ -333,6 +334,8 @@ def test_a_group_lays_out_the_blocks_validated_at_ingest_and_waits_for_those_run
         "validations at ingest",
         "validate a group of 4 engine keys",
     ]
+    # The layout gets what the ingest wait left of the caller's two deadlines.
+    assert [w.timeout_s for w in resolver.waits[1:]] == [4.0, 4.0]
     group = ("group", ("ingest-a", "ingest-block-10", "raw-d", "raw-e"), 4, True)
     assert (*group, (True, True, False, False)) in steps.sent
     assert out[2] is refusal  # its own rows refused at ingest: set aside, not laid out

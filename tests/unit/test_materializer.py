@@ -644,8 +644,9 @@ def test_a_closed_materializer_leaves_its_buffers_to_the_next_step() -> None:
     with Materializer(store, plan, RankCoords(), prefetch=1) as m:
         kept = list(m)  # this step's arrays stay with the consumer
     assert {id(item.routes.base) for item in kept} <= first_step
-    with Materializer(store, plan, RankCoords(), prefetch=1) as m:
-        third_step = list(m)
+    others = [(f"t{i}", put_sample(store, spec, 7, seed=10 + i)[0], 8) for i in range(4)]
+    with Materializer(store, pack_samples(others, pack_max_length=16), RankCoords()) as m:
+        third_step = list(m)  # other rows: an overwrite of a kept array would show
     assert not {id(item.routes.base) for item in third_step} & {
         id(item.routes.base) for item in kept
     }

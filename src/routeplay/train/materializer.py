@@ -179,13 +179,21 @@ _SPARE: dict[tuple[Any, tuple[int, ...]], list[npt.NDArray[Any]]] = {}
 _SPARE_LOCK = threading.Lock()
 
 
+def _refcount(free: list[npt.NDArray[Any]], position: int) -> int:
+    """``sys.getrefcount`` of the buffer at ``position`` of a free list."""
+    buffer = free[position]
+    return sys.getrefcount(buffer)
+
+
+# The count of a buffer that only its free list refers to, measured by the same code
+# (the list, the local name, the call's argument: 3 on CPython 3.11; an interpreter that
+# borrows some of these references counts fewer). More: a consumer still holds a view.
+_OURS = _refcount([np.empty(0)], 0)
+
+
 class _Buffers:
     """Output arrays recycled across micro-batches and across the materializers of one
     process (see the module docstring)."""
-
-    # References to a free buffer that are ours: the free list, the loop variable, and
-    # getrefcount's own argument. Any more means a consumer still holds a view of it.
-    _OURS = 3
 
     def __init__(self, spec: RouteSpec, keep: int, layers: LayerSubset | None) -> None:
         self._dtype = spec.dtype
@@ -194,16 +202,17 @@ class _Buffers:
         self._keep = keep
         self._lock = threading.Lock()
         with _SPARE_LOCK:
-            self._free: list[npt.NDArray[Any]] = _SPARE.pop(self._key, [])
+            self._free: list[npt.NDArray[Any]] = _SPARE.pop(self._key, [])[-keep:]
 
     def take(self, rows: int) -> npt.NDArray[Any]:
         """A ``[rows, L, K]`` view of a recycled buffer (L: the layers read), or a new one."""
         with self._lock:
-            for position in range(len(self._free)):  # no enumerate: its tuple is one more ref
-                buffer = self._free[position]
-                if buffer.shape[0] >= rows and sys.getrefcount(buffer) <= self._OURS:
-                    del self._free[position]
-                    return buffer[:rows]
+            for position in range(len(self._free)):
+                if (
+                    self._free[position].shape[0] >= rows
+                    and _refcount(self._free, position) <= _OURS
+                ):
+                    return self._free.pop(position)[:rows]
         return np.empty((rows, *self._row_shape), self._dtype)[:rows]
 
     def give(self, routes: npt.NDArray[Any]) -> None:
@@ -214,8 +223,10 @@ class _Buffers:
             del self._free[: -self._keep]
 
     def clear(self) -> None:
-        """Hand the free buffers to the process's next materializer of this row shape
-        (at most ``keep`` of them: a materializer's own bound)."""
+        """Hand the free buffers to the process's next materializer of this row shape (at
+        most ``keep`` of them: a materializer's own bound). The last micro-batch's may
+        still be in the consumer's hands (``for mb in m`` keeps ``mb`` past the loop):
+        ``take`` checks each buffer again before reusing it."""
         with self._lock:
             free, self._free = self._free, []
         with _SPARE_LOCK:

@@ -289,14 +289,14 @@ def _take(
     return _Taken(keys=keys, starts=starts, taken=list(taken), waits=list(waits), node=node)
 
 
-def _decide_ingest(call: _Call, batch: _Taken) -> Flow[None]:
+def _decide_ingest(call: _Call, batch: _Taken) -> Flow[bool]:
     """Step 2: the validations at ingest still open are waited for (up to half the
     deadline) and decide, in ``batch.taken``: valid, the block; refused for the key's own
-    rows, the refusal; anything else, the raw payload stays."""
+    rows, the refusal; anything else, the raw payload stays. Whether it waited."""
     keys, starts, out = batch.keys, batch.starts, batch.taken
     opened = [(i, ready) for i, ready in enumerate(batch.waits) if isinstance(ready, Prepared)]
     if not opened:
-        return
+        return False
     statuses = tuple(ready.status for _, ready in opened)
     answers = yield Wait(statuses, "validations at ingest", call.timeout_s / 2, each=True)
     for (i, ready), answer in zip(opened, answers, strict=True):
@@ -305,6 +305,7 @@ def _decide_ingest(call: _Call, batch: _Taken) -> Flow[None]:
             out[i] = ready.as_validated()
         elif verdict is IngestVerdict.REFUSED:
             out[i] = answer
+    return True
 
 
 def _singles(call: _Call, batch: _Taken) -> Flow[list[Any]]:
@@ -362,8 +363,10 @@ def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[l
     """A group's keys (a GRPO group's samples), laid out together near the engine and
     waited for (the layout depends on every member's rows): a member validated at ingest
     by its block, any other validated there from its raw payload. Each member's rows as
-    ``(StoreRef, start, stop)`` ranges, or the refusal of that member only."""
-    yield from _decide_ingest(call, batch)
+    ``(StoreRef, start, stop)`` ranges, or the refusal of that member only. After a
+    wait for validations at ingest, the layout gets the other half of the deadline (the
+    adopter's caller waits for two)."""
+    waited = yield from _decide_ingest(call, batch)
     out = batch.taken
     good = [i for i, one in enumerate(out) if not isinstance(one, BaseException)]
     if not good:
@@ -385,7 +388,8 @@ def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[l
     for i in good:
         out[i] = None  # the raw payloads go once the validator is done with them
     what = f"validate a group of {len(good)} engine keys"
-    [group] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
+    budget = call.timeout_s / 2 if waited else call.timeout_s
+    [group] = yield from awaiting([sent], what, timeout_s=budget)
     count = sum(p.blocks for p in group.payloads)
     stored: list[StoreRef] = []
     if count:
