@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from routeplay.bench.transfer_paths import make_routing
 from routeplay.core import EngineKey, RouteSpec, preset
 from routeplay.core.validate import canonicalize
-from routeplay.errors import DuplicateExperts, MalformedPayload, RowCountMismatch
+from routeplay.errors import (
+    DuplicateExperts,
+    MalformedPayload,
+    RouteplayError,
+    RowCountMismatch,
+)
 from routeplay.store.engine.key_check import canonical_group, validated_routes
 
 SPEC = preset("glm-4.5-air")  # every decoder layer sent, the first dense: narrowed on read
@@ -117,3 +122,27 @@ def test_a_block_gives_its_rows_from_the_start_row_read_only_and_without_a_copy(
     assert np.shares_memory(routes.array, block)
     assert not routes.array.flags.writeable
     np.testing.assert_array_equal(routes.array, block[2:5])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(["uint8", "uint16", "int32", "float32", "bool"]),
+    shape=st.lists(st.integers(0, 7), min_size=0, max_size=4),
+    rows=st.integers(1, 6),
+    trailing=st.integers(0, 1),
+    start=st.integers(0, 5),
+)
+def test_any_block_is_taken_as_the_keys_rows_or_refused_with_a_typed_error(
+    dtype: str, shape: list[int], rows: int, trailing: int, start: int
+) -> None:
+    """Whatever a block is (dtype, rank, sizes), ``validated_routes`` gives exactly the
+    key's rows from ``start`` or raises a ``RouteplayError``, never anything untyped."""
+    block = np.zeros(shape, dtype=dtype)
+    key = _key(3, rows, trailing)
+    begin = min(start, rows - 1)
+    try:
+        routes = validated_routes(block, key, SMALL, start=begin)
+    except RouteplayError:
+        return
+    assert routes.array.shape == (rows - begin, *SMALL.row_shape)
+    assert routes.start_row == begin

@@ -52,6 +52,16 @@ ROLES = ("head", "engine", "rollout", "trainer")
 PATHS = ("eager", "producer", "adopt")
 
 
+def prepared_at_ingest(engine_store: Any) -> int:
+    """Payloads the engine store has started validating at ingest so far (its
+    ``stats().prepared``).
+
+    Example:
+        before = prepared_at_ingest(engine_store)
+    """
+    return int(ray.get(engine_store.stats.remote(), timeout=_DEADLINE_S).prepared)
+
+
 def node_roles() -> dict[str, str]:
     """Node id -> role of the connected cluster (each node carries its role's resource).
 
@@ -150,7 +160,7 @@ class Bench:
         # A GRPO group's layout is made at adoption from its members' raw rows.
         at_ingest = path == "adopt" and ingest and not self.w.prompt_tokens
         with self._validating_at_ingest(at_ingest):
-            prepared, before_engine = self._prepared(), self._created()
+            prepared, before_engine = prepared_at_ingest(self.engine_store), self._created()
             plan = self.w.sample_plan(seed)
             if path == "producer":
                 ray.get(self.rollout.decode.remote(plan), timeout=_DEADLINE_S)
@@ -173,7 +183,7 @@ class Bench:
             created = {role: n - before[role] for role, n in self._created().items()}
             if at_ingest:
                 created["engine"] -= self.w.samples * self.w.raw_bytes
-            prepared = self._prepared() - prepared
+            prepared = prepared_at_ingest(self.engine_store) - prepared
         ray.get(self.rollout.drop.remote(), timeout=_DEADLINE_S)
         ray.get([rank.flush.remote() for rank in self.ranks], timeout=_DEADLINE_S)
         figures: dict[str, Any] = {
@@ -220,10 +230,6 @@ class Bench:
             yield
         finally:
             ray.get(self.engine_store.validate_as.remote(None), timeout=_DEADLINE_S)
-
-    def _prepared(self) -> int:
-        """Payloads the engine store has validated at ingest so far."""
-        return int(ray.get(self.engine_store.stats.remote(), timeout=_DEADLINE_S).prepared)
 
     def _created(self) -> dict[str, int]:
         return {self.roles[n]: s.created_bytes for n, s in node_store_stats().items()}

@@ -48,7 +48,7 @@ import ray
 
 from routeplay.bench import verl_path
 from routeplay.bench.host_cpu import busy_core_ms
-from routeplay.bench.measure import cluster, joined, kill_all, on
+from routeplay.bench.measure import cluster, joined, kill_all, on, prepared_at_ingest
 from routeplay.bench.rl_roles import VERSION, RankShare, StepEngine, StepRank, StepRollout
 from routeplay.bench.workloads import RLStepShape
 from routeplay.core import Handle
@@ -227,11 +227,12 @@ class _StepBench:
         self.step += 1
         keys = None
         if path == "adopt":  # the engine has put every sample's routing: not in the step
-            before = self._prepared()
+            before = prepared_at_ingest(self.engine_store)
             keys = ray.get(
                 self.engine.put_step.remote(self.groups, self.samples), timeout=_DEADLINE_S
             )
-            if self._prepared() > before:  # an engine store with a spec: validated at ingest
+            # An engine store with a spec: the step's payloads are validated at ingest.
+            if prepared_at_ingest(self.engine_store) > before:
                 self._validated_at_ingest(keys[-1][-1])
         meter = _PhaseMeter(self.store)
         busy = busy_core_ms()
@@ -323,10 +324,6 @@ class _StepBench:
         with meter.phase("releases"):
             del batch, chunks, reads
         return read
-
-    def _prepared(self) -> int:
-        """Payloads the engine store has started validating at ingest so far."""
-        return int(ray.get(self.engine_store.stats.remote(), timeout=_DEADLINE_S).prepared)
 
     def _validated_at_ingest(self, last_key: str) -> None:
         """Untimed, as the producer path's decoding: wait until the engine store's
