@@ -5,6 +5,7 @@ its baseline: the raw payload, the ingest result and the adopted block all go.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from typing import Any
@@ -333,3 +334,57 @@ def test_a_key_adopted_twice_in_one_call_gives_its_rows_once_and_a_refusal(
     with store.acquire(handle, "train/twice"):
         np.testing.assert_array_equal(store.read(handle), _canonical(raw))
     store.flush()
+
+
+def test_groups_adopted_at_once_share_their_calls_and_each_refusal_is_its_members_alone(
+    engine_store: Any, store: RouteStore
+) -> None:
+    """Three GRPO groups adopted by concurrent coroutines (one ``adopt_key_batches``: a
+    round of groups, one take, one layout call, one hand-over): a member with a bad row
+    and a member whose key was consumed already are refused alone, every other member
+    reads its exact rows, and every byte goes."""
+    baseline = used_bytes()
+    prompt, own = 32, 24
+    groups: list[list[np.ndarray]] = []
+    for g in range(3):
+        shared = make_routing(SPEC, prompt, all_layers=True, seed=40 + g)
+        groups.append(
+            [
+                np.concatenate(
+                    [shared, make_routing(SPEC, own, all_layers=True, seed=50 + 4 * g + m)]
+                )
+                for m in range(3)
+            ]
+        )
+    groups[1][2][prompt + 3, 4] = 0  # a zero-padded row in group 1, member 2's own rows
+    keys = [
+        [EngineKey(key=_put(engine_store, raw), rows=prompt + own, actor=NAME) for raw in group]
+        for group in groups
+    ]
+    taken = _read(store, keys[2][0])  # consumed before the groups are adopted
+    np.testing.assert_array_equal(taken, _canonical(groups[2][0]))
+
+    async def adopt_all() -> list[list[Any]]:
+        return list(
+            await asyncio.gather(
+                *(
+                    store.aadopt_keys_each(group, SPEC, shared_prefix=prompt, pack=True)
+                    for group in keys
+                )
+            )
+        )
+
+    before = dict(store.stats().calls_by_op)
+    out = asyncio.run(adopt_all())
+    calls = dict(store.stats().calls_by_op)
+    assert calls.get("adopt_key_batches", 0) - before.get("adopt_key_batches", 0) == 1
+    assert isinstance(out[1][2], DuplicateExperts)
+    assert isinstance(out[2][0], AlreadyConsumed)
+    good = [(g, m) for g in range(3) for m in range(3) if (g, m) not in ((1, 2), (2, 0))]
+    leases = store.acquire_many([(out[g][m], "train/groups") for g, m in good])
+    for g, m in good:
+        np.testing.assert_array_equal(np.array(store.read(out[g][m])), _canonical(groups[g][m]))
+    store.release_many(leases)
+    store.flush()
+    assert store.stats().live_payloads == 0
+    assert _settled(baseline)

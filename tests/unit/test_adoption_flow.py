@@ -28,7 +28,12 @@ from routeplay.store.remote.backend import Settled, settled_answers
 from routeplay.store.shard.adoption import (
     GroupAnswer,
     IngestVerdict,
+    KeyBatch,
+    LaidOut,
     adopt_keys,
+    adopt_round,
+    in_batch_order,
+    key_rounds,
     refuse_after_ingest,
 )
 from routeplay.store.shard.shard import StoredPayload
@@ -56,6 +61,8 @@ class Steps:
     """Raw payload -> the status its validation comes to (default: valid)."""
     dead: set[str] = field(default_factory=set)
     """Engine stores whose cached handle is of an actor that died (restarted since)."""
+    failed_groups: dict[tuple[Any, ...], Exception] = field(default_factory=dict)
+    """A group's payloads -> the error its validator fails that whole group with."""
     sent: list[tuple[Any, ...]] = field(default_factory=list)
     adopted: list[tuple[list[Any], int]] = field(default_factory=list)
 
@@ -82,9 +89,21 @@ class Steps:
         self.sent.append(("rows_of", canonical, start, stop))
         return f"{canonical}[{start}:{stop}]"
 
-    def send_group(self, node: str, keys: Any, spec: Any, starts: Any, prefix: int, pack: bool,
-                   raws: Any, validated: Any) -> Any:  # fmt: skip
-        self.sent.append(("group", tuple(raws), prefix, pack, tuple(validated)))
+    def send_groups(self, node: str, spec: Any, requests: Any, raws: Any) -> Any:
+        at, answers = 0, []
+        for request in requests:
+            mine = tuple(raws[at : at + len(request.keys)])
+            at += len(request.keys)
+            self.sent.append(
+                ("group", mine, request.shared_prefix, request.pack, request.validated)
+            )
+            answers.append(self._group_answer(mine))
+        assert at == len(raws)
+        return Settled(value=LaidOut(token="token", groups=tuple(answers)))
+
+    def _group_answer(self, raws: tuple[Any, ...]) -> Any:
+        if raws in self.failed_groups:
+            return self.failed_groups[raws]
         outcomes: list[Any] = []
         samples: list[tuple[Part, ...]] = []
         for raw in raws:
@@ -100,16 +119,12 @@ class Steps:
                     )
                 )
         payloads = [StoredPayload(blocks=1, rows=4, nbytes=16, block_rows=0)] * (len(samples) + 1)
-        answer = GroupAnswer(
-            token="token",
-            outcomes=tuple(outcomes),
-            samples=tuple(samples),
-            payloads=payloads,
-            saved_bytes=48,
+        return GroupAnswer(
+            outcomes=tuple(outcomes), samples=tuple(samples), payloads=payloads, saved_bytes=48
         )
-        return Settled(value=answer)
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
+        self.sent.append(("take_group", token, count))
         return [f"group-block-{i}" for i in range(count)]
 
     def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
@@ -353,3 +368,115 @@ def test_an_engine_store_restarted_since_its_lookup_is_looked_up_again_once() ->
         ("engines", ("shared_store",), "fresh"),
         ("take", "shared_store", (0,)),
     ]
+
+
+# -- many groups at once (``adopt_key_batches``: a rollout worker's concurrent groups) -----
+
+
+def group_of(names: str, *, prefix: int = 4, actor: str = "shared_store") -> KeyBatch:
+    return KeyBatch(keys=tuple(key(n, actor=actor) for n in names), spec=SPEC, shared_prefix=prefix)
+
+
+def run_round(steps: Steps, batches: list[KeyBatch]) -> tuple[list[Any], Resolver]:
+    resolver = Resolver()
+    return drive(adopt_round(batches, steps=steps, timeout_s=8.0), resolver), resolver
+
+
+def test_a_round_of_groups_shares_one_take_one_layout_call_and_one_hand_over() -> None:
+    bad = DuplicateExperts("zero padding", where="row 2")
+    meta = RoutesLost("expired")
+    taken = [["raw-a"], ["raw-b"], meta, ["raw-d"], ["raw-e"], ["raw-f"]]
+    steps = Steps(
+        taken={"shared_store": (taken, [None] * 6)}, verdicts={"raw-e": Settled(error=bad)}
+    )
+    out, resolver = run_round(steps, [group_of("ab"), group_of("cd"), group_of("ef")])
+    assert [s[0] for s in steps.sent] == [
+        "engines",
+        "take",
+        "group",
+        "group",
+        "group",
+        "take_group",
+    ]
+    assert ("take", "shared_store", (0,) * 6, True) in steps.sent
+    assert ("take_group", "token", 7) in steps.sent  # 3 prompts + 4 accepted members' rows
+    assert [w.what for w in resolver.waits] == [
+        "lmdeploy/shared_store: take 6 keys",
+        "validate 3 groups of 5 engine keys",
+    ]
+    first, second, third = out
+    assert second[0] is meta  # each refusal costs its member only
+    assert third[0] is bad
+    prompts = {first[0][0][0], first[1][0][0], second[1][0][0], third[1][0][0]}
+    assert len(prompts) == 3  # a prompt each group, shared by its own members only
+    assert first[0][0][0] == first[1][0][0]
+    assert all(member[1][1:] == (0, ROWS - 4) for member in (*first, second[1], third[1]))
+
+
+def test_a_group_its_validator_fails_costs_that_group_alone() -> None:
+    broken = SpecMismatch("the group's keys disagree on the spec")
+    taken = [["raw-a"], ["raw-b"], ["raw-c"], ["raw-d"]]
+    steps = Steps(
+        taken={"shared_store": (taken, [None] * 4)},
+        failed_groups={("raw-c", "raw-d"): broken},
+    )
+    out, _ = run_round(steps, [group_of("ab"), group_of("cd")])
+    assert out[1] is broken
+    assert all(isinstance(member, tuple) for member in out[0])
+    assert ("take_group", "token", 3) in steps.sent  # only the first group's arrays
+
+
+def test_a_group_whose_members_were_all_refused_asks_the_validator_nothing() -> None:
+    gone = [RoutesLost("expired"), RoutesLost("consumed")]
+    steps = Steps(taken={"shared_store": ([*gone, ["raw-c"], ["raw-d"]], [None] * 4)})
+    out, _ = run_round(steps, [group_of("ab"), group_of("cd")])
+    assert out[0] == gone
+    assert [s[1] for s in steps.sent if s[0] == "group"] == [("raw-c", "raw-d")]
+
+
+def test_an_error_of_the_shared_take_fails_every_group_of_the_round() -> None:
+    steps = Steps(taken={})
+    lost = RoutesLost("the actor serving this call died")
+
+    def take(engine: Any, keys: Any, spec: Any, starts: Any, grouped: bool) -> Any:
+        return Settled(error=lost)
+
+    steps.send_take = take  # type: ignore[method-assign]
+    out, _ = run_round(steps, [group_of("ab"), group_of("cd")])
+    assert out == [lost, lost]
+
+
+def test_a_round_waits_once_for_the_validations_still_running_at_ingest() -> None:
+    running = ingest(Settled())
+    done = Validated(canonical=["ingest-a"], rows=ROWS)
+    taken = [done, ["raw-b"], ["raw-c"], ["raw-d"]]
+    steps = Steps(taken={"shared_store": (taken, [None, running, None, running])})
+    out, resolver = run_round(steps, [group_of("ab"), group_of("cd")])
+    assert [w.what for w in resolver.waits][1:] == [
+        "validations at ingest",
+        "validate 2 groups of 4 engine keys",
+    ]
+    assert len(resolver.waits[1].pending) == 2
+    assert resolver.waits[2].timeout_s == 4.0  # the other half of the deadline
+    flagged = [s[4] for s in steps.sent if s[0] == "group"]
+    assert flagged == [(True, True), (False, True)]
+    assert all(isinstance(m, tuple) for group in out for m in group)
+
+
+def test_key_rounds_puts_groups_of_one_store_and_spec_together_and_the_rest_alone() -> None:
+    other_spec = RouteSpec(num_layers=3, top_k=2, num_experts=8)
+    batches = [
+        group_of("ab"),
+        KeyBatch(keys=(key("c"),), spec=SPEC),  # single keys: alone
+        group_of("de", actor="other_store"),
+        group_of("fg"),
+        KeyBatch(keys=(key("h"), key("i", actor="other_store")), spec=SPEC, pack=True),
+        KeyBatch(keys=(key("j"), key("k")), spec=other_spec, shared_prefix=4),
+        group_of("lm"),
+    ]
+    rounds = key_rounds(batches, size=2)
+    assert sorted(i for r in rounds for i in r) == list(range(len(batches)))
+    alone = [[1], [2], [4], [5], [6]]  # single keys, another store, two stores, a spec
+    assert sorted(r for r in rounds if len(r) == 1) == alone
+    assert [0, 3] in rounds  # a round fills at two; the last group waits for no other
+    assert in_batch_order(3, [[2], [0, 1]], [["c"], ["a", "b"]]) == ["a", "b", "c"]

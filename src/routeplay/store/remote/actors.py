@@ -30,12 +30,22 @@ from routeplay.core.spec import RouteSpec
 from routeplay.errors import LifetimeError, RouteplayError, RoutesLost, StoreTimeout
 from routeplay.store.engine.engine_store import EngineStore, EngineStoreStats, PayloadMeta
 from routeplay.store.engine.ingest import Prepared, decide, fits, settle
-from routeplay.store.engine.key_check import canonical_group, canonical_rows, take_checked_many
+from routeplay.store.engine.key_check import canonical_rows, take_checked_many
 from routeplay.store.flow import Flow, drive
 from routeplay.store.remote import ray_calls
 from routeplay.store.remote.outbox import PayloadOutbox
 from routeplay.store.remote.protocol import ask_engine_stores
-from routeplay.store.shard.adoption import GroupAnswer, KeyBatch, Where, adopt_keys
+from routeplay.store.shard.adoption import (
+    GroupRequest,
+    KeyBatch,
+    LaidOut,
+    Where,
+    adopt_keys,
+    adopt_round,
+    in_batch_order,
+    key_rounds,
+    lay_out_groups,
+)
 from routeplay.store.shard.api import ShardApi
 from routeplay.store.shard.lease_table import LeakRecord, TableStats
 from routeplay.store.shard.shard import Grant, StoredPayload, StoreShard
@@ -62,16 +72,8 @@ def call_producer(producer: Any, token: str, blocks: int) -> tuple[list[Any], An
 
 
 KEY_BATCH_THREADS: Final = 4
-"""Batches of one ``adopt_key_batches`` call adopted at once (each waits on its engine
+"""Rounds of one ``adopt_key_batches`` call adopted at once (each waits on its engine
 stores and validators; a node's validator checks one payload at a time anyway)."""
-
-
-def _batch_outcome(adopt: Callable[[KeyBatch], list[Any]], batch: KeyBatch) -> Any:
-    """A batch's answers, or the typed error that failed it (the others go on)."""
-    try:
-        return adopt(batch)
-    except RouteplayError as exc:
-        return exc
 
 
 def take_and_wait(producer: Any, token: str, blocks: int, timeout_s: float) -> list[Any]:
@@ -189,21 +191,29 @@ class StoreShardShell(_Reaped):
 
     def adopt_key_batches(self, batches: list[KeyBatch]) -> list[list[Any] | RouteplayError]:
         """``adopt_keys`` for many callers in one call (the groups an asyncio rollout
-        worker's coroutines adopt at once): each batch adopted as its own call would be,
-        up to ``KEY_BATCH_THREADS`` at a time; per batch its answers, or the typed error
-        that failed that batch alone."""
-        if len(batches) == 1:
-            return [_batch_outcome(self._adopted, batches[0])]
-        workers = min(len(batches), KEY_BATCH_THREADS)
+        worker's coroutines adopt at once): groups of one engine store adopted together,
+        ``GROUP_ROUND`` a round (one take, one layout call, one hand-over each), any other
+        batch on its own, up to ``KEY_BATCH_THREADS`` rounds at a time; per batch its
+        answers, or the typed error that failed it (``adoption.adopt_round``)."""
+        rounds = key_rounds(batches)
+
+        def adopt(round_: list[int]) -> list[Any]:
+            flow = adopt_round(
+                [batches[i] for i in round_], steps=_RayAdoption(self), timeout_s=self._timeout_s
+            )
+            return drive(flow, ray_calls.RAY)
+
+        if len(rounds) == 1:
+            return in_batch_order(len(batches), rounds, [adopt(rounds[0])])
+        workers = min(len(rounds), KEY_BATCH_THREADS)
         with ThreadPoolExecutor(workers, thread_name_prefix="routeplay-adopt") as pool:
-            return list(pool.map(lambda batch: _batch_outcome(self._adopted, batch), batches))
+            return in_batch_order(len(batches), rounds, pool.map(adopt, rounds))
 
     def _adopted(self, batch: KeyBatch) -> list[Any]:
-        starts = list(batch.starts) if batch.starts is not None else [0] * len(batch.keys)
         flow = adopt_keys(
             list(batch.keys),
             batch.spec,
-            starts,
+            batch.start_rows(),
             shared_prefix=batch.shared_prefix,
             pack=batch.pack,
             steps=_RayAdoption(self),
@@ -361,21 +371,10 @@ class _RayAdoption:
     def send_rows_of(self, node: str, canonical: Any, start: int, stop: int) -> Any:
         return self._shell._validator(node).rows_of.remote(canonical, start, stop)
 
-    def send_group(
-        self,
-        node: str,
-        keys: list[EngineKey],
-        spec: RouteSpec,
-        starts: list[int],
-        shared_prefix: int,
-        pack: bool,
-        payloads: list[Any],
-        validated: list[bool],
+    def send_groups(
+        self, node: str, spec: RouteSpec, requests: list[GroupRequest], payloads: list[Any]
     ) -> Any:
-        validator = self._shell._validator(node)
-        return validator.canonical_group.remote(
-            keys, spec, starts, shared_prefix, pack, validated, *payloads
-        )
+        return self._shell._validator(node).canonical_groups.remote(spec, requests, *payloads)
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
         refs = self._shell._validator(node).take.options(num_returns=count).remote(token)
@@ -592,32 +591,24 @@ class KeyValidatorShell:
         self._outbox = PayloadOutbox()
         self._threads = len(os.sched_getaffinity(0))  # the cores this worker may use
 
-    def canonical_group(
-        self,
-        keys: list[EngineKey],
-        spec: RouteSpec,
-        starts: list[int],
-        shared_prefix: int,
-        pack: bool,
-        validated: list[bool],
-        *payloads: Any,
-    ) -> GroupAnswer:
-        """Validate a group's payloads (rows from each start; a block validated at
-        ingest, where ``validated`` says so, taken as it is) and lay the accepted ones
-        out (``key_check.canonical_group``); the arrays wait here until the shard takes
-        them, so the shard owns the blocks. Returns the staging token, each key's
-        outcome (its sample index, or its error), the samples' parts, the payloads and
-        the bytes the shared prefix saved."""
-        group = canonical_group(
-            payloads, keys, spec, starts, shared_prefix=shared_prefix, pack=pack,
-            validated=validated,
-        )  # fmt: skip
+    def canonical_groups(
+        self, spec: RouteSpec, requests: list[GroupRequest], *payloads: Any
+    ) -> LaidOut:
+        """Validate groups' payloads (rows from each start; a block validated at ingest,
+        where its request says so, taken as it is) and lay each group's accepted members
+        out (``adoption.lay_out_groups``); the arrays wait here, under one token, until
+        the shard takes them, so the shard owns the blocks. Returns the token and, per
+        group, its members' outcomes (sample index or error), the samples' parts, the
+        payloads and the bytes the shared prefix saved, or the error that failed it."""
+        arrays, answers = lay_out_groups(requests, spec, payloads)
         del payloads
-        arrays = tuple(group.layout.arrays)
-        return GroupAnswer.of(group, self._outbox.stage_many(arrays) if arrays else "")
+        return LaidOut(
+            token=self._outbox.stage_many(tuple(arrays)) if arrays else "",
+            groups=tuple(answers),
+        )
 
     def take(self, token: str) -> Any:
-        """The staged arrays of ``canonical_group`` (called by the shard that owns them)."""
+        """The staged arrays of ``canonical_groups`` (called by the shard that owns them)."""
         return self._outbox.take(token)
 
     @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2)

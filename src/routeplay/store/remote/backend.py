@@ -27,12 +27,22 @@ from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import RouteplayError, RoutesLost, RunMismatch
 from routeplay.store.engine.engine_store import EngineStore
-from routeplay.store.engine.key_check import canonical_group, canonical_rows, take_checked_many
+from routeplay.store.engine.key_check import canonical_rows, take_checked_many
 from routeplay.store.flow import Flow, Wait, drive
 from routeplay.store.remote import ray_calls
 from routeplay.store.remote.actors import StoreShardActor
 from routeplay.store.remote.protocol import SHARDS_HINT, ask_engine_stores, ask_peers
-from routeplay.store.shard.adoption import GroupAnswer, KeyBatch, Where, adopt_keys
+from routeplay.store.shard.adoption import (
+    GroupRequest,
+    KeyBatch,
+    LaidOut,
+    Where,
+    adopt_keys,
+    adopt_round,
+    in_batch_order,
+    key_rounds,
+    lay_out_groups,
+)
 from routeplay.store.shard.api import ShardCall
 from routeplay.store.shard.shard import StoredPayload, StoreShard
 
@@ -475,27 +485,21 @@ class LocalBackend:
         batch answers its keys' answers (``adopt_keys``), several answer per batch its
         answers or the typed error that failed it (``adopt_key_batches``)."""
         with self._lock, self._shards[shard].meter.served(op):
+            steps = _LocalAdoption(self, self._shards[shard])
             if op == "adopt_keys":
-                return drive(self._adoption(shard, batches[0]), self)
-            out: list[list[Any] | RouteplayError] = []
-            for batch in batches:
-                try:
-                    out.append(drive(self._adoption(shard, batch), self))
-                except RouteplayError as exc:
-                    out.append(exc)
-            return out
-
-    def _adoption(self, shard: int, batch: KeyBatch) -> Flow[list[Any]]:
-        starts = list(batch.starts) if batch.starts is not None else [0] * len(batch.keys)
-        return adopt_keys(
-            list(batch.keys),
-            batch.spec,
-            starts,
-            shared_prefix=batch.shared_prefix,
-            pack=batch.pack,
-            steps=_LocalAdoption(self, self._shards[shard]),
-            timeout_s=60.0,
-        )
+                batch = batches[0]
+                flow = adopt_keys(
+                    list(batch.keys), batch.spec, batch.start_rows(),
+                    shared_prefix=batch.shared_prefix, pack=batch.pack, steps=steps,
+                    timeout_s=60.0,
+                )  # fmt: skip
+                return drive(flow, self)
+            rounds = key_rounds(batches)
+            answered = [
+                drive(adopt_round([batches[i] for i in r], steps=steps, timeout_s=60.0), self)
+                for r in rounds
+            ]
+            return in_batch_order(len(batches), rounds, answered)
 
     def shutdown(self) -> None:
         self._shards.clear()
@@ -531,25 +535,13 @@ class _LocalAdoption:
     def send_rows_of(self, node: str, canonical: Any, start: int, stop: int) -> Any:
         return _LocalBlock(canonical.array[start:stop])
 
-    def send_group(
-        self,
-        node: str,
-        keys: list[EngineKey],
-        spec: RouteSpec,
-        starts: list[int],
-        shared_prefix: int,
-        pack: bool,
-        payloads: list[Any],
-        validated: list[bool],
+    def send_groups(
+        self, node: str, spec: RouteSpec, requests: list[GroupRequest], payloads: list[Any]
     ) -> Any:
         # In process nothing is validated at ingest (``send_take`` offers no block):
         # every payload is a raw one, validated here.
-        arrays = [raw.value() for raw in payloads]
-        group = canonical_group(
-            arrays, keys, spec, starts, shared_prefix=shared_prefix, pack=pack,
-            validated=validated,
-        )  # fmt: skip
-        return Settled(value=GroupAnswer.of(group, group.layout.arrays))
+        arrays, answers = lay_out_groups(requests, spec, [raw.value() for raw in payloads])
+        return Settled(value=LaidOut(token=arrays, groups=tuple(answers)))
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
         return [_LocalBlock(np.asarray(array)) for array in token]  # packed: joined now

@@ -25,31 +25,47 @@ capture is refused here, on the rollout side, where its sample can be set aside:
 4. Groups (``shared_prefix`` or ``pack``): step 2 first, then the members are laid out
    together near the engine, each validated there unless its block validated at ingest
    stands for it (then taken as it is); a refused member is set aside with its error.
+   Many groups of one engine store (a rollout worker's coroutines adopting at once:
+   ``adopt_key_batches``) go in rounds of ``GROUP_ROUND`` (``key_rounds``,
+   ``adopt_round``): one take, one wait, one layout call and one hand-over a round.
 
 A refused key is consumed: its raw payload goes with the last reference the flow drops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import RouteplayError, RoutesDataError, RoutesLost, StoreTimeout
+from routeplay.errors import (
+    MisuseError,
+    RouteplayError,
+    RoutesDataError,
+    RoutesLost,
+    StoreTimeout,
+)
 from routeplay.store.engine.ingest import Prepared, Validated
-from routeplay.store.engine.key_check import GroupLayout, key_where
+from routeplay.store.engine.key_check import GroupLayout, canonical_group, key_where
 from routeplay.store.flow import Flow, Wait, awaiting
 from routeplay.store.shard.shard import StoredPayload
 
 __all__ = [
+    "GROUP_ROUND",
     "AdoptionSteps",
     "GroupAnswer",
+    "GroupRequest",
     "IngestVerdict",
     "KeyBatch",
+    "LaidOut",
     "adopt_keys",
+    "adopt_round",
+    "in_batch_order",
+    "key_rounds",
+    "lay_out_groups",
     "refuse_after_ingest",
 ]
 
@@ -73,13 +89,37 @@ class KeyBatch:
     pack: bool = False
     """The keys laid out as one payload (a group)."""
 
+    @property
+    def grouped(self) -> bool:
+        """The keys are a group's (laid out together near the engine)."""
+        return self.shared_prefix > 0 or self.pack
+
+    def start_rows(self) -> list[int]:
+        """Per key, the first row stored (0 where ``starts`` is None)."""
+        return list(self.starts) if self.starts is not None else [0] * len(self.keys)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupRequest:
+    """One group's layout, as the adopter asks it of the engine node's validator
+    (``AdoptionSteps.send_groups``); its payloads travel beside it, in member order."""
+
+    keys: tuple[EngineKey, ...]
+    """The members' keys (those its take accepted)."""
+    starts: tuple[int, ...]
+    """Per member, the first row stored."""
+    shared_prefix: int
+    """Rows the members share (the group's prompt)."""
+    pack: bool
+    """The members laid out as one payload."""
+    validated: tuple[bool, ...]
+    """Per member: its payload is its block validated at ingest (taken as it is)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GroupAnswer:
     """A group's validation and layout, as its validator answers it."""
 
-    token: Any
-    """Where the laid-out arrays wait for the shard (``take_group``)."""
     outcomes: tuple[Any, ...]
     """Per accepted-by-metadata key: its sample index into ``samples``, or its refusal."""
     samples: tuple[tuple[Any, ...], ...]
@@ -90,11 +130,11 @@ class GroupAnswer:
     """Bytes the shared prefix saved."""
 
     @classmethod
-    def of(cls, group: GroupLayout, token: Any) -> GroupAnswer:
-        """The answer for a validated group's layout, its arrays staged under ``token``.
+    def of(cls, group: GroupLayout) -> GroupAnswer:
+        """The answer for a validated group's layout.
 
         Example:
-            >>> GroupAnswer.of(canonical_group(raw, keys, spec, starts), token)  # doctest: +SKIP
+            >>> GroupAnswer.of(canonical_group(raw, keys, spec, starts))  # doctest: +SKIP
         """
         layout = group.layout
         stored = [
@@ -102,12 +142,57 @@ class GroupAnswer:
             for a in layout.arrays
         ]
         return cls(
-            token=token,
             outcomes=group.outcomes,
             samples=layout.samples,
             payloads=stored,
             saved_bytes=layout.saved_bytes,
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaidOut:
+    """Many groups' layouts, as one validator call answers them: every accepted
+    group's arrays wait under one staging token, in group order."""
+
+    token: Any
+    """Where the arrays wait for the shard (``take_group``)."""
+    groups: tuple[GroupAnswer | RouteplayError, ...]
+    """Per group asked, its answer, or the typed error that failed that group alone."""
+
+
+def lay_out_groups(
+    requests: Sequence[GroupRequest], spec: RouteSpec, payloads: Sequence[object]
+) -> tuple[list[Any], list[GroupAnswer | RouteplayError]]:
+    """The validator's side of ``send_groups``: each group validated and laid out on its
+    own (``key_check.canonical_group``), its members' payloads taken from ``payloads`` in
+    order; every accepted group's arrays, in order, and each group's answer.
+
+    Example:
+        >>> arrays, answers = lay_out_groups(requests, spec, payloads)  # doctest: +SKIP
+    """
+    arrays: list[Any] = []
+    answers: list[GroupAnswer | RouteplayError] = []
+    at = 0
+    for request in requests:
+        mine = payloads[at : at + len(request.keys)]
+        at += len(request.keys)
+        try:
+            group = canonical_group(
+                mine, request.keys, spec, request.starts, shared_prefix=request.shared_prefix,
+                pack=request.pack, validated=request.validated,
+            )  # fmt: skip
+        except RouteplayError as exc:
+            answers.append(exc.with_traceback(None))  # its frames would hold the payloads
+            continue
+        arrays.extend(group.layout.arrays)
+        answers.append(GroupAnswer.of(group))
+    if at != len(payloads):
+        raise MisuseError(
+            "a groups' layout got a different number of payloads than its members",
+            expected=at,
+            found=len(payloads),
+        )
+    return arrays, answers
 
 
 class AdoptionSteps(Protocol):
@@ -141,24 +226,17 @@ class AdoptionSteps(Protocol):
         """Rows ``[start, stop)`` of a validated block, as a block of their own."""
         ...
 
-    def send_group(
-        self,
-        node: str,
-        keys: list[EngineKey],
-        spec: RouteSpec,
-        starts: list[int],
-        shared_prefix: int,
-        pack: bool,
-        payloads: list[Any],
-        validated: list[bool],
+    def send_groups(
+        self, node: str, spec: RouteSpec, requests: list[GroupRequest], payloads: list[Any]
     ) -> Any:
-        """Validate and lay out a group near the engine: answers a ``GroupAnswer``.
-        ``payloads``: per member its raw reference, or its block validated at ingest
-        where ``validated`` says so (taken as it is, not validated again)."""
+        """Validate and lay out groups near the engine, in one call: answers a
+        ``LaidOut``. ``payloads``: every group's members in order, each its raw
+        reference, or its block validated at ingest where its request says so (taken as
+        it is, not validated again)."""
         ...
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
-        """The laid-out arrays of a group, as block references the shard owns."""
+        """The laid-out arrays staged under ``token``, as block references the shard owns."""
         ...
 
     def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
@@ -360,45 +438,212 @@ def _adopt_validated(call: _Call, ready: Validated, key: EngineKey, start: int, 
 
 
 def _group(call: _Call, batch: _Taken, shared_prefix: int, pack: bool) -> Flow[list[Any]]:
-    """A group's keys (a GRPO group's samples), laid out together near the engine and
-    waited for (the layout depends on every member's rows): a member validated at ingest
-    by its block, any other validated there from its raw payload. Each member's rows as
-    ``(StoreRef, start, stop)`` ranges, or the refusal of that member only. After a
-    wait for validations at ingest, the layout gets the other half of the deadline (the
-    adopter's caller waits for two)."""
+    """One group's keys of one engine store (``adopt_keys``): ``_lay_out`` for one group;
+    a group its validator failed as a whole raises that error."""
+    [answers] = yield from _lay_out(call, batch, [_Shape(len(batch.keys), shared_prefix, pack)])
+    if isinstance(answers, RouteplayError):
+        raise answers
+    return answers
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """One group of a take: its member count (consecutive keys) and its layout."""
+
+    members: int
+    shared_prefix: int
+    pack: bool
+
+
+def _lay_out(
+    call: _Call, batch: _Taken, shapes: Sequence[_Shape]
+) -> Flow[list[list[Any] | RouteplayError]]:
+    """Groups of one take (consecutive keys, ``shapes`` in order), laid out near the
+    engine in one call and handed over in one: a member validated at ingest by its block,
+    any other validated there from its raw payload. Per group, each member's rows as
+    ``(StoreRef, start, stop)`` ranges or the refusal of that member only, or the typed
+    error that failed the group alone. After a wait for validations at ingest, the
+    layout gets the other half of the deadline (the adopter's caller waits for two)."""
     waited = yield from _decide_ingest(call, batch)
     out = batch.taken
-    good = [i for i, one in enumerate(out) if not isinstance(one, BaseException)]
-    if not good:
-        return out
-    validated = [isinstance(out[i], Validated) for i in good]
-    sent = call.steps.send_group(
-        batch.node,
-        [batch.keys[i] for i in good],
-        call.spec,
-        [batch.starts[i] for i in good],
-        shared_prefix,
-        pack,
-        [
-            out[i].canonical[0] if done else out[i][0]
-            for i, done in zip(good, validated, strict=True)
-        ],
-        validated,
+    spans: list[range] = []
+    goods: list[list[int]] = []
+    requests: list[GroupRequest] = []
+    payloads: list[Any] = []
+    at = 0
+    for shape in shapes:
+        span = range(at, at + shape.members)
+        at += shape.members
+        good = [i for i in span if not isinstance(out[i], BaseException)]
+        spans.append(span)
+        goods.append(good)
+        if good:
+            requests.append(_request(batch, good, shape))
+            payloads.extend(_payload(out[i]) for i in good)
+    answers: list[GroupAnswer | RouteplayError] = []
+    stored: list[list[StoreRef]] = []
+    if requests:
+        sent = call.steps.send_groups(batch.node, call.spec, requests, payloads)
+        payloads.clear()
+        for good in goods:
+            for i in good:
+                out[i] = None  # the raw payloads go once the validator is done with them
+        what = _layout_what(requests)
+        budget = call.timeout_s / 2 if waited else call.timeout_s
+        [laid] = yield from awaiting([sent], what, timeout_s=budget)
+        answers = list(laid.groups)
+        stored = _hand_over(call, batch.node, laid.token, answers)
+    results: list[list[Any] | RouteplayError] = []
+    asked = iter(zip(answers, stored, strict=True)) if requests else iter(())
+    for span, good in zip(spans, goods, strict=True):
+        if good:
+            answer, refs = next(asked)
+            if isinstance(answer, RouteplayError):
+                results.append(answer)
+                continue
+            for i, outcome in zip(good, answer.outcomes, strict=True):
+                out[i] = _member_rows(outcome, answer, refs)
+        results.append([out[i] for i in span])
+    return results
+
+
+def _request(batch: _Taken, good: list[int], shape: _Shape) -> GroupRequest:
+    return GroupRequest(
+        keys=tuple(batch.keys[i] for i in good),
+        starts=tuple(batch.starts[i] for i in good),
+        shared_prefix=shape.shared_prefix,
+        pack=shape.pack,
+        validated=tuple(isinstance(batch.taken[i], Validated) for i in good),
     )
-    for i in good:
-        out[i] = None  # the raw payloads go once the validator is done with them
-    what = f"validate a group of {len(good)} engine keys"
-    budget = call.timeout_s / 2 if waited else call.timeout_s
-    [group] = yield from awaiting([sent], what, timeout_s=budget)
-    count = sum(p.blocks for p in group.payloads)
+
+
+def _payload(taken: Any) -> Any:
+    """What a member's layout reads: its block validated at ingest, or its raw payload."""
+    return taken.canonical[0] if isinstance(taken, Validated) else taken[0]
+
+
+def _layout_what(requests: Sequence[GroupRequest]) -> str:
+    members = sum(len(request.keys) for request in requests)
+    if len(requests) == 1:
+        return f"validate a group of {members} engine keys"
+    return f"validate {len(requests)} groups of {members} engine keys"
+
+
+def _hand_over(
+    call: _Call, node: str, token: Any, answers: Sequence[GroupAnswer | RouteplayError]
+) -> list[list[StoreRef]]:
+    """Every accepted group's arrays taken by the shard in one call and stored in one
+    step; per answer, its stored payloads (none for a failed group)."""
+    accepted = [a for a in answers if isinstance(a, GroupAnswer)]
+    payloads = [p for answer in accepted for p in answer.payloads]
+    count = sum(p.blocks for p in payloads)
     stored: list[StoreRef] = []
     if count:
-        blocks = call.steps.take_group(batch.node, group.token, count)
-        stored = call.steps.adopt_many(blocks, group.payloads, group.saved_bytes)
-    for i, outcome in zip(good, group.outcomes, strict=True):
-        out[i] = (
-            outcome
-            if isinstance(outcome, BaseException)
-            else tuple((stored[p.array], p.start, p.stop) for p in group.samples[outcome])
-        )
+        blocks = call.steps.take_group(node, token, count)
+        saved = sum(answer.saved_bytes for answer in accepted)
+        stored = call.steps.adopt_many(blocks, payloads, saved)
+    out: list[list[StoreRef]] = []
+    at = 0
+    for answer in answers:
+        mine = len(answer.payloads) if isinstance(answer, GroupAnswer) else 0
+        out.append(stored[at : at + mine])
+        at += mine
+    return out
+
+
+def _member_rows(outcome: Any, answer: GroupAnswer, stored: Sequence[StoreRef]) -> Any:
+    """A member's rows as ``(StoreRef, start, stop)`` ranges, or its refusal."""
+    if isinstance(outcome, BaseException):
+        return outcome
+    return tuple((stored[p.array], p.start, p.stop) for p in answer.samples[outcome])
+
+
+# -- many groups at once -------------------------------------------------------------------
+
+GROUP_ROUND: Final = 16
+"""Groups adopted together at most (one take, one layout call, one hand-over): enough to
+share the calls, few enough that a round's payloads pinned in the engine node's object
+store stay small and the next round's layout overlaps this one's hand-over."""
+
+
+def key_rounds(batches: Sequence[KeyBatch], size: int = GROUP_ROUND) -> list[list[int]]:
+    """A batched adoption's batches in rounds (positions into ``batches``, each once):
+    groups of one engine store and one spec, ``size`` at most to a round, adopted
+    together (``adopt_round``); any other batch (single keys, a group over several
+    engine stores) a round of its own.
+
+    Example:
+        >>> key_rounds([group_a, group_b, single_keys])  # doctest: +SKIP
+        [[2], [0, 1]]
+    """
+    rounds: list[list[int]] = []
+    filling: dict[tuple[Where, RouteSpec], list[int]] = {}
+    for index, batch in enumerate(batches):
+        wheres = {(key.actor, key.namespace) for key in batch.keys}
+        if not batch.grouped or len(wheres) != 1:
+            rounds.append([index])
+            continue
+        current = filling.setdefault((wheres.pop(), batch.spec), [])
+        current.append(index)
+        if len(current) == size:
+            rounds.append(current.copy())
+            current.clear()
+    rounds.extend(current for current in filling.values() if current)
+    return rounds
+
+
+def adopt_round(
+    batches: Sequence[KeyBatch], *, steps: AdoptionSteps, timeout_s: float
+) -> Flow[list[list[Any] | RouteplayError]]:
+    """One round of ``key_rounds``: per batch the answers ``adopt_keys`` gives it, or the
+    typed error that failed it. A round of several groups of one engine store shares one
+    take, one wait for validations at ingest, one layout call near the engine and one
+    hand-over, where each group on its own costs three calls to other actors; an error
+    of a call they share (the engine store or the validator lost, a deadline) fails every
+    group of the round, as it would have failed each alone.
+
+    Example:
+        answers = drive(adopt_round([batches[i] for i in round_], steps=steps,
+                                    timeout_s=60.0), ray_calls.RAY)
+    """
+    try:
+        if len(batches) == 1:
+            [batch] = batches
+            answers = yield from adopt_keys(
+                list(batch.keys), batch.spec, batch.start_rows(), shared_prefix=batch.shared_prefix,
+                pack=batch.pack, steps=steps, timeout_s=timeout_s,
+            )  # fmt: skip
+            return [answers]
+        return (yield from _adopt_groups(batches, steps, timeout_s))
+    except RouteplayError as exc:
+        return [exc] * len(batches)
+
+
+def _adopt_groups(
+    batches: Sequence[KeyBatch], steps: AdoptionSteps, timeout_s: float
+) -> Flow[list[list[Any] | RouteplayError]]:
+    first = batches[0].keys[0]
+    where = (first.actor, first.namespace)
+    call = _Call(spec=batches[0].spec, steps=steps, timeout_s=timeout_s)
+    keys = [key for batch in batches for key in batch.keys]
+    starts = [start for batch in batches for start in batch.start_rows()]
+    engines = yield from steps.engines([where])
+    taken = yield from _take(call, engines, where, keys, starts, True)
+    shapes = [_Shape(len(b.keys), b.shared_prefix, b.pack) for b in batches]
+    return (yield from _lay_out(call, taken, shapes))
+
+
+def in_batch_order(
+    count: int, rounds: Sequence[Sequence[int]], answered: Iterable[Sequence[Any]]
+) -> list[Any]:
+    """Each round's answers put back at their batches' positions.
+
+    Example:
+        >>> in_batch_order(3, [[2], [0, 1]], [["c"], ["a", "b"]])
+        ['a', 'b', 'c']
+    """
+    out: list[Any] = [None] * count
+    for round_, answers in zip(rounds, answered, strict=True):
+        for index, answer in zip(round_, answers, strict=True):
+            out[index] = answer
     return out
