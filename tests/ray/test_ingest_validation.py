@@ -241,7 +241,7 @@ def test_a_killed_engine_store_leaves_exact_rows_or_a_lifetime_error_and_no_byte
     assert _settled(baseline + 1024)
 
 
-SETTLE: dict[str, Any] = {"outcome": ray_calls.outcome_now}  # what the engine store passes
+SETTLE: dict[str, Any] = {"outcomes": ray_calls.outcomes_now}  # what the engine store passes
 
 
 @ray.remote(num_returns=2)
@@ -268,13 +268,32 @@ def test_the_engine_store_settles_ended_validations_without_waiting(refuse: bool
     assert none is None
 
 
+@ray.remote
+def _ends(refuse: bool) -> None:
+    if refuse:
+        raise DuplicateExperts("duplicate expert ids", where="engine key k, row 7, layer 2")
+
+
+def test_statuses_looked_up_at_once_tell_returned_refused_and_running_apart() -> None:
+    """``outcomes_now``: one wait and one get for every status of a take, and where the
+    joint get meets a refusal, each ended one asked alone (the refusal is one of them)."""
+    valid, refused = _ends.remote(False), _ends.remote(True)
+    running, _ = _slow_ingest.remote(False, ROWS)
+    assert ray_calls.succeeded(valid, 20)
+    assert wait_until(lambda: ray_calls.outcome_now(refused) is False)
+    got = ray_calls.outcomes_now([valid, refused, running, valid])
+    assert got == [True, False, None, True]
+    assert ray_calls.outcomes_now([valid, valid]) == [True, True]
+    assert ray_calls.outcomes_now([]) == []
+
+
 def test_settling_is_best_effort_the_keys_are_consumed_already() -> None:
     ready = Prepared(spec=SPEC, rows=ROWS, status=ray.put(None), canonical=[ray.put(0)])
 
-    def broken(status: Any) -> bool | None:
+    def broken(statuses: list[Any]) -> list[bool | None]:
         raise ray.exceptions.RaySystemError("the raylet is gone")
 
-    assert settle([ready], outcome=broken) == [ready]
+    assert settle([ready], outcomes=broken) == [ready]
 
 
 def test_the_engine_store_hands_a_validated_key_over_as_its_block_alone(

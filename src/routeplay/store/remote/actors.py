@@ -463,7 +463,7 @@ class EngineStoreShell(_Reaped):
             return take_checked_many(self._store, keys, spec, run), offered
 
         taken, offered = self._locked(take)
-        offered = settle(offered, outcome=ray_calls.outcome_now)
+        offered = settle(offered, outcomes=ray_calls.outcomes_now)
         decided, waits = decide(taken, offered, keys, starts, spec)
         return decided, self._node_id, waits
 
