@@ -287,8 +287,8 @@ class WorkerShell(RoutesProducer):
                 continue
             try:
                 first = _store_turn(self._traces, first, state.session_id)
-            except Exception as exc:
-                out[index] = exc
+            except Exception as exc:  # without its frames: they hold ``out`` (a cycle)
+                out[index] = exc.with_traceback(None)
                 continue
             seconds[index] = RolloutState(
                 sample_id=state.sample_id,

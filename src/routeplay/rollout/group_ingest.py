@@ -170,8 +170,8 @@ def _group_step(
                 group.out[index] = group.kept(index)
             else:
                 keyed.append((index, routing.key))
-        except RouteplayError as exc:
-            group.out[index] = exc
+        except RouteplayError as exc:  # without its frames: they hold the group's rows
+            group.out[index] = exc.with_traceback(None)  # in a cycle through ``group.out``
     if carried:
         yield from group.put_carried(carried)
     if keyed:

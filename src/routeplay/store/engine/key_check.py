@@ -98,7 +98,10 @@ def take_checked_many(
         try:
             out.append(store.take_checked(key.key, check, run))
         except RouteplayError as exc:
-            out.append(exc)
+            # Without its traceback: its frames hold every key's offered validation and
+            # raw reference of the take in a cycle (the error is in ``out``) that only the
+            # garbage collector breaks, which an idle engine store may not run for minutes.
+            out.append(exc.with_traceback(None))
     return out
 
 
