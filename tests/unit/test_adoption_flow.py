@@ -26,16 +26,15 @@ from routeplay.store.engine.ingest import Prepared, Validated
 from routeplay.store.flow import Wait, drive
 from routeplay.store.remote.backend import Settled, settled_answers
 from routeplay.store.shard.adoption import (
-    GroupAnswer,
     IngestVerdict,
     KeyBatch,
-    LaidOut,
     adopt_keys,
     adopt_round,
     in_batch_order,
     key_rounds,
     refuse_after_ingest,
 )
+from routeplay.store.shard.group_answers import GroupAnswer, LaidOut
 from routeplay.store.shard.shard import StoredPayload
 from routeplay.store.write_plan import Part
 
@@ -444,6 +443,7 @@ def test_an_error_of_the_shared_take_fails_every_group_of_the_round() -> None:
     steps.send_take = take  # type: ignore[method-assign]
     out, _ = run_round(steps, [group_of("ab"), group_of("cd")])
     assert out == [lost, lost]
+    assert lost.__traceback__ is None  # its frames hold the round's references
 
 
 def test_a_round_waits_once_for_the_validations_still_running_at_ingest() -> None:

@@ -36,17 +36,15 @@ from routeplay.store.remote import ray_calls
 from routeplay.store.remote.outbox import PayloadOutbox
 from routeplay.store.remote.protocol import ask_engine_stores
 from routeplay.store.shard.adoption import (
-    GroupRequest,
     KeyBatch,
-    LaidOut,
     Where,
     adopt_keys,
     adopt_round,
     in_batch_order,
     key_rounds,
-    lay_out_groups,
 )
 from routeplay.store.shard.api import ShardApi
+from routeplay.store.shard.group_answers import GroupRequest, LaidOut, lay_out_groups
 from routeplay.store.shard.lease_table import LeakRecord, TableStats
 from routeplay.store.shard.shard import Grant, StoredPayload, StoreShard
 

@@ -33,17 +33,15 @@ from routeplay.store.remote import ray_calls
 from routeplay.store.remote.actors import StoreShardActor
 from routeplay.store.remote.protocol import SHARDS_HINT, ask_engine_stores, ask_peers
 from routeplay.store.shard.adoption import (
-    GroupRequest,
     KeyBatch,
-    LaidOut,
     Where,
     adopt_keys,
     adopt_round,
     in_batch_order,
     key_rounds,
-    lay_out_groups,
 )
 from routeplay.store.shard.api import ShardCall
+from routeplay.store.shard.group_answers import GroupRequest, LaidOut, lay_out_groups
 from routeplay.store.shard.shard import StoredPayload, StoreShard
 
 __all__ = ["Backend", "LocalBackend", "RayBackend", "Settled", "settled_answers"]
