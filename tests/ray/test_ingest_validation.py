@@ -6,11 +6,14 @@ its baseline: the raw payload, the ingest result and the adopted block all go.""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import ray
 from store_probe import created_bytes, kill_and_wait, used_bytes, wait_until
@@ -405,5 +408,56 @@ def test_groups_adopted_at_once_share_their_calls_and_each_refusal_is_its_member
         np.testing.assert_array_equal(np.array(store.read(out[g][m])), _canonical(groups[g][m]))
     store.release_many(leases)
     store.flush()
+    assert store.stats().live_payloads == 0
+    assert _settled(baseline)
+
+
+def _kill_validators() -> int:
+    """SIGKILL every key validator's process (an engine node's OOM killer would); how many."""
+    killed = 0
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or [""]
+        if cmdline[0].startswith("ray::KeyValidatorShell"):
+            os.kill(process.pid, signal.SIGKILL)
+            killed += 1
+    return killed
+
+
+def test_a_validator_killed_between_adoptions_is_started_again(
+    engine_store: Any, store: RouteStore
+) -> None:
+    """The shard's validator on the engine node (and the engine store's, for ingest) dies
+    between two steps: the next groups are adopted as before, not refused for good."""
+    baseline = used_bytes()
+    prompt, own = 16, 8
+
+    def adopt_groups(seed: int) -> None:
+        groups = []
+        for g in range(2):
+            shared = make_routing(SPEC, prompt, all_layers=True, seed=seed + g)
+            own_rows = [make_routing(SPEC, own, all_layers=True, seed=seed + 10 + 3 * g + m)
+                        for m in range(2)]  # fmt: skip
+            groups.append([np.concatenate([shared, rows]) for rows in own_rows])
+        keys = [
+            [EngineKey(key=_put(engine_store, raw), rows=prompt + own, actor=NAME) for raw in g]
+            for g in groups
+        ]
+
+        async def both() -> list[list[Any]]:
+            return list(await asyncio.gather(*(
+                store.aadopt_keys_each(k, SPEC, shared_prefix=prompt, pack=True) for k in keys
+            )))  # fmt: skip
+
+        out = asyncio.run(both())
+        handles = [h for group in out for h in group]
+        leases = store.acquire_many([(h, "train/restart") for h in handles])
+        for handle, raw in zip(handles, [raw for g in groups for raw in g], strict=True):
+            np.testing.assert_array_equal(np.array(store.read(handle)), _canonical(raw))
+        store.release_many(leases)
+        store.flush()
+
+    adopt_groups(70)
+    assert _kill_validators() >= 1
+    adopt_groups(90)
     assert store.stats().live_payloads == 0
     assert _settled(baseline)

@@ -566,6 +566,12 @@ alternating pairs: 62 ms beyond Ray's fetch floor at niceness 0, 46 ms at 15), s
 keeps Ray's."""
 
 
+RETRIES: Final = 3
+"""Times a validator call that only reads its arguments is sent again when the validator
+died or was restarting (``max_restarts`` below); ``take`` is never sent again: the
+arrays it would take died with the process."""
+
+
 class KeyValidatorShell:
     """Validates adopted engine payloads on the node that holds them (one per node).
 
@@ -589,6 +595,7 @@ class KeyValidatorShell:
         self._outbox = PayloadOutbox()
         self._threads = len(os.sched_getaffinity(0))  # the cores this worker may use
 
+    @ray.method(max_task_retries=RETRIES)
     def canonical_groups(
         self, spec: RouteSpec, requests: list[GroupRequest], *payloads: Any
     ) -> LaidOut:
@@ -609,7 +616,7 @@ class KeyValidatorShell:
         """The staged arrays of ``canonical_groups`` (called by the shard that owns them)."""
         return self._outbox.take(token)
 
-    @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2)
+    @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2, max_task_retries=RETRIES)
     def ingest(
         self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec
     ) -> tuple[None, npt.NDArray[np.unsignedinteger]]:
@@ -618,6 +625,7 @@ class KeyValidatorShell:
         (a reader of the block gets it, as from ``canonical``)."""
         return None, canonical_rows(payload, key, spec, threads=INGEST_THREADS)
 
+    @ray.method(max_task_retries=RETRIES)
     def rows_of(
         self, canonical: npt.NDArray[np.unsignedinteger], start: int, stop: int
     ) -> npt.NDArray[np.unsignedinteger]:
@@ -625,7 +633,7 @@ class KeyValidatorShell:
         Ray writes only these rows as the result; nothing is validated again."""
         return canonical[start:stop]
 
-    @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2)
+    @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2, max_task_retries=RETRIES)
     def canonical(
         self, payload: npt.NDArray[Any], key: EngineKey, spec: RouteSpec, start: int = 0
     ) -> tuple[None, npt.NDArray[np.unsignedinteger]]:
@@ -642,9 +650,13 @@ class KeyValidatorShell:
 _remote: Any = ray.remote  # its overloads do not list actor options such as max_concurrency
 StoreShardActor: Any = _remote(num_cpus=0, max_concurrency=8)(StoreShardShell)
 EngineStoreActor: Any = _remote(num_cpus=0, max_concurrency=8)(EngineStoreShell)
-KeyValidator: Any = _remote(num_cpus=0, max_concurrency=4, concurrency_groups={VALIDATE_GROUP: 1})(
-    KeyValidatorShell
-)
+# Restarted when it dies (an engine node's OOM killer, a crash): a validator holds nothing
+# that outlives a call but the arrays staged for the shard, whose round is refused anyway
+# (its calls fail), and a dead handle cached by a shard or an engine store would refuse
+# every later adoption (or validation at ingest) on that node.
+KeyValidator: Any = _remote(
+    num_cpus=0, max_concurrency=4, concurrency_groups={VALIDATE_GROUP: 1}, max_restarts=-1
+)(KeyValidatorShell)
 
 
 def _implement_the_shard_api(
