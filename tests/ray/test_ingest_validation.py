@@ -461,3 +461,22 @@ def test_a_validator_killed_between_adoptions_is_started_again(
     adopt_groups(90)
     assert store.stats().live_payloads == 0
     assert _settled(baseline)
+
+
+def test_a_hand_over_the_validator_cannot_make_is_a_lost_round_not_bad_blocks() -> None:
+    """A validator restarted between a round's layout and its hand-over has nothing
+    staged: the take says so (its marker), and the round is lost with a typed error,
+    never adopted as blocks that hold an error."""
+    from routeplay.store.remote.actors import KeyValidator, _RayAdoption
+
+    validator = KeyValidator.remote()
+
+    class Shell:  # what a shard gives its adoption steps: its validators, its deadline
+        _timeout_s = 20.0
+
+        def _validator(self, node: str) -> Any:
+            return validator
+
+    with pytest.raises(RoutesLost, match="restarted before handing over"):
+        _RayAdoption(Shell()).take_group("node", "never-staged", 3)  # type: ignore[arg-type]
+    kill_and_wait(validator)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from routeplay.core import EngineKey, RouteSpec
+from routeplay.core.degenerate import DegenerateCheck
 from routeplay.core.handle import StoreRef
 from routeplay.errors import (
     DuplicateExperts,
@@ -412,17 +413,29 @@ def test_a_round_of_groups_shares_one_take_one_layout_call_and_one_hand_over() -
     assert all(member[1][1:] == (0, ROWS - 4) for member in (*first, second[1], third[1]))
 
 
-def test_a_group_its_validator_fails_costs_that_group_alone() -> None:
+@pytest.mark.parametrize("failed", [0, 1, 2])
+def test_a_group_its_validator_fails_costs_that_group_alone(failed: int) -> None:
+    """Whichever group fails (first, middle, last), the others get exactly their own
+    stored payloads: the prompt first, then each member's own rows."""
     broken = SpecMismatch("the group's keys disagree on the spec")
-    taken = [["raw-a"], ["raw-b"], ["raw-c"], ["raw-d"]]
+    names = ["ab", "cd", "ef"]
+    taken = [[f"raw-{n}"] for n in "abcdef"]
     steps = Steps(
-        taken={"shared_store": (taken, [None] * 4)},
-        failed_groups={("raw-c", "raw-d"): broken},
+        taken={"shared_store": (taken, [None] * 6)},
+        failed_groups={tuple(f"raw-{n}" for n in names[failed]): broken},
     )
-    out, _ = run_round(steps, [group_of("ab"), group_of("cd")])
-    assert out[1] is broken
-    assert all(isinstance(member, tuple) for member in out[0])
-    assert ("take_group", "token", 3) in steps.sent  # only the first group's arrays
+    out, _ = run_round(steps, [group_of(n) for n in names])
+    assert out[failed] is broken
+    assert ("take_group", "token", 6) in steps.sent  # two groups: a prompt and two members
+    ids = iter(f"g{i}" for i in range(6))
+    for index, group in enumerate(out):
+        if index == failed:
+            continue
+        prompt, first, second = next(ids), next(ids), next(ids)
+        assert [(m[0][0].payload_id, m[1][0].payload_id) for m in group] == [
+            (prompt, first),
+            (prompt, second),
+        ]
 
 
 def test_a_group_whose_members_were_all_refused_asks_the_validator_nothing() -> None:
@@ -442,8 +455,10 @@ def test_an_error_of_the_shared_take_fails_every_group_of_the_round() -> None:
 
     steps.send_take = take  # type: ignore[method-assign]
     out, _ = run_round(steps, [group_of("ab"), group_of("cd")])
-    assert out == [lost, lost]
-    assert lost.__traceback__ is None  # its frames hold the round's references
+    assert [type(e) for e in out] == [RoutesLost, RoutesLost]
+    assert [str(e) for e in out] == [str(lost)] * 2
+    assert out[0] is not out[1]  # each caller raises its own: a raised error collects frames
+    assert all(e.__traceback__ is None for e in out)  # its frames hold the round's references
 
 
 def test_a_round_waits_once_for_the_validations_still_running_at_ingest() -> None:
@@ -474,9 +489,14 @@ def test_key_rounds_puts_groups_of_one_store_and_spec_together_and_the_rest_alon
         KeyBatch(keys=(key("j"), key("k")), spec=other_spec, shared_prefix=4),
         group_of("lm"),
     ]
+    strict = RouteSpec(
+        num_layers=2, top_k=2, num_experts=8, degenerate=DegenerateCheck(fill_rows=2)
+    )
+    assert strict == SPEC  # equal specs, but validated with other thresholds
+    batches.append(KeyBatch(keys=(key("n"), key("o")), spec=strict, shared_prefix=4))
     rounds = key_rounds(batches, size=2)
     assert sorted(i for r in rounds for i in r) == list(range(len(batches)))
-    alone = [[1], [2], [4], [5], [6]]  # single keys, another store, two stores, a spec
+    alone = [[1], [2], [4], [5], [6], [7]]  # single keys, a store, two stores, specs
     assert sorted(r for r in rounds if len(r) == 1) == alone
     assert [0, 3] in rounds  # a round fills at two; the last group waits for no other
     assert in_batch_order(3, [[2], [0, 1]], [["c"], ["a", "b"]]) == ["a", "b", "c"]

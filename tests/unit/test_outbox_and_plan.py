@@ -77,6 +77,20 @@ def test_outbox_hands_blocks_over_once() -> None:
     assert token in str(caught.value)
 
 
+def test_outbox_forgets_only_what_was_staged_too_long_ago() -> None:
+    """A taker that gave up (its deadline passed, or the call that staged ran twice)
+    never takes: ``sweep`` drops it after a while, and nothing younger."""
+    outbox = PayloadOutbox()
+    token = outbox.stage_many((_tagged(4, tag=1),))
+    assert outbox.sweep(3600.0) == 0  # staged just now: kept
+    assert outbox.hand_over(token)[-1] == "handed-over"
+    stale = outbox.stage_many((_tagged(4, tag=2), _tagged(4, tag=3)))
+    assert outbox.sweep(-1.0) == 1  # everything is older than a second from now
+    assert len(outbox) == 0
+    with pytest.raises(AlreadyConsumed):
+        outbox.take(stale)
+
+
 def test_outbox_returns_a_single_block_bare() -> None:
     outbox = PayloadOutbox()
     array = _tagged(3, tag=4)

@@ -27,7 +27,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from routeplay.core.handle import EngineKey, StoreRef
 from routeplay.core.spec import RouteSpec
-from routeplay.errors import LifetimeError, RouteplayError, RoutesLost, StoreTimeout
+from routeplay.errors import (
+    AlreadyConsumed,
+    LifetimeError,
+    RouteplayError,
+    RoutesLost,
+    StoreTimeout,
+)
 from routeplay.store.engine.engine_store import EngineStore, EngineStoreStats, PayloadMeta
 from routeplay.store.engine.ingest import Prepared, decide, fits, settle
 from routeplay.store.engine.key_check import canonical_rows, take_checked_many
@@ -375,11 +381,18 @@ class _RayAdoption:
         return self._shell._validator(node).canonical_groups.remote(spec, requests, *payloads)
 
     def take_group(self, node: str, token: Any, count: int) -> list[Any]:
-        refs = self._shell._validator(node).take.options(num_returns=count).remote(token)
-        blocks = [refs] if count == 1 else list(refs)
-        # Written on the engine's node before the shard answers (as a producer's blocks).
-        ray.wait(blocks, num_returns=count, timeout=self._shell._timeout_s, fetch_local=False)
-        return blocks
+        # Written on the engine's node before the shard answers (as a producer's blocks),
+        # and the hand-over checked: a validator restarted since the layout has none.
+        validator = self._shell._validator(node)
+        try:
+            return take_and_wait(validator, token, count, self._shell._timeout_s)
+        except AlreadyConsumed as exc:
+            raise RoutesLost(
+                "the engine node's validator restarted before handing over a round's "
+                "laid-out blocks: nothing was stored",
+                where=f"staged layout {token}",
+                hint="The round's samples are set aside (their keys are consumed).",
+            ) from exc
 
     def adopt(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
         return self._shell._adopt_blocks(blocks, rows, nbytes)
@@ -566,10 +579,15 @@ alternating pairs: 62 ms beyond Ray's fetch floor at niceness 0, 46 ms at 15), s
 keeps Ray's."""
 
 
-RETRIES: Final = 3
+RETRIES: Final = 1
 """Times a validator call that only reads its arguments is sent again when the validator
-died or was restarting (``max_restarts`` below); ``take`` is never sent again: the
-arrays it would take died with the process."""
+died or was restarting (``max_restarts`` below): once, so a payload that kills the
+validator costs two restarts, not four. ``take_staged`` is never sent again: the arrays
+it would take died with the process."""
+
+STAGED_TTL_S: Final = 600.0
+"""Laid-out arrays never taken are dropped this long after staging (a shard that gave up
+on the layout, or a layout run twice by a retry): ten times the default deadline."""
 
 
 class KeyValidatorShell:
@@ -605,6 +623,7 @@ class KeyValidatorShell:
         the shard takes them, so the shard owns the blocks. Returns the token and, per
         group, its members' outcomes (sample index or error), the samples' parts, the
         payloads and the bytes the shared prefix saved, or the error that failed it."""
+        self._outbox.sweep(STAGED_TTL_S)  # a round whose taker gave up, long ago
         arrays, answers = lay_out_groups(requests, spec, payloads)
         del payloads
         return LaidOut(
@@ -612,9 +631,11 @@ class KeyValidatorShell:
             groups=tuple(answers),
         )
 
-    def take(self, token: str) -> Any:
-        """The staged arrays of ``canonical_groups`` (called by the shard that owns them)."""
-        return self._outbox.take(token)
+    def take_staged(self, token: str) -> Any:
+        """The staged arrays of ``canonical_groups`` (called by the shard that owns them),
+        then the hand-over marker the shard fetches, as a producer's ``take_staged``: a
+        validator restarted since the layout has nothing to hand over, and says so."""
+        return self._outbox.hand_over(token)
 
     @ray.method(concurrency_group=VALIDATE_GROUP, num_returns=2, max_task_retries=RETRIES)
     def ingest(

@@ -48,9 +48,6 @@ WRITE_ROUND: Final = 32
 at once, so the shard takes its blocks (the copy into the object store) while the loop
 lays out the next ones, instead of after all of them (512 groups answered together)."""
 
-HANDED_OVER = "handed-over"
-"""Last return value of ``take_staged``: fetched (a few bytes) to check the hand-over."""
-
 
 def producer_actor(cls: type, **options: Any) -> Any:
     """``ray.remote(cls)`` with the concurrency group ``take_staged`` needs."""
@@ -128,8 +125,7 @@ class RoutesProducer:
         """Called by a store: return the staged blocks (and forget them), then a small
         marker the store fetches to learn that the hand-over succeeded (``ray.wait``
         counts the errored results of a dead producer as ready)."""
-        blocks = self._outbox().take(token)
-        return (*(blocks if isinstance(blocks, tuple) else (blocks,)), HANDED_OVER)
+        return self._outbox().hand_over(token)
 
     def staged_count(self) -> int:
         """Payloads staged and not yet taken (0 in steady state)."""

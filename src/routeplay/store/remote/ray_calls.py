@@ -183,13 +183,12 @@ def outcomes_now(refs: Sequence[Any]) -> list[bool | None]:
     if not unique:
         return []
     ready, _ = ray.wait(unique, num_returns=len(unique), timeout=0, fetch_local=False)
-    returned = set(ready)
+    known: dict[Any, bool | None] = dict.fromkeys(ready, True)
     try:
         ray.get(ready, timeout=0)
     except rex.RayError:
-        returned = {ref for ref in ready if _ended(ref, 0.0)}
-    ended = set(ready)
-    return [True if ref in returned else False if ref in ended else None for ref in refs]
+        known = {ref: _ended(ref, 0.0) for ref in ready}
+    return [known.get(ref) for ref in refs]
 
 
 def succeeded(ref: Any, timeout_s: float) -> bool:

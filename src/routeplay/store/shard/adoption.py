@@ -34,6 +34,7 @@ A refused key is consumed: its raw payload goes with the last reference the flow
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -472,13 +473,15 @@ def key_rounds(batches: Sequence[KeyBatch], size: int = GROUP_ROUND) -> list[lis
         [[2], [0, 1]]
     """
     rounds: list[list[int]] = []
-    filling: dict[tuple[Where, RouteSpec], list[int]] = {}
+    filling: dict[tuple[Where, RouteSpec, object], list[int]] = {}
     for index, batch in enumerate(batches):
         wheres = {(key.actor, key.namespace) for key in batch.keys}
         if not batch.grouped or len(wheres) != 1:
             rounds.append([index])
             continue
-        current = filling.setdefault((wheres.pop(), batch.spec), [])
+        # The spec's equality leaves out its degenerate-capture thresholds, which the
+        # validation applies: a round shares its first batch's spec, all of it.
+        current = filling.setdefault((wheres.pop(), batch.spec, batch.spec.degenerate), [])
         current.append(index)
         if len(current) == size:
             rounds.append(current.copy())
@@ -511,7 +514,8 @@ def adopt_round(
             return [answers]
         return (yield from _adopt_groups(batches, steps, timeout_s))
     except RouteplayError as exc:  # without its frames, which hold the round's references
-        return [exc.with_traceback(None)] * len(batches)
+        # A copy each: every caller raises its own, and a raised error collects frames.
+        return [copy.copy(exc.with_traceback(None)) for _ in batches]
 
 
 def _adopt_groups(
