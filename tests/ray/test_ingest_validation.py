@@ -272,6 +272,12 @@ def test_the_engine_store_settles_ended_validations_without_waiting(refuse: bool
 
 
 @ray.remote
+def _runs_long() -> None:
+    """A validation still running whenever it is looked up (cancelled by the test)."""
+    time.sleep(300)
+
+
+@ray.remote
 def _ends(refuse: bool) -> None:
     if refuse:
         raise DuplicateExperts("duplicate expert ids", where="engine key k, row 7, layer 2")
@@ -281,13 +287,14 @@ def test_statuses_looked_up_at_once_tell_returned_refused_and_running_apart() ->
     """``outcomes_now``: one wait and one get for every status of a take, and where the
     joint get meets a refusal, each ended one asked alone (the refusal is one of them)."""
     valid, refused = _ends.remote(False), _ends.remote(True)
-    running, _ = _slow_ingest.remote(False, ROWS)
+    running = _runs_long.remote()
     assert ray_calls.succeeded(valid, 20)
     assert wait_until(lambda: ray_calls.outcome_now(refused) is False)
     got = ray_calls.outcomes_now([valid, refused, running, valid])
     assert got == [True, False, None, True]
     assert ray_calls.outcomes_now([valid, valid]) == [True, True]
     assert ray_calls.outcomes_now([]) == []
+    ray.cancel(running, force=True)
 
 
 def test_settling_is_best_effort_the_keys_are_consumed_already() -> None:
@@ -412,15 +419,23 @@ def test_groups_adopted_at_once_share_their_calls_and_each_refusal_is_its_member
     assert _settled(baseline)
 
 
+def _validator_pids() -> set[int]:
+    return {
+        process.pid
+        for process in psutil.process_iter(["cmdline"])
+        if (process.info["cmdline"] or [""])[0].startswith("ray::KeyValidatorShell")
+    }
+
+
 def _kill_validators() -> int:
-    """SIGKILL every key validator's process (an engine node's OOM killer would); how many."""
-    killed = 0
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or [""]
-        if cmdline[0].startswith("ray::KeyValidatorShell"):
-            os.kill(process.pid, signal.SIGKILL)
-            killed += 1
-    return killed
+    """SIGKILL every key validator's process (an engine node's OOM killer would), then
+    wait until as many run again (restarted: a step later, as between two steps); how
+    many were killed."""
+    killed = _validator_pids()
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: len(_validator_pids() - killed) >= len(killed), timeout_s=60)
+    return len(killed)
 
 
 def test_a_validator_killed_between_adoptions_is_started_again(
