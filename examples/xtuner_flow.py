@@ -611,6 +611,9 @@ class TrainerRank:
                     [pack] = item.packs
                     ids = [s.sample_id for s in self.plan.packs[pack].samples]
                     self.step(name, item, pack, ids, report)
+        # The materializer's release is sent, not waited for: settle it (and surface its
+        # error) before the step is reported done, or the driver may count it as held.
+        self.store.flush()
         return report
 
     def xtuner_rows(self, pack: int, sample_ids: list[str]) -> Any:
