@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from routeplay.core import EngineKey, RouteSpec
 from routeplay.core.degenerate import DegenerateCheck
@@ -29,6 +31,7 @@ from routeplay.store.remote.backend import Settled, settled_answers
 from routeplay.store.shard.adoption import (
     IngestVerdict,
     KeyBatch,
+    adopt_in_rounds,
     adopt_keys,
     adopt_round,
     in_batch_order,
@@ -500,3 +503,41 @@ def test_key_rounds_puts_groups_of_one_store_and_spec_together_and_the_rest_alon
     assert sorted(r for r in rounds if len(r) == 1) == alone
     assert [0, 3] in rounds  # a round fills at two; the last group waits for no other
     assert in_batch_order(3, [[2], [0, 1]], [["c"], ["a", "b"]]) == ["a", "b", "c"]
+
+
+_WHERES = st.sampled_from(["shared_store", "other_store"])
+_BATCHES = st.lists(
+    st.tuples(
+        st.lists(_WHERES, min_size=1, max_size=3),  # each key's engine store
+        st.booleans(),  # a group's (pack) or single keys
+        st.sampled_from([SPEC, RouteSpec(num_layers=3, top_k=2, num_experts=8)]),
+    ),
+    max_size=40,
+)
+
+
+@given(described=_BATCHES, size=st.integers(min_value=1, max_value=5))
+def test_rounds_cover_every_batch_once_and_only_join_groups_of_one_store_and_spec(
+    described: list[tuple[list[str], bool, RouteSpec]], size: int
+) -> None:
+    batches = [
+        KeyBatch(
+            keys=tuple(key(chr(97 + n % 26), actor=actor) for n, actor in enumerate(actors)),
+            spec=spec,
+            pack=pack,
+        )
+        for actors, pack, spec in described
+    ]
+    rounds = key_rounds(batches, size=size)
+    assert sorted(i for round_ in rounds for i in round_) == list(range(len(batches)))
+    for round_ in rounds:
+        assert 1 <= len(round_) <= size
+        assert round_ == sorted(round_)  # a round keeps its callers' order
+        if len(round_) > 1:
+            picked = [batches[i] for i in round_]
+            assert all(b.grouped for b in picked)
+            assert len({(k.actor, k.namespace) for b in picked for k in b.keys}) == 1
+            assert len({(b.spec, b.spec.degenerate) for b in picked}) == 1
+    # Each round's answers come back at their batches' positions, rounds run in any order.
+    answered = adopt_in_rounds(batches, lambda picked: [id(b) for b in picked], threads=3)
+    assert answered == [id(b) for b in batches]

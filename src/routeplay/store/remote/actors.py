@@ -17,7 +17,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -44,10 +43,9 @@ from routeplay.store.remote.protocol import ask_engine_stores
 from routeplay.store.shard.adoption import (
     KeyBatch,
     Where,
-    adopt_keys,
+    adopt_batch,
+    adopt_in_rounds,
     adopt_round,
-    in_batch_order,
-    key_rounds,
 )
 from routeplay.store.shard.api import ShardApi
 from routeplay.store.shard.group_answers import GroupRequest, LaidOut, lay_out_groups
@@ -199,30 +197,15 @@ class StoreShardShell(_Reaped):
         ``GROUP_ROUND`` a round (one take, one layout call, one hand-over each), any other
         batch on its own, up to ``KEY_BATCH_THREADS`` rounds at a time; per batch its
         answers, or the typed error that failed it (``adoption.adopt_round``)."""
-        rounds = key_rounds(batches)
 
-        def adopt(round_: list[int]) -> list[Any]:
-            flow = adopt_round(
-                [batches[i] for i in round_], steps=_RayAdoption(self), timeout_s=self._timeout_s
-            )
+        def adopt(picked: list[KeyBatch]) -> list[Any]:
+            flow = adopt_round(picked, steps=_RayAdoption(self), timeout_s=self._timeout_s)
             return drive(flow, ray_calls.RAY)
 
-        if len(rounds) == 1:
-            return in_batch_order(len(batches), rounds, [adopt(rounds[0])])
-        workers = min(len(rounds), KEY_BATCH_THREADS)
-        with ThreadPoolExecutor(workers, thread_name_prefix="routeplay-adopt") as pool:
-            return in_batch_order(len(batches), rounds, pool.map(adopt, rounds))
+        return adopt_in_rounds(batches, adopt, threads=KEY_BATCH_THREADS)
 
     def _adopted(self, batch: KeyBatch) -> list[Any]:
-        flow = adopt_keys(
-            list(batch.keys),
-            batch.spec,
-            batch.start_rows(),
-            shared_prefix=batch.shared_prefix,
-            pack=batch.pack,
-            steps=_RayAdoption(self),
-            timeout_s=self._timeout_s,
-        )
+        flow = adopt_batch(batch, steps=_RayAdoption(self), timeout_s=self._timeout_s)
         return drive(flow, ray_calls.RAY)
 
     def _adopt_blocks(self, blocks: list[Any], rows: int, nbytes: int) -> StoreRef:
@@ -582,10 +565,10 @@ keeps Ray's."""
 RETRIES: Final = 3
 """Times a validator call that only reads its arguments is sent again when the validator
 died or was restarting (``max_restarts`` below). Ray counts each call that finds the
-actor still restarting as a try, and one retry was spent within the restart under a busy
-CPU (measured: 1 of 2 adoptions refused); three cover it. The cost: a payload that kills
-the validator does so four times. ``take_staged`` is never sent again: the arrays it
-would take died with the process."""
+actor still restarting as a try: under a busy CPU, adopting right after a kill was
+refused in 1 of 2 runs with no retry and 3 of 7 with one; with three, none of 4. The
+cost: a payload that kills the validator does so four times. ``take_staged`` is never
+sent again: the arrays it would take died with the process."""
 
 STAGED_TTL_S: Final = 600.0
 """Laid-out arrays never taken are dropped this long after staging (a shard that gave up

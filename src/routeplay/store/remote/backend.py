@@ -35,10 +35,9 @@ from routeplay.store.remote.protocol import SHARDS_HINT, ask_engine_stores, ask_
 from routeplay.store.shard.adoption import (
     KeyBatch,
     Where,
-    adopt_keys,
+    adopt_batch,
+    adopt_in_rounds,
     adopt_round,
-    in_batch_order,
-    key_rounds,
 )
 from routeplay.store.shard.api import ShardCall
 from routeplay.store.shard.group_answers import GroupRequest, LaidOut, lay_out_groups
@@ -485,19 +484,11 @@ class LocalBackend:
         with self._lock, self._shards[shard].meter.served(op):
             steps = _LocalAdoption(self, self._shards[shard])
             if op == "adopt_keys":
-                batch = batches[0]
-                flow = adopt_keys(
-                    list(batch.keys), batch.spec, batch.start_rows(),
-                    shared_prefix=batch.shared_prefix, pack=batch.pack, steps=steps,
-                    timeout_s=60.0,
-                )  # fmt: skip
-                return drive(flow, self)
-            rounds = key_rounds(batches)
-            answered = [
-                drive(adopt_round([batches[i] for i in r], steps=steps, timeout_s=60.0), self)
-                for r in rounds
-            ]
-            return in_batch_order(len(batches), rounds, answered)
+                return drive(adopt_batch(batches[0], steps=steps, timeout_s=60.0), self)
+            return adopt_in_rounds(
+                batches,
+                lambda picked: drive(adopt_round(picked, steps=steps, timeout_s=60.0), self),
+            )
 
     def shutdown(self) -> None:
         self._shards.clear()

@@ -35,7 +35,8 @@ A refused key is consumed: its raw payload goes with the last reference the flow
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
@@ -54,6 +55,8 @@ __all__ = [
     "AdoptionSteps",
     "IngestVerdict",
     "KeyBatch",
+    "adopt_batch",
+    "adopt_in_rounds",
     "adopt_keys",
     "adopt_round",
     "in_batch_order",
@@ -238,6 +241,24 @@ def adopt_keys(
         for index, result in zip(indices, adopted, strict=True):
             out[index] = result
     return out
+
+
+def adopt_batch(batch: KeyBatch, *, steps: AdoptionSteps, timeout_s: float) -> Flow[list[Any]]:
+    """``adopt_keys`` of one caller's ``KeyBatch`` (its keys, spec, start rows and layout).
+
+    Example:
+        answers = drive(adopt_batch(batch, steps=steps, timeout_s=60.0), ray_calls.RAY)
+    """
+    flow = adopt_keys(
+        list(batch.keys),
+        batch.spec,
+        batch.start_rows(),
+        shared_prefix=batch.shared_prefix,
+        pack=batch.pack,
+        steps=steps,
+        timeout_s=timeout_s,
+    )
+    return (yield from flow)
 
 
 def _take(
@@ -506,12 +527,7 @@ def adopt_round(
     """
     try:
         if len(batches) == 1:
-            [batch] = batches
-            answers = yield from adopt_keys(
-                list(batch.keys), batch.spec, batch.start_rows(), shared_prefix=batch.shared_prefix,
-                pack=batch.pack, steps=steps, timeout_s=timeout_s,
-            )  # fmt: skip
-            return [answers]
+            return [(yield from adopt_batch(batches[0], steps=steps, timeout_s=timeout_s))]
         return (yield from _adopt_groups(batches, steps, timeout_s))
     except RouteplayError as exc:  # without its frames, which hold the round's references
         # A copy each: every caller raises its own, and a raised error collects frames.
@@ -530,6 +546,29 @@ def _adopt_groups(
     taken = yield from _take(call, engines, where, keys, starts, True)
     shapes = [_Shape(len(b.keys), b.shared_prefix, b.pack) for b in batches]
     return (yield from _lay_out(call, taken, shapes))
+
+
+def adopt_in_rounds(
+    batches: Sequence[KeyBatch],
+    adopt: Callable[[list[KeyBatch]], list[Any]],
+    *,
+    threads: int = 1,
+) -> list[Any]:
+    """Every batch of a batched adoption, by ``key_rounds``: ``adopt`` runs one round
+    (``adopt_round`` driven on a backend), up to ``threads`` rounds at once; per batch,
+    in order, what its round answered for it.
+
+    Example:
+        answers = adopt_in_rounds(batches, lambda picked: drive(adopt_round(
+            picked, steps=steps, timeout_s=60.0), ray_calls.RAY), threads=4)
+    """
+    rounds = key_rounds(batches)
+    picked = [[batches[i] for i in round_] for round_ in rounds]
+    if threads <= 1 or len(picked) <= 1:
+        return in_batch_order(len(batches), rounds, [adopt(one) for one in picked])
+    workers = min(len(picked), threads)
+    with ThreadPoolExecutor(workers, thread_name_prefix="routeplay-adopt") as pool:
+        return in_batch_order(len(batches), rounds, pool.map(adopt, picked))
 
 
 def in_batch_order(
