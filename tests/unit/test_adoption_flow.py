@@ -76,8 +76,8 @@ class Steps:
         yield from ()
         return {where: where[0] for where in wheres}
 
-    def send_take(self, engine: Any, keys: Any, spec: Any, starts: Any, grouped: bool) -> Any:
-        self.sent.append(("take", engine, tuple(starts), grouped))
+    def send_take(self, engine: Any, keys: Any, spec: Any, starts: Any) -> Any:
+        self.sent.append(("take", engine, tuple(starts)))
         if engine in self.dead:
             self.dead.discard(engine)  # restarted: the next look-up finds the new actor
             return Settled(error=RoutesLost("the actor serving this call died"))
@@ -201,7 +201,7 @@ def test_a_raw_payload_is_validated_and_waited_for_before_it_is_adopted() -> Non
                    StoreRef(payload_id="p2", run="r", rows=ROWS)]  # fmt: skip
     assert steps.sent == [
         ("engines", ("shared_store",)),  # every engine store asked before any key is taken
-        ("take", "shared_store", (0, 0), False),
+        ("take", "shared_store", (0, 0)),
         ("validate", "raw-a", 0),
         ("validate", "raw-b", 0),  # both sent before the one wait for both
     ]
@@ -324,7 +324,7 @@ def test_a_group_is_validated_together_and_a_bad_member_costs_only_itself() -> N
     )
     keys = [key("a"), key("b"), key("c"), key("d")]
     out, resolver = run(steps, keys, shared_prefix=4)
-    assert ("take", "shared_store", (0, 0, 0, 0), True) in steps.sent
+    assert ("take", "shared_store", (0, 0, 0, 0)) in steps.sent
     assert ("group", ("raw-a", "raw-c", "raw-d"), 4, False, (False,) * 3) in steps.sent
     assert out[1] is meta
     assert out[2] is bad
@@ -401,7 +401,7 @@ def test_a_round_of_groups_shares_one_take_one_layout_call_and_one_hand_over() -
         "group",
         "take_group",
     ]
-    assert ("take", "shared_store", (0,) * 6, True) in steps.sent
+    assert ("take", "shared_store", (0,) * 6) in steps.sent
     assert ("take_group", "token", 7) in steps.sent  # 3 prompts + 4 accepted members' rows
     assert [w.what for w in resolver.waits] == [
         "lmdeploy/shared_store: take 6 keys",
@@ -453,7 +453,7 @@ def test_an_error_of_the_shared_take_fails_every_group_of_the_round() -> None:
     steps = Steps(taken={})
     lost = RoutesLost("the actor serving this call died")
 
-    def take(engine: Any, keys: Any, spec: Any, starts: Any, grouped: bool) -> Any:
+    def take(engine: Any, keys: Any, spec: Any, starts: Any) -> Any:
         return Settled(error=lost)
 
     steps.send_take = take  # type: ignore[method-assign]

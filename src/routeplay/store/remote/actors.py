@@ -344,7 +344,7 @@ class _RayAdoption:
         return (yield from self._shell._engines_asked(wheres, fresh))
 
     def send_take(
-        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
+        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int]
     ) -> Any:
         # A group too: a member validated at ingest comes as its block, laid out as it is.
         return engine.take_offered_many.remote(keys, spec, self._shell._shard.run, starts)

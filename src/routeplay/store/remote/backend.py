@@ -507,7 +507,7 @@ class _LocalAdoption:
         return {where: self._backend.engine_store(*where) for where in wheres}
 
     def send_take(
-        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
+        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int]
     ) -> Any:
         taken = take_checked_many(engine, keys, spec, self._shard.run)
         return Settled(value=(taken, "local", [None] * len(taken)))

@@ -107,7 +107,7 @@ class AdoptionSteps(Protocol):
         ...
 
     def send_take(
-        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int], grouped: bool
+        self, engine: Any, keys: list[EngineKey], spec: RouteSpec, starts: list[int]
     ) -> Any:
         """Consume keys: answers ``(taken, node, waits)``, per key its wrapped raw
         reference ``[ref]``, its ``Validated`` block or its refusal, the node holding
@@ -233,7 +233,7 @@ def adopt_keys(
     for where, indices in by_engine.items():
         picked = [keys[i] for i in indices]
         begin = [starts[i] for i in indices]
-        batch = yield from _take(call, engines, where, picked, begin, grouped)
+        batch = yield from _take(call, engines, where, picked, begin)
         if grouped:
             adopted = yield from _group(call, batch, shared_prefix, pack)
         else:
@@ -267,18 +267,17 @@ def _take(
     where: Where,
     keys: list[EngineKey],
     starts: list[int],
-    grouped: bool,
 ) -> Flow[_Taken]:
     """One engine store's take. A store that died since its handle was looked up (it was
     restarted, as ``ENGINE_STORE_HINT`` tells users to) is looked up again and asked once
     more: the dead actor consumed nothing that outlived it."""
     what = f"{where[1]}/{where[0]}: take {len(keys)} keys"
-    sent = call.steps.send_take(engines[where], keys, call.spec, starts, grouped)
+    sent = call.steps.send_take(engines[where], keys, call.spec, starts)
     try:
         [answer] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
     except RoutesLost:
         found = yield from call.steps.engines([where], fresh=True)
-        sent = call.steps.send_take(found[where], keys, call.spec, starts, grouped)
+        sent = call.steps.send_take(found[where], keys, call.spec, starts)
         [answer] = yield from awaiting([sent], what, timeout_s=call.timeout_s)
     taken, node, waits = answer
     return _Taken(keys=keys, starts=starts, taken=list(taken), waits=list(waits), node=node)
@@ -543,7 +542,7 @@ def _adopt_groups(
     keys = [key for batch in batches for key in batch.keys]
     starts = [start for batch in batches for start in batch.start_rows()]
     engines = yield from steps.engines([where])
-    taken = yield from _take(call, engines, where, keys, starts, True)
+    taken = yield from _take(call, engines, where, keys, starts)
     shapes = [_Shape(len(b.keys), b.shared_prefix, b.pack) for b in batches]
     return (yield from _lay_out(call, taken, shapes))
 
