@@ -6,9 +6,12 @@ Why: on a 2-core host the step is CPU-bound (the raylets moving the bytes take a
 second of CPU at 4,096 samples on either path), so what routeplay adds shows as CPU
 first, and a phase's wall time moves with it at about half its size. The figures are
 CPU milliseconds summed over every process of each kind (``psutil``), read before and
-after each phase; the first run of each path warms up and is not printed.
+after each phase; the first run of each path warms up and is not counted. The summary is
+each kind's CPU per step, the mean over the runs (``psutil`` counts in 10 ms ticks: a
+small step needs several runs), next to the step's time (its phases' sum); ``--each``
+also prints every run's phases.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/rl_step_cpu.py [--samples 4096] [--runs 2]
+    PYTHONPATH=src .venv/bin/python benchmarks/rl_step_cpu.py [--samples 4096] [--runs 2] [--each]
 
 Example:
     .venv/bin/python benchmarks/rl_step_cpu.py --samples 1024 --runs 1
@@ -75,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--each", action="store_true", help="print every run's phases too")
     args = parser.parse_args()
     shape = RLStepShape(samples=(args.samples,), runs=args.runs)
     with cluster(shape.store_bytes):
@@ -82,6 +86,7 @@ def main() -> None:
         start_engine_store(resources={"engine": 0.01})
         bench = _StepBench(store, shape, args.samples, on)
         paths = {"producer": bench._routeplay, "ray_floor": bench._ray_floor}
+        meters: dict[str, list[_CpuMeter]] = {path: [] for path in paths}
         try:
             for path in paths:
                 bench.run(path)  # warm-up
@@ -90,12 +95,32 @@ def main() -> None:
                     meter = _CpuMeter(store)
                     bench.step += 1
                     step(meter, False, None)
-                    print(path, {phase: round(ms) for phase, ms in meter.ms.items()})
-                    for phase, used in meter.cpu.items():
-                        print(f"    {phase:9s} CPU ms {used}")
+                    meters[path].append(meter)
+                    if args.each:
+                        _print_run(path, meter)
         finally:
             bench.close()
             store.shutdown()
+    for path, runs in meters.items():
+        _print_summary(path, runs)
+
+
+def _print_run(path: str, meter: _CpuMeter) -> None:
+    print(path, {phase: round(ms) for phase, ms in meter.ms.items()})
+    for phase, used in meter.cpu.items():
+        print(f"    {phase:9s} CPU ms {used}")
+
+
+def _print_summary(path: str, runs: list[_CpuMeter]) -> None:
+    """Each kind's CPU per step and the step's time, means over ``runs``."""
+    by_kind: collections.Counter[str] = collections.Counter()
+    for meter in runs:
+        for used in meter.cpu.values():
+            by_kind.update(used)
+    step_ms = sum(sum(meter.ms.values()) for meter in runs) / len(runs)
+    total = sum(by_kind.values()) / len(runs)
+    kinds = ", ".join(f"{kind} {ms / len(runs):.0f}" for kind, ms in by_kind.most_common())
+    print(f"{path}: step {step_ms:.0f} ms, CPU {total:.0f} ms a step ({kinds})")
 
 
 if __name__ == "__main__":
