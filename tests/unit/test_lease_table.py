@@ -12,6 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 from routeplay.errors import AlreadyReleased, RoutesExpired, RoutesLost, RunMismatch
 from routeplay.store import LeaseTable, PayloadState
+from routeplay.store.shard.lease_table import LEASE_IDS_PER_DRAW
 
 RUN = "run-a"
 HOLDERS = st.sampled_from(["buffer/g1", "session/s1", "train/step-1", "train/step-2"])
@@ -176,6 +177,32 @@ def test_refs_of_a_released_payload_name_it() -> None:
     assert table.release(lease) == ["p1"]
     with pytest.raises(RoutesLost, match="p1"):
         table.refs(["p1"], run=RUN)
+
+
+def test_lease_ids_stay_unguessable_across_draws() -> None:
+    """Ids are drawn many at a time: each is still 128 random bits of its own, none
+    repeats, and a new draw is made when one is used up."""
+    table: LeaseTable[object] = LeaseTable(RUN, lease_prefix="run-a.0")
+    table.add("p1", object(), rows=3, nbytes=30)
+    first = table.acquire(["p1"], "buffer/g1", run=RUN)
+    ids = [first] + [table.clone(first, "train/step-1") for _ in range(2 * LEASE_IDS_PER_DRAW)]
+    assert len(set(ids)) == len(ids)
+    tails = [lease_id.removeprefix("run-a.0/lease-") for lease_id in ids]
+    assert all(len(tail) == 32 and int(tail, 16) >= 0 for tail in tails)
+    assert len({tail[:8] for tail in tails}) > len(tails) // 2  # random, not counted up
+
+
+def test_revoking_a_clone_leaves_its_payloads_to_the_original() -> None:
+    """A clone's payloads are all leased already: revoking it restores none to STORED,
+    and only the original's revoke does."""
+    table: LeaseTable[object] = LeaseTable(RUN, ttl_s=5.0)
+    table.add("p1", object(), rows=3, nbytes=30)
+    original = table.acquire(["p1"], "buffer/g1", run=RUN)
+    clone = table.clone(original, "train/step-1")
+    assert table.revoke(clone) == []
+    assert table.state("p1") is PayloadState.LEASED
+    assert table.revoke(original) == []
+    assert table.state("p1") is PayloadState.STORED  # fresh again: its TTL applies
 
 
 def test_transfer_keeps_the_payload_alive() -> None:
