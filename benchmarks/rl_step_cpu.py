@@ -77,7 +77,7 @@ class _CpuMeter(_PhaseMeter):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=_at_least_one, default=2)
     parser.add_argument("--each", action="store_true", help="print every run's phases too")
     args = parser.parse_args()
     shape = RLStepShape(samples=(args.samples,), runs=args.runs)
@@ -103,6 +103,14 @@ def main() -> None:
             store.shutdown()
     for path, runs in meters.items():
         _print_summary(path, runs)
+
+
+def _at_least_one(text: str) -> int:
+    """``--runs``: the summary is a mean over the runs, so there must be one."""
+    runs = int(text)
+    if runs < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 run, found {runs}")
+    return runs
 
 
 def _print_run(path: str, meter: _CpuMeter) -> None:

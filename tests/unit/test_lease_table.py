@@ -3,6 +3,7 @@ transfer/expire sequences against a simple model and checks every invariant."""
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import pytest
@@ -188,7 +189,7 @@ def test_lease_ids_stay_unguessable_across_draws() -> None:
     ids = [first] + [table.clone(first, "train/step-1") for _ in range(2 * LEASE_IDS_PER_DRAW)]
     assert len(set(ids)) == len(ids)
     tails = [lease_id.removeprefix("run-a.0/lease-") for lease_id in ids]
-    assert all(len(tail) == 32 and int(tail, 16) >= 0 for tail in tails)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", tail) for tail in tails)
     assert len({tail[:8] for tail in tails}) > len(tails) // 2  # random, not counted up
 
 

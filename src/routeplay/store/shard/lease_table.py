@@ -380,13 +380,7 @@ class LeaseTable(Generic[Ref]):
         """A lease of ``holder``; ``held``: every payload is leased already (a clone),
         so none is fresh."""
         lease_id = self._new_lease_id()
-        fresh: frozenset[str] = (
-            frozenset()
-            if held
-            else frozenset(
-                pid for pid in payload_ids if self._payloads[pid].state is PayloadState.STORED
-            )
-        )
+        fresh = frozenset() if held else self._never_leased(payload_ids)
         self._leases[lease_id] = _Lease(
             holder=holder,
             payloads=payload_ids,
@@ -400,11 +394,18 @@ class LeaseTable(Generic[Ref]):
             record.state = PayloadState.LEASED
         return lease_id
 
+    def _never_leased(self, payload_ids: tuple[str, ...]) -> frozenset[str]:
+        """The payloads still STORED: a lease's revoke gives them back their TTL."""
+        return frozenset(
+            pid for pid in payload_ids if self._payloads[pid].state is PayloadState.STORED
+        )
+
     def _new_lease_id(self) -> str:
         """An unguessable lease id (16 random bytes from the OS's source), drawn
         ``LEASE_IDS_PER_DRAW`` at a time: a step grants a few leases per sample, and one
-        system call each cost the shard about a third of a grant's time. ``pop`` first:
-        it is atomic, so even a caller without the shard's lock never gets an id twice."""
+        system call each made a step's lease work 12-17% slower
+        (``benchmarks/lease_table_cost.py``). ``pop`` first: it is atomic, so even a
+        caller without the shard's lock never gets an id twice."""
         try:
             tail = self._id_pool.pop()
         except IndexError:
