@@ -86,6 +86,21 @@ def test_with_protocol_5_each_piece_is_an_out_of_band_buffer_read_without_a_copy
         assert np.shares_memory(view, np.frombuffer(backing, dtype=np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, ">u2", "<u2", np.int32])
+def test_out_of_band_pieces_keep_their_dtype_rows_and_row_shape(dtype: object) -> None:
+    rng = np.random.default_rng(3)
+    pieces = [rng.integers(0, 120, size=(n, 3, 2)).astype(dtype) for n in (5, 0, 2)]
+    pieces.append(rng.integers(0, 120, size=(8, 3, 2)).astype(dtype)[::2])  # not contiguous
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(JoinedRows(pieces), protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(pieces)
+    restored = pickle.loads(data, buffers=[bytes(b.raw()) for b in buffers])
+    assert [(p.dtype, p.shape) for p in restored.pieces] == [(p.dtype, p.shape) for p in pieces]
+    assert restored.dtype == np.dtype(dtype)
+    assert not any(p.flags.writeable for p in restored.pieces)  # views of read-only bytes
+    np.testing.assert_array_equal(np.asarray(restored), np.concatenate(pieces))
+
+
 def test_a_packed_group_is_joined_only_when_written_and_blocks_stay_unjoined() -> None:
     prompt = _routing(6, seed=1).array
     group = [

@@ -27,8 +27,9 @@ Example:
 from __future__ import annotations
 
 import bisect
+import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -113,7 +114,29 @@ class JoinedRows:
     def __len__(self) -> int:
         return int(self.shape[0])
 
-    def __reduce__(self) -> tuple[type[JoinedRows], tuple[tuple[npt.NDArray[Any], ...]]]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, tuple[Any, ...]]:
         # Pickled as its pieces (with protocol 5, Ray's, each an out-of-band buffer: one
         # copy into the object store, no join); unpickled, the pieces are zero-copy views.
-        return (JoinedRows, (self.pieces,))
+        # Each piece goes as a bare buffer beside one dtype and row shape, not as an
+        # array: Ray's pickler runs Python code for every object it is handed but plain
+        # tuples, numbers, strings and buffers, and nine arrays (each with its dtype and
+        # rebuilding function) cost the rollout worker 0.33 ms of CPU a group to pickle
+        # (42 ms a step at 1,024 samples); as buffers, 0.19 ms (24 ms).
+        if int(protocol) < 5:  # no out-of-band buffers: the pieces as arrays
+            return (JoinedRows, (self.pieces,))
+        rows = tuple(int(piece.shape[0]) for piece in self.pieces)
+        buffers = (pickle.PickleBuffer(np.ascontiguousarray(piece).data) for piece in self.pieces)
+        return (_from_buffers, (self.dtype.str, self.shape[1:], rows, *buffers))
+
+
+def _from_buffers(
+    dtype: str, row_shape: tuple[int, ...], rows: tuple[int, ...], *buffers: Any
+) -> JoinedRows:
+    """A pickled ``JoinedRows`` back: each piece a zero-copy view of its buffer."""
+    kind = np.dtype(dtype)
+    return JoinedRows(
+        [
+            np.frombuffer(buffer, kind).reshape(count, *row_shape)
+            for count, buffer in zip(rows, buffers, strict=True)
+        ]
+    )
