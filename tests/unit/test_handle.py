@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import pickle
 
@@ -254,3 +255,16 @@ def test_a_continuing_append_merges_into_the_last_segment() -> None:
     assert grown.rows == 9
     with pytest.raises(SpecMismatch):
         first + Handle.of(Segment(source=source, start=4, stop=9, spec=OTHER_SPEC))
+
+
+def test_a_pickled_segment_is_checked_again_and_stays_frozen() -> None:
+    source = StoreRef(payload_id="p", run="r", rows=4)
+    segment = Segment(source=source, start=1, stop=4, spec=SPEC, weight_version=2)
+    back = pickle.loads(pickle.dumps(segment))
+    assert back == segment
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        back.stop = 5  # type: ignore[misc]
+    short = StoreRef(payload_id="p", run="r", rows=2)
+    build, args = segment.__reduce__()
+    with pytest.raises(HandleError, match="outside their source"):
+        build(short, *args[1:])

@@ -103,3 +103,44 @@ def test_a_subclass_without_slots_is_copied_and_pickled_with_every_field() -> No
 
 def test_a_class_without_fields_is_copied() -> None:
     assert replaced(_NoFields()) == _NoFields()
+
+
+_FIELD_VALUES = {
+    "sample_id": st.text(max_size=4),
+    "session_id": st.none() | st.text(max_size=4),
+    "origin": st.sampled_from(Origin),
+    "response_versions": st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    "prompt_tokens": st.none() | st.integers(0, 9),
+    "retries": st.integers(0, 5),
+    "lease": st.none(),
+    "unreleased": st.just(()),
+    "handle": st.none(),
+}
+
+
+@given(routings, st.fixed_dictionaries({}, optional=_FIELD_VALUES))
+def test_replaced_matches_dataclasses_replace_whatever_fields_change(
+    routing: SampleRouting, changes: dict[str, object]
+) -> None:
+    ours = replaced(routing, **changes)
+    theirs = dataclasses.replace(routing, **changes)
+    assert type(ours) is SampleRouting
+    assert [getattr(ours, f.name) for f in dataclasses.fields(ours)] == [
+        getattr(theirs, f.name) for f in dataclasses.fields(theirs)
+    ]
+    assert routing == dataclasses.replace(routing)  # the original is left as it was
+
+
+@fast_state
+@dataclass(frozen=True, slots=True)
+class _Empty:
+    pass
+
+
+def test_a_fast_state_of_the_wrong_length_is_refused_and_an_empty_one_round_trips() -> None:
+    row = object.__new__(_Row)
+    with pytest.raises(ValueError, match="unpack"):
+        row.__setstate__((1,))
+    with pytest.raises(ValueError, match="unpack"):
+        row.__setstate__((1, "a", 2))
+    assert pickle.loads(pickle.dumps(_Empty())) == _Empty()

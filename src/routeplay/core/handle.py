@@ -136,12 +136,7 @@ class Segment:
     """Policy weight version that produced these rows."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start <= self.stop <= self.source.rows:
-            raise HandleError(
-                "segment rows lie outside their source",
-                expected=f"0 <= start <= stop <= {self.source.rows}",
-                found=f"[{self.start}, {self.stop})",
-            )
+        _check_rows(self.source, self.start, self.stop)
 
     @property
     def rows(self) -> int:
@@ -172,8 +167,36 @@ class Segment:
         return (_segment, (self.source, self.start, self.stop, self.spec, self.weight_version))
 
 
+def _check_rows(source: Source, start: int, stop: int) -> None:
+    if not 0 <= start <= stop <= source.rows:
+        raise HandleError(
+            "segment rows lie outside their source",
+            expected=f"0 <= start <= stop <= {source.rows}",
+            found=f"[{start}, {stop})",
+        )
+
+
 def _segment(source: Source, start: int, stop: int, spec: RouteSpec, version: int) -> Segment:
-    return Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
+    """A pickled segment, checked again (its rows within its source) and made without
+    ``__init__``: a trainer rank unpickles a step's plan, a segment or more per sample,
+    and the keyword ``__init__`` of a frozen dataclass costs twice as much."""
+    _check_rows(source, start, stop)
+    segment = _new(Segment)
+    _set_source(segment, source)
+    _set_start(segment, start)
+    _set_stop(segment, stop)
+    _set_spec(segment, spec)
+    _set_version(segment, version)
+    return segment
+
+
+_new = object.__new__
+# The slots' own setters: they write past the frozen __setattr__, as __init__ does.
+_set_source = Segment.__dict__["source"].__set__
+_set_start = Segment.__dict__["start"].__set__
+_set_stop = Segment.__dict__["stop"].__set__
+_set_spec = Segment.__dict__["spec"].__set__
+_set_version = Segment.__dict__["weight_version"].__set__
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -395,7 +418,7 @@ class Handle:
         # (a trainer rank unpickles a step's plan, thousands of handles, per step).
         # Segments as plain tuples: a pickler's per-object hook (Ray's cloudpickle calls
         # one for every object that is not a builtin) runs once per handle, not per segment.
-        rows = tuple((s.source, s.start, s.stop, s.weight_version) for s in self.segments)
+        rows = tuple([(s.source, s.start, s.stop, s.weight_version) for s in self.segments])
         return (_restored_handle_rows, (self.spec, rows, self._rows))
 
 
@@ -419,19 +442,21 @@ def _restored_handle_rows(
 ) -> Handle:
     """A pickled handle's segments, checked again (a segment's rows within its source),
     not normalized again (they were when the handle was built)."""
-    segments = tuple(
-        Segment(source=source, start=start, stop=stop, spec=spec, weight_version=version)
-        for source, start, stop, version in parts
-    )
+    segments = tuple([_segment(*part[:3], spec, part[3]) for part in parts])
     return _restored_handle(spec, segments, rows)
 
 
 def _restored_handle(spec: RouteSpec, segments: tuple[Segment, ...], rows: int) -> Handle:
-    restored = object.__new__(Handle)
-    object.__setattr__(restored, "spec", spec)
-    object.__setattr__(restored, "segments", segments)
-    object.__setattr__(restored, "_rows", rows)
+    restored = _new(Handle)
+    _set_handle_spec(restored, spec)
+    _set_segments(restored, segments)
+    _set_rows(restored, rows)
     return restored
+
+
+_set_handle_spec = Handle.__dict__["spec"].__set__
+_set_segments = Handle.__dict__["segments"].__set__
+_set_rows = Handle.__dict__["_rows"].__set__
 
 
 def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, ...]:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 from routeplay.core.handle import Handle
-from routeplay.core.records import fast_state, fields_reduced
+from routeplay.core.records import fast_state, fields_reduced, restored_fields
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import MisuseError, RowCountMismatch, SpecMismatch
 from routeplay.train.plan_pickle import plan_reduced
@@ -141,12 +141,13 @@ class PackedSample:
     @property
     def positions(self) -> int:
         """Pack positions its sequence occupies (``span``, or its rows)."""
-        return self.rows if self.span is None else self.span
+        # Not through ``rows``: a plan's checks ask every sample's positions and end.
+        return self.tokens - 1 if self.span is None else self.span
 
     @property
     def end(self) -> int:
         """Pack position one past the sample's sequence (its padding included)."""
-        return self.offset + self.positions
+        return self.offset + (self.tokens - 1 if self.span is None else self.span)
 
 
 def _packed_sample(
@@ -212,7 +213,8 @@ class PackingPlan:
                         hint="Pack each sample once per step.",
                     )
                 seen.add(sample.sample_id)
-                if sample.handle.spec != self.spec:
+                spec = sample.handle.spec
+                if spec is not self.spec and spec != self.spec:  # specs are mostly shared
                     raise SpecMismatch(
                         "sample routing has another spec than the plan",
                         expected=self.spec.describe(),
@@ -352,12 +354,17 @@ class PackingPlan:
             >>> ranks[r].train.remote(plans[r])                    # doctest: +SKIP
         """
         mine = {index for mb in self.schedule(dp_rank) for index in self.micro_batches[mb]}
-        packs = tuple(
-            pack if index in mine else Pack(samples=(), length=pack.length)
-            for index, pack in enumerate(self.packs)
-        )
-        return PackingPlan(
-            spec=self.spec, packs=packs, micro_batches=self.micro_batches, dp_ranks=self.dp_ranks
+        padding: dict[int, Pack] = {}  # one empty pack per length: a step has thousands
+        packs = []
+        for index, pack in enumerate(self.packs):
+            if index not in mine and pack.length not in padding:
+                padding[pack.length] = Pack(samples=(), length=pack.length)
+            packs.append(pack if index in mine else padding[pack.length])
+        # A part of this checked plan (its samples, fewer): nothing to check again.
+        return restored_fields(  # type: ignore[no-any-return]
+            PackingPlan,
+            ("spec", "packs", "micro_batches", "dp_ranks"),
+            (self.spec, tuple(packs), self.micro_batches, self.dp_ranks),
         )
 
     def schedule(self, dp_rank: int = 0) -> tuple[int, ...]:

@@ -40,17 +40,10 @@ def plan_reduced(
     columns = []
     for pack in plan.packs:
         samples = pack.samples
-        if type(pack) is not pack_cls or any(type(s) is not sample_cls for s in samples):
+        if type(pack) is not pack_cls or any([type(s) is not sample_cls for s in samples]):
             return None
-        columns.append(
-            (
-                pack.length,
-                tuple(
-                    (s.sample_id, s.tokens, s.offset, s.span, s.handle.__reduce__())
-                    for s in samples
-                ),
-            )
-        )
+        rows = [(s.sample_id, s.tokens, s.offset, s.span, s.handle.__reduce__()) for s in samples]
+        columns.append((pack.length, tuple(rows)))
     return (
         _restored_plan,
         (
