@@ -442,7 +442,7 @@ def _restored_handle_rows(
 ) -> Handle:
     """A pickled handle's segments, checked again (a segment's rows within its source),
     not normalized again (they were when the handle was built)."""
-    segments = tuple([_segment(*part[:3], spec, part[3]) for part in parts])
+    segments = tuple([_segment(src, start, stop, spec, v) for src, start, stop, v in parts])
     return _restored_handle(spec, segments, rows)
 
 
