@@ -155,6 +155,34 @@ def test_dropping_the_last_lease_drops_the_block_refs() -> None:
     assert (stats.live_payloads, stats.leases, stats.released_payloads) == (0, 0, 1)
 
 
+def test_a_dispose_takes_each_dropped_payloads_refs_once_and_nothing_else_holds_them() -> None:
+    """The Ray shard hands dropped references to a thread of their own (``DroppedRefs``):
+    the table gives each payload's refs to ``dispose`` exactly when its last lease ends
+    or it expires, keeps none itself, and answers as before."""
+    producer, clock = RecordingProducer(), Clock()
+    disposed: list[list[Any]] = []
+    shard = StoreShard(
+        RUN, 0, ttl_s=10.0, clock=clock, call_producer=producer, dispose=disposed.append
+    )
+    kept, stale = _adopt(shard, 2), _adopt(shard, 1)
+    first = shard.acquire([kept.payload_id], "buffer/g1", RUN)
+    second = shard.clone(first, "train/step-1")
+    shard.release(first)
+    assert disposed == []
+    assert shard.release(second) == [kept.payload_id]
+    assert [[ref.name for ref in refs] for refs in disposed] == [["tok-2#0", "tok-2#1"]]
+    clock.now = 11.0
+    assert shard.expire() == [stale.payload_id]
+    assert [ref.name for ref in disposed[-1]] == ["tok-1#0"]
+    assert shard.release(second) == []  # idempotent: nothing disposed twice
+    assert len(disposed) == 2
+    with pytest.raises(RoutesLost, match="last lease"):
+        shard.locate([(kept.payload_id, [0])], RUN)
+    assert producer.alive() == [True] * 3  # held by the disposer's list alone
+    disposed.clear()
+    assert producer.alive() == [False] * 3
+
+
 def test_transfer_never_lets_the_payload_go() -> None:
     shard, producer, _ = _shard()
     ref = _adopt(shard, 2)

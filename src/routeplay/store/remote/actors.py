@@ -38,6 +38,7 @@ from routeplay.store.engine.ingest import Prepared, decide, fits, settle
 from routeplay.store.engine.key_check import canonical_rows, take_checked_many
 from routeplay.store.flow import Flow, drive
 from routeplay.store.remote import ray_calls
+from routeplay.store.remote.dropped_refs import DroppedRefs
 from routeplay.store.remote.outbox import PayloadOutbox
 from routeplay.store.remote.protocol import ask_engine_stores
 from routeplay.store.shard.adoption import (
@@ -146,7 +147,12 @@ class StoreShardShell(_Reaped):
         timeout_s: float = 60.0,
         lease_ttl_s: float | None = None,
     ) -> None:
-        self._shard = StoreShard(run, index, ttl_s=ttl_s, lease_ttl_s=lease_ttl_s)
+        # A dropped payload's references go on a thread of their own: Ray's freeing of
+        # the bytes is not part of the call that ended the payload's last lease.
+        self._dropped = DroppedRefs()
+        self._shard = StoreShard(
+            run, index, ttl_s=ttl_s, lease_ttl_s=lease_ttl_s, dispose=self._dropped.put
+        )
         self._timeout_s = timeout_s
         self._engines: dict[tuple[str, str], Any] = {}  # engine-store handles, looked up once
         self._validators: dict[str, Any] = {}  # one validator actor per engine node

@@ -134,9 +134,12 @@ class LeaseTable(Generic[Ref]):
         lease_prefix: str = "",
         wall_clock: Callable[[], float] = time.time,
         lease_ttl_s: float | None = None,
+        dispose: Callable[[Ref], object] | None = None,
     ) -> None:
         self.run = run
         self.lease_ttl_s = lease_ttl_s
+        # Where a dropped payload's reference goes (None: dropped here, at once).
+        self._dispose = dispose
         self._lease_counts = {"expired": 0, "revoked": 0}
         self._lease_prefix = lease_prefix or run
         self.ttl_s = ttl_s
@@ -446,7 +449,10 @@ class LeaseTable(Generic[Ref]):
 
     def _drop(self, payload_id: str, state: PayloadState) -> None:
         record = self._payloads.pop(payload_id)
-        record.ref = None  # dropping the reference is what lets Ray reclaim the bytes
+        # Dropping the reference is what lets Ray reclaim the bytes.
+        ref, record.ref = record.ref, None
+        if self._dispose is not None and ref is not None:
+            self._dispose(ref)
         self._gone[payload_id] = state
         if len(self._gone) > _GONE_MEMORY:
             self._gone.popitem(last=False)

@@ -74,11 +74,17 @@ class StoreShard:
         clock: Callable[[], float] = time.monotonic,
         call_producer: CallProducer | None = None,
         lease_ttl_s: float | None = None,
+        dispose: Callable[[list[Any]], object] | None = None,
     ) -> None:
         self.run = run
         self.index = index
         self._table: LeaseTable[list[Any]] = LeaseTable(
-            run, ttl_s=ttl_s, clock=clock, lease_prefix=f"{run}/{index}", lease_ttl_s=lease_ttl_s
+            run,
+            ttl_s=ttl_s,
+            clock=clock,
+            lease_prefix=f"{run}/{index}",
+            lease_ttl_s=lease_ttl_s,
+            dispose=dispose,
         )
         self._ids = itertools.count()
         self._call_producer = call_producer
