@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from routeplay.core.records import fast_state, replaced
+from routeplay.core.records import fast_state, replaced, slot_builder
 from routeplay.rollout import SampleRouting
 from routeplay.rollout.routing_terms import Origin
 
@@ -144,3 +144,21 @@ def test_a_fast_state_of_the_wrong_length_is_refused_and_an_empty_one_round_trip
     with pytest.raises(ValueError, match="unpack"):
         row.__setstate__((1, "a", 2))
     assert pickle.loads(pickle.dumps(_Empty())) == _Empty()
+
+
+@given(st.integers(-5, 5), st.text(max_size=5))
+def test_slot_builder_makes_what_the_constructor_makes(at: int, name: str) -> None:
+    built = slot_builder(_Row, ("at", "name"))(at, name)
+    assert type(built) is _Row
+    assert built == _Row(at, name)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.at = 1  # type: ignore[misc]
+
+
+def test_slot_builder_refuses_a_half_built_object_or_an_unslotted_class() -> None:
+    with pytest.raises(TypeError, match="every field"):
+        slot_builder(_Row, ("at",))
+    with pytest.raises(TypeError, match="every field"):
+        slot_builder(_Row, ("at", "at"))
+    with pytest.raises(TypeError, match="every field"):
+        slot_builder(_Unslotted, tuple(f.name for f in dataclasses.fields(_Unslotted)))

@@ -24,6 +24,7 @@ from typing import ClassVar, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from routeplay.core.records import slot_builder
 from routeplay.core.spec import RouteSpec
 from routeplay.errors import HandleError, SpecMismatch
 
@@ -181,22 +182,10 @@ def _segment(source: Source, start: int, stop: int, spec: RouteSpec, version: in
     ``__init__``: a trainer rank unpickles a step's plan, a segment or more per sample,
     and the keyword ``__init__`` of a frozen dataclass costs twice as much."""
     _check_rows(source, start, stop)
-    segment = _new(Segment)
-    _set_source(segment, source)
-    _set_start(segment, start)
-    _set_stop(segment, stop)
-    _set_spec(segment, spec)
-    _set_version(segment, version)
-    return segment
+    return _new_segment(source, start, stop, spec, version)  # type: ignore[no-any-return]
 
 
-_new = object.__new__
-# The slots' own setters: they write past the frozen __setattr__, as __init__ does.
-_set_source = Segment.__dict__["source"].__set__
-_set_start = Segment.__dict__["start"].__set__
-_set_stop = Segment.__dict__["stop"].__set__
-_set_spec = Segment.__dict__["spec"].__set__
-_set_version = Segment.__dict__["weight_version"].__set__
+_new_segment = slot_builder(Segment, ("source", "start", "stop", "spec", "weight_version"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -447,16 +436,10 @@ def _restored_handle_rows(
 
 
 def _restored_handle(spec: RouteSpec, segments: tuple[Segment, ...], rows: int) -> Handle:
-    restored = _new(Handle)
-    _set_handle_spec(restored, spec)
-    _set_segments(restored, segments)
-    _set_rows(restored, rows)
-    return restored
+    return _new_handle(spec, segments, rows)  # type: ignore[no-any-return]
 
 
-_set_handle_spec = Handle.__dict__["spec"].__set__
-_set_segments = Handle.__dict__["segments"].__set__
-_set_rows = Handle.__dict__["_rows"].__set__
+_new_handle = slot_builder(Handle, ("spec", "segments", "_rows"))
 
 
 def _normalize(spec: RouteSpec, segments: Sequence[Segment]) -> tuple[Segment, ...]:

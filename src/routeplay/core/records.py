@@ -16,7 +16,7 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["fast_state", "fields_reduced", "replaced", "restored_fields"]
+__all__ = ["fast_state", "fields_reduced", "replaced", "restored_fields", "slot_builder"]
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
@@ -51,17 +51,59 @@ def fast_state(cls: C) -> C:
     return cls
 
 
+def slot_builder(cls: type, names: tuple[str, ...]) -> Callable[..., Any]:
+    """``build(*values)``: a new object of ``cls`` with ``names`` set to ``values`` in
+    order through their slots, without ``__init__``: nothing is checked, so the caller
+    checks what needs checking first (an unpickled segment's rows against its source).
+    For a frozen, slotted dataclass rebuilt by the thousand a step; ``TypeError`` unless
+    ``names`` are all its fields, each in a slot (no half-built object).
+
+    Example:
+        >>> build = slot_builder(Row, ("at", "name"))
+        >>> build(3, "a")
+        Row(at=3, name='a')
+    """
+    fields = {field.name for field in dataclasses.fields(cls)}
+    found = _slots(cls, names) if set(names) == fields and len(names) == len(fields) else None
+    if found is None:
+        raise TypeError(
+            f"slot_builder needs every field of a slotted dataclass: {cls.__name__} has "
+            f"{sorted(fields)}, got {list(names)}"
+        )
+    values = ", ".join(f"v{at}" for at in range(len(names)))
+    lines = [f"def build({values}):", "    new = make(cls)", *_set_lines("new", len(names))]
+    scope = {"make": object.__new__, "cls": cls, **_setters(tuple(found.values()))}
+    return _compiled([*lines, "    return new"], scope, "build")
+
+
 def _setstate_function(slots: tuple[Any, ...]) -> Callable[[Any, tuple[Any, ...]], None]:
     """``__setstate__(self, state)`` writing ``state`` through ``slots`` in order (a state
-    of another length raises ``ValueError``). Generated, as ``_copy_function``: a loop
-    over the slots costs a Python call per field, and a trainer rank sets thousands of
-    packed samples' states per step."""
+    of another length raises ``ValueError``). Generated: a loop over the slots costs a
+    Python call per field, and a trainer rank sets thousands of packed samples' states
+    per step."""
     values = ", ".join(f"v{at}" for at in range(len(slots)))
     lines = ["def __setstate__(self, state):", f"    [{values}] = state"]
-    lines += [f"    set{at}(self, v{at})" for at in range(len(slots))]
-    scope: dict[str, Any] = {f"set{at}": slot.__set__ for at, slot in enumerate(slots)}
-    exec("\n".join(lines), scope)  # a fixed template: numbered names only
-    return scope["__setstate__"]  # type: ignore[no-any-return]
+    return _compiled([*lines, *_set_lines("self", len(slots))], _setters(slots), "__setstate__")
+
+
+def _set_lines(target: str, count: int) -> list[str]:
+    """Source lines writing ``v0``, ``v1``, ... into ``target`` through ``set0``, ..."""
+    return [f"    set{at}({target}, v{at})" for at in range(count)]
+
+
+def _setters(slots: tuple[Any, ...]) -> dict[str, Any]:
+    """``set0``, ``set1``, ...: each slot's own setter (it writes past a frozen
+    ``__setattr__``, as ``__init__`` does)."""
+    return {f"set{at}": slot.__set__ for at, slot in enumerate(slots)}
+
+
+def _compiled(lines: list[str], scope: dict[str, Any], name: str) -> Callable[..., Any]:
+    """The function ``name`` defined by ``lines`` in ``scope``. Generated, as
+    ``dataclasses`` generates ``__init__``: the templates hold numbered names and
+    dataclass field names (identifiers, which ``dataclasses`` checks) only."""
+    exec("\n".join(lines), scope)
+    compiled: Callable[..., Any] = scope[name]
+    return compiled
 
 
 def replaced(obj: T, **changes: Any) -> T:
@@ -121,16 +163,14 @@ def _copy_function(
     cls: type, names: tuple[str, ...], slots: dict[str, Any]
 ) -> Callable[[Any, dict[str, Any]], Any]:
     """``copy(obj, changes)`` for ``cls``: a new object, each field from ``changes`` or
-    else from ``obj``. Field names are identifiers (``dataclasses`` checks them), so
-    they are safe to write into the generated source."""
+    else from ``obj``."""
     lines = ["def copy(obj, changes):", "    new = make(cls)"]
-    scope: dict[str, Any] = {"make": object.__new__, "cls": cls}
-    for at, name in enumerate(names):
-        scope[f"set{at}"] = slots[name].__set__
-        lines.append(f"    set{at}(new, changes[{name!r}] if {name!r} in changes else obj.{name})")
-    lines.append("    return new")
-    exec("\n".join(lines), scope)  # a fixed template over dataclass field names
-    return scope["copy"]  # type: ignore[no-any-return]
+    lines += [
+        f"    set{at}(new, changes[{name!r}] if {name!r} in changes else obj.{name})"
+        for at, name in enumerate(names)
+    ]
+    scope = {"make": object.__new__, "cls": cls, **_setters(tuple(slots.values()))}
+    return _compiled([*lines, "    return new"], scope, "copy")
 
 
 def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:

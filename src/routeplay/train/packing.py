@@ -147,7 +147,7 @@ class PackedSample:
     @property
     def end(self) -> int:
         """Pack position one past the sample's sequence (its padding included)."""
-        return self.offset + (self.tokens - 1 if self.span is None else self.span)
+        return self.offset + self.positions
 
 
 def _packed_sample(
