@@ -106,23 +106,27 @@ def _end_named_actors() -> None:
 
 # The longest modules start first: pytest-xdist hands whole files (--dist loadfile) to
 # the workers in collection order, so a long module collected last would run alone at
-# the end while the other worker idles. Measured with `pytest --durations=0` (2 workers).
+# the end while the other worker idles. Measured with `pytest --durations=0` (2 workers);
+# the `long` runs (`make test-long`) by what they take there, the rest by what they take
+# in `make test`.
 LONGEST_FIRST = (
     "e2e/test_demo.py",
     "ray/test_multinode.py",
-    "e2e/test_soak.py",
-    "ray/test_async_store.py",
-    "e2e/test_two_runs.py",
-    "ray/test_route_store.py",
-    "ray/test_key_new_rows.py",
-    "unit/test_import_hygiene.py",
-    "ray/test_compaction.py",
-    "ray/test_reliability_ray.py",
-    "e2e/test_group_calls.py",
-    "e2e/test_verl_flow.py",
     "ray/test_verl_ray.py",
-    "ray/test_fast_paths_ray.py",
+    "e2e/test_verl_flow.py",
+    "e2e/test_soak.py",
+    "ray/test_bench_rl_step.py",
+    "e2e/test_two_runs.py",
+    "ray/test_cancel_storm.py",
+    "e2e/test_xtuner_flow.py",
+    "ray/test_ingest_validation.py",
+    "ray/test_async_store.py",
+    "ray/test_route_store.py",
     "megatron/test_megatron_pipeline.py",
+    "ray/test_lmdeploy_capture.py",
+    "unit/test_hf_replay.py",
+    "ray/test_engine_store.py",
+    "unit/test_import_hygiene.py",
 )
 
 

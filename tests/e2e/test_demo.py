@@ -1,7 +1,6 @@
-"""The demo end to end: the default recipe once through the CLI, exactly as ``make
-demo`` runs it (its report, JSON and PNG), and two steps of the smoke recipe on each other
-engine wire format (the default's own wire is proven by the default run, with the same
-invariants).
+"""The demo end to end: two steps of the smoke recipe on every engine wire format, and
+the default recipe once through the CLI, exactly as ``make demo`` runs it (its report,
+JSON and PNG: a long run, ``make test-long``), with the same invariants.
 
 Each run goes through partial resumes, stale retries (the smoke recipe's staleness 0
 makes step 0's leftover group stale in step 1), two-turn trace sessions and R3 training,
@@ -90,7 +89,7 @@ def _check_invariants(report: DemoReport, steps: int, max_route_diff: float) -> 
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("name", [n for n in WIRE_NAMES if n != recipe("default").wire])
+@pytest.mark.parametrize("name", WIRE_NAMES)
 def test_two_steps_keep_every_invariant(name: str) -> None:
     report = run_demo(recipe("smoke").replace(wire=name, seed=1))
     _check_invariants(report, steps=2, max_route_diff=SMOKE_ROUTE_DIFF)
@@ -203,6 +202,7 @@ def default_run(
     return report, json.loads(report_path.read_text()), plot
 
 
+@pytest.mark.long
 def test_the_cli_writes_a_report_and_a_plot(
     default_run: tuple[DemoReport, dict[str, Any], Path],
 ) -> None:
@@ -212,6 +212,7 @@ def test_the_cli_writes_a_report_and_a_plot(
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.long
 def test_the_json_report_carries_the_r3_and_bytes_objects(
     default_run: tuple[DemoReport, dict[str, Any], Path],
 ) -> None:
@@ -250,6 +251,7 @@ def test_the_json_report_carries_the_r3_and_bytes_objects(
     assert data["trainer_dtype"] == "float32"
 
 
+@pytest.mark.long
 def test_the_default_run_shows_what_the_r3_paper_shows(
     default_run: tuple[DemoReport, dict[str, Any], Path],
 ) -> None:

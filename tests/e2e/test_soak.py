@@ -17,7 +17,7 @@ from routeplay.pipeline.faults import FAULT_KINDS, FaultConfig
 from routeplay.pipeline.soak import SoakConfig, run_soak
 from routeplay.pipeline.soak_report import SoakReport
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.mark.usefixtures("ray_local")

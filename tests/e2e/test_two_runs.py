@@ -40,7 +40,7 @@ from routeplay.rollout import RolloutState
 from routeplay.store import StoreConfig
 from routeplay.store.engine.service import LMDEPLOY_NAME, LMDEPLOY_NAMESPACE
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 WIRE = "lmdeploy-key"  # engine keys live in the one engine store every run shares
 WAIT_S = 120.0  # the other run's next step or teardown, on 2 busy CPUs

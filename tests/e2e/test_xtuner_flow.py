@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from example_module import load_example
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.mark.usefixtures("ray_local")

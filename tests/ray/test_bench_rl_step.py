@@ -24,7 +24,7 @@ from routeplay.bench.workloads import RLStepShape
 from routeplay.core import canonicalize
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.long]
 
 # Groups of 4 sharing a 128-token prompt, 256 tokens a sample, 2 DP ranks, 4 samples a
 # pack: 8 samples in 2 groups, a rank a group. A group's payload (244 KiB) is a Ray

@@ -41,7 +41,7 @@ from routeplay.store import RouteStore, StoreConfig
 from routeplay.store.client.lease import Lease
 from routeplay.store.remote.producer import TAKE_GROUP, AsyncRoutesProducer, producer_actor
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.long]
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 COROUTINES = int(os.environ.get("ROUTEPLAY_STORM_COROUTINES", "80"))

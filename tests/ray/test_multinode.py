@@ -7,7 +7,8 @@ compact write there), and the trainer pulls those compact rows straight from it;
 nothing is written on the rollout node or on the store's node. The eager path relays
 the payload through the rollout node.
 
-And ``routeplay bench --smoke --address``: the whole benchmark with tiny payloads. It
+And ``routeplay bench --smoke --address``: the whole benchmark with tiny payloads (a long
+run: ``make test-long``). It
 checks what the full run reports: every path delivers the same rows, the routeplay
 paths write each payload once (the adoption's writes counted), a GRPO group its prompt
 once, a rank holds only its share, each sample's adoption is timed apart from the step,
@@ -88,6 +89,7 @@ def results(nodes: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, o
     return document
 
 
+@pytest.mark.long
 def test_every_workload_has_the_documented_figures(results: dict[str, object]) -> None:
     workloads = results["workloads"]
     assert isinstance(workloads, list)
@@ -104,6 +106,7 @@ def test_every_workload_has_the_documented_figures(results: dict[str, object]) -
     assert results["config"]["mode"] == "smoke"  # type: ignore[index]
 
 
+@pytest.mark.long
 def test_each_path_has_its_limit_and_a_path_timed_below_it_is_reported(
     results: dict[str, object],
 ) -> None:
@@ -172,6 +175,7 @@ def test_each_path_has_its_limit_and_a_path_timed_below_it_is_reported(
     ]
 
 
+@pytest.mark.long
 def test_each_step_is_split_into_its_phases(results: dict[str, object]) -> None:
     for w in results["workloads"]:  # type: ignore[attr-defined]
         for path in ("eager", "producer", "adopt", "adopt_at_step"):
@@ -185,6 +189,7 @@ def test_each_step_is_split_into_its_phases(results: dict[str, object]) -> None:
         assert w["adopt"]["phases_ms"]["acquire"] > 0
 
 
+@pytest.mark.long
 def test_each_adoption_is_timed_apart_from_the_step_per_sample(
     results: dict[str, object],
 ) -> None:
@@ -212,6 +217,7 @@ def test_each_adoption_is_timed_apart_from_the_step_per_sample(
     ]
 
 
+@pytest.mark.long
 def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, object]) -> None:
     plain, grpo = results["workloads"]  # type: ignore[misc]
     payload = plain["payload_bytes"]
@@ -233,6 +239,7 @@ def test_routeplay_writes_once_and_a_rank_holds_its_share(results: dict[str, obj
         )
 
 
+@pytest.mark.long
 def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
     goals = results["goals"]
     assert goals["writes_per_payload"]["producer"] <= METADATA  # type: ignore[index]
@@ -247,6 +254,7 @@ def test_goals_and_small_costs_are_reported(results: dict[str, object]) -> None:
     assert results["store_end"] == {"live_payloads": 0, "leases": 0}
 
 
+@pytest.mark.long
 def test_verl_data_path_is_measured_against_routeplays(results: dict[str, Any]) -> None:
     """verl's padded int16 batch reaches the driver and, on every pass, each rank of its
     DP chunk whole; routeplay's rows cross once from the rollout node, each rank taking
@@ -290,6 +298,7 @@ def test_verl_data_path_is_measured_against_routeplays(results: dict[str, Any]) 
         assert f"│ {label} " in text
 
 
+@pytest.mark.long
 def test_multi_turn_bytes_are_one_per_unique_row_after_compaction_on_every_wire(
     results: dict[str, object],
 ) -> None:

@@ -38,7 +38,7 @@ from routeplay.store import (  # noqa: E402
     producer_actor,
 )
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.long]
 
 SPEC = RouteSpec(num_layers=3, top_k=2, num_experts=16)
 PROMPT, RESPONSE, SAMPLES = 12, 7, 8

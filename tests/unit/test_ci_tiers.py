@@ -1,0 +1,46 @@
+"""The suite's two tiers: ``make test`` (what a newcomer runs first, under 6 minutes on a
+fresh clone) leaves out the ``long`` end-to-end runs, ``make test-long`` runs exactly
+those, and CI runs both, the newcomer's first; the modules the workers start with exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _recipe(target: str) -> str:
+    """The recipe lines of a Makefile target."""
+    makefile = (ROOT / "Makefile").read_text()
+    match = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert match, f"no target {target} in the Makefile"
+    return match.group(1)
+
+
+def test_make_test_leaves_the_long_runs_to_make_test_long() -> None:
+    assert '-m "not long"' in _recipe("pytest")
+    assert "-m long" in _recipe("test-long")
+    assert "$(MAKE) --no-print-directory pytest" in _recipe("test")
+
+
+def test_ci_runs_the_newcomers_suite_then_the_long_runs() -> None:
+    commands = [
+        line.strip()
+        for line in (ROOT / ".ci/run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert commands.index("make test") < commands.index("make test-long")
+
+
+def test_the_modules_the_workers_start_with_exist() -> None:
+    # Read, not imported: ``conftest`` names a module in several test folders.
+    tree = ast.parse((ROOT / "tests/conftest.py").read_text())
+    [names] = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "LONGEST_FIRST"
+    ]
+    assert names
+    assert all((ROOT / "tests" / name).is_file() for name in names)
