@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from routeplay.core import EngineKey, Handle, InlineSource, Routes, RouteSpec, Segment, canonicalize
 from routeplay.errors import (
@@ -350,3 +352,29 @@ def test_a_read_mixing_sources_lands_every_row_where_it_belongs() -> None:
         expected = whole[lo:hi] if handle is joined else parts[2].array[lo:hi]
         np.testing.assert_array_equal(out, expected)
     lease.release()
+
+
+@settings(max_examples=60)
+@given(
+    prompts=st.lists(st.integers(0, 2), min_size=1, max_size=9),
+    short=st.sets(st.integers(0, 8)),
+)
+def test_each_sample_shares_the_prefix_of_the_first_sample_equal_to_it(
+    prompts: list[int], short: set[int]
+) -> None:
+    # Samples routed one of three prompts (some shorter than the prefix): each one's
+    # leader is the first sample whose prefix is byte-equal to its own, and only
+    # prefixes two samples or more share are grouped.
+    heads = [routing(8, seed=100 + p).array for p in range(3)]
+    batch = [
+        canonicalize(heads[p][:5] if i in short else np.concatenate([heads[p], heads[p]]), SPEC)
+        for i, p in enumerate(prompts)
+    ]
+    eligible = [i for i in range(len(batch)) if i not in short]
+    first_of = {i: next(j for j in eligible if prompts[j] == prompts[i]) for i in eligible}
+    expected = {
+        i: first
+        for i, first in first_of.items()
+        if sum(1 for j in eligible if first_of[j] == first) > 1
+    }
+    assert writes._equal_prefix_groups(batch, 8) == expected

@@ -1,9 +1,9 @@
 """Planning a batched write: which arrays to store, and which rows each sample points at.
 
 Pure numpy (no Ray). A batch of samples is written in one adopt call per store shard.
-With ``shared_prefix=P`` the samples whose first ``P`` rows are *verified* equal (same
-sampled rows, then compared byte for byte, never assumed from the prompt text: two engines,
-or two weight versions, may route the same prompt differently) store those rows once;
+With ``shared_prefix=P`` the samples whose first ``P`` rows are *verified* equal (compared
+byte for byte, never assumed from the prompt text: two engines, or two weight versions,
+may route the same prompt differently) store those rows once;
 each such sample's handle is ``[shared prefix][its own suffix]``. A sample whose prefix
 differs (or that is shorter than ``P``) keeps its own full rows. The plan counts the
 bytes sharing saved, for the store's stats.
@@ -180,15 +180,26 @@ def _packed(
 
 def _equal_prefix_groups(batch: Sequence[Routes], prefix_rows: int) -> dict[int, int]:
     """Sample index -> first sample with byte-equal prefix rows, for groups of two or
-    more (candidates by a few sampled rows, then compared: a match alone is not proof)."""
+    more. Each sample is compared with the batch's first sample that has the prefix
+    (a GRPO group's members share its prompt: one compare each, nothing else); one that
+    differs looks among the other leaders with the same few sampled rows (``_digest``),
+    compared in turn: a sampled match alone is not proof."""
     if prefix_rows <= 0:
         return {}
-    leaders: dict[bytes, list[int]] = {}
+    first: int | None = None
+    leaders: dict[bytes, list[int]] = {}  # the other leaders, by their sampled rows
     members: dict[int, list[int]] = {}
     for index, routes in enumerate(batch):
         if routes.array.shape[0] < prefix_rows:
             continue
         head = routes.array[:prefix_rows]
+        if first is None:
+            first = index
+            members[index] = [index]
+            continue
+        if bytes_equal(batch[first].array[:prefix_rows], head):
+            members[first].append(index)
+            continue
         candidates = leaders.setdefault(_digest(head), [])
         leader = next(
             (i for i in candidates if bytes_equal(batch[i].array[:prefix_rows], head)), None
