@@ -141,8 +141,7 @@ class PackedSample:
     @property
     def positions(self) -> int:
         """Pack positions its sequence occupies (``span``, or its rows)."""
-        # Not through ``rows``: a plan's checks ask every sample's positions and end.
-        return self.tokens - 1 if self.span is None else self.span
+        return self.rows if self.span is None else self.span
 
     @property
     def end(self) -> int:
