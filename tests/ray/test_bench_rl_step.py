@@ -116,6 +116,13 @@ def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, 
         assert point["paths"][path]["over_ray_floor"] is not None, path
 
 
+def test_each_run_reports_the_collections_it_triggered(point: dict[str, Any]) -> None:
+    for path, figures in point["paths"].items():
+        assert set(figures["gc_cpu_ms"]) == {"driver", "rollout", "ranks"}, path
+        assert all(ms >= 0.0 for ms in figures["gc_cpu_ms"].values()), path
+        assert figures["gc_full"] >= 0, path
+
+
 def test_the_tables_show_every_path(point: dict[str, Any]) -> None:
     results = {"rl_step": {"shape": {"group": 4}, "points": [point]}}
     console = Console(width=400, record=True, file=io.StringIO())

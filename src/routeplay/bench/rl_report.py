@@ -6,7 +6,8 @@ The results' ``rl_step`` object: ``shape`` (the step: model, tokens, prompt, gro
 ranks, pack length, step sizes, runs), ``verl_batch`` (verl's ``DataProto`` or the numpy
 stand-in), ``points`` (one per step size: ``samples``, ``groups``, bytes, ``paths`` ->
 path -> medians of ``ms`` and ``phases_ms``, ``per_sample_ms``, ``shard_calls``,
-``calls_by_phase``, the shards' CPU, ``over_ray_floor``; ``verl_over_producer``,
+``calls_by_phase``, the shards' CPU, the garbage collections' CPU by process
+(``gc_cpu_ms``) and how many were full (``gc_full``), ``over_ray_floor``; ``verl_over_producer``,
 ``verl_over_adopt``, ``skipped``) and ``store_end``.
 
 Example:
@@ -61,6 +62,7 @@ def rl_step_table(results: dict[str, Any]) -> Table:
         *(label for _, label in PHASE_COLUMNS),
         "shard calls (/sample)",
         "shard CPU ms (calls|process)",
+        "GC CPU ms: driver|rollout|ranks (full)",
         "x Ray's floor",
         "verl / this",
     )
@@ -83,6 +85,7 @@ def rl_step_table(results: dict[str, Any]) -> Table:
                 *(f"{phases[phase]:.1f}" for phase, _ in PHASE_COLUMNS),
                 f"{figures['shard_calls']:.0f} ({figures['shard_calls_per_sample']:.2f})",
                 f"{figures['shard_call_cpu_ms']:.0f}|{figures['shard_process_cpu_ms']:.0f}",
+                _collections(figures),
                 _times(figures.get("over_ray_floor")),
                 _times(verl / figures["median_ms"] if verl and path != "verl" else None),
             )
@@ -111,6 +114,15 @@ def rl_calls_table(results: dict[str, Any]) -> Table:
                 *(_ops(calls.get(phase, {})) for phase, _ in PHASE_COLUMNS),
             )
     return table
+
+
+def _collections(figures: dict[str, Any]) -> str:
+    """The garbage collections a run's allocations triggered (results before they were
+    counted: "-")."""
+    cpu = figures.get("gc_cpu_ms")
+    if cpu is None:
+        return "-"
+    return f"{cpu['driver']:.0f}|{cpu['rollout']:.0f}|{cpu['ranks']:.0f} ({figures['gc_full']:.0f})"
 
 
 def _ops(ops: dict[str, int]) -> str:

@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 import ray
 
-from routeplay.bench import verl_path
+from routeplay.bench import gc_meter, verl_path
 from routeplay.bench.workloads import RLStepShape
 from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize
 from routeplay.core.wires import Engine, EngineRouting
@@ -126,6 +126,17 @@ def rows_digest(rows: npt.NDArray[Any]) -> str:
     return hashlib.sha256(np.ascontiguousarray(rows).data).hexdigest()[:24]
 
 
+class _Settles:
+    """A bench process's garbage collections: settled before a timed run, counted during
+    it (``routeplay.bench.gc_meter``)."""
+
+    def settle(self) -> None:
+        gc_meter.settle()
+
+    def collected(self) -> dict[str, Any]:
+        return gc_meter.collected()
+
+
 class _StepEngine(RoutesProducer):
     """LMDeploy's side: each sample's routing into the engine store, one put each."""
 
@@ -148,7 +159,7 @@ class _StepEngine(RoutesProducer):
         return out
 
 
-class _StepRollout(AsyncRoutesProducer):
+class _StepRollout(AsyncRoutesProducer, _Settles):
     """The rollout worker: the step's answers, handed on one of four ways. An asyncio
     actor with one coroutine per GRPO group, as XTuner's and verl's rollout workers run
     their samples: the groups whose answers land together are handed on together."""
@@ -257,7 +268,7 @@ class _StepRollout(AsyncRoutesProducer):
         )
 
 
-class _StepRank:
+class _StepRank(_Settles):
     """One data-parallel trainer rank."""
 
     def __init__(self, store: RouteStore, shape: RLStepShape, dp_rank: int) -> None:

@@ -20,7 +20,11 @@ on the driver's clock, one after the other:
   ``Materializer.leasing``: one lease over the payloads of its share)
   and ``releases`` (the batch closes; verl and Ray drop their references).
 
-Between two phases (not timed) the store's ``stats()`` is read, so each phase gets its
+Before each run (not timed) the driver and every role's process run a full garbage
+collection, and the run reports the CPU of the collections its own allocations
+triggered in them (``gc_cpu_ms``, ``gc_full``; ``routeplay.bench.gc_meter``: without the
+settle, a run paid for the collections the path before it left pending). Between two
+phases (not timed) the store's ``stats()`` is read, so each phase gets its
 shard calls per operation and their CPU (``routeplay.store.shard.call_meter``); after the
 step every lease and payload must be gone (a leak fails the run, ``RuntimeError``), and
 on the LMDeploy-key path every engine key too. The first run of each path is checked
@@ -46,7 +50,7 @@ import numpy as np
 import psutil
 import ray
 
-from routeplay.bench import verl_path
+from routeplay.bench import gc_meter, verl_path
 from routeplay.bench.host_cpu import busy_core_ms
 from routeplay.bench.measure import cluster, joined, kill_all, on, prepared_at_ingest
 from routeplay.bench.rl_roles import VERSION, RankShare, StepEngine, StepRank, StepRollout
@@ -234,6 +238,7 @@ class _StepBench:
             # An engine store with a spec: the step's payloads are validated at ingest.
             if prepared_at_ingest(self.engine_store) > before:
                 self._validated_at_ingest(keys[-1][-1])
+        self._settle()
         meter = _PhaseMeter(self.store)
         busy = busy_core_ms()
         steps = {
@@ -244,10 +249,12 @@ class _StepBench:
         }
         shares = steps[path](meter, check, keys)
         core_ms = busy_core_ms() - busy
+        collections = self._collections()
         self._check_nothing_left(path, meter.last)
         slowest = max(shares, key=lambda s: s.acquire_s + s.read_s + s.release_s)
         figures = meter.figures()
         figures["core_ms"] = round(core_ms)
+        figures.update(collections)
         figures["rank_ms"] = {
             "acquire": slowest.acquire_s * 1e3,
             "read": slowest.read_s * 1e3,
@@ -258,6 +265,33 @@ class _StepBench:
         if check:
             figures["digest"] = _step_digest(path, shares, self.samples)
         return figures
+
+    def _settle(self) -> None:
+        """Untimed: a full garbage collection in the driver and each role's process, so
+        a run is not charged for what the path before it left (``gc_meter``)."""
+        ray.get([role.settle.remote() for role in self._collecting()], timeout=_DEADLINE_S)
+        gc_meter.settle()
+
+    def _collections(self) -> dict[str, Any]:
+        """The collections the run's own allocations triggered, by process (CPU ms), and
+        how many were full (generation 2), over every process."""
+        rollout, *ranks = ray.get(
+            [role.collected.remote() for role in self._collecting()], timeout=_DEADLINE_S
+        )
+        driver = gc_meter.collected()
+        every = [driver, rollout, *ranks]
+        return {
+            "gc_cpu_ms": {
+                "driver": driver["cpu_ms"],
+                "rollout": rollout["cpu_ms"],
+                "ranks": round(sum(rank["cpu_ms"] for rank in ranks), 2),
+            },
+            "gc_full": sum(one["by_generation"][2] for one in every),
+        }
+
+    def _collecting(self) -> list[Any]:
+        """The roles whose collections a run counts: the rollout worker, then the ranks."""
+        return [self.rollout, *self.ranks]
 
     def _routeplay(
         self, meter: _PhaseMeter, check: bool, keys: list[list[str]] | None
@@ -407,6 +441,10 @@ def _summary(runs: list[dict[str, Any]], samples: int) -> dict[str, Any]:
             k: _median(run["rank_ms"][k] for run in runs) for k in ("acquire", "read", "release")
         },
         "core_ms": _median(run["core_ms"] for run in runs),
+        "gc_cpu_ms": {
+            k: _median(run["gc_cpu_ms"][k] for run in runs) for k in ("driver", "rollout", "ranks")
+        },
+        "gc_full": _median(run["gc_full"] for run in runs),
         "wall_ms": _median(run["wall_ms"] for run in runs),
     }
 
