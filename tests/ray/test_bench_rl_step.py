@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from routeplay.bench import rl_step
 from routeplay.bench.rl_report import rl_calls_table, rl_step_table
 from routeplay.bench.rl_roles import engine_routing, rows_digest, sample_id
 from routeplay.bench.rl_step import PATHS, PHASES, rl_point, step_digest
@@ -114,6 +115,15 @@ def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, 
     for path in ("ray_floor", "verl"):
         assert point["paths"][path]["shard_calls"] == 0, path
         assert point["paths"][path]["over_ray_floor"] is not None, path
+
+
+def test_every_run_starts_settled(store: RouteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    settled: list[int] = []
+    real = rl_step.gc_meter.settle
+    monkeypatch.setattr(rl_step.gc_meter, "settle", lambda: settled.append(1) or real())
+    rl_point(store, SHAPE, SAMPLES, place=_anywhere)
+    # the driver's settle, once per run: a checked run and SHAPE.runs timed runs per path
+    assert len(settled) == len(PATHS) * (1 + SHAPE.runs)
 
 
 def test_each_run_reports_the_collections_it_triggered(point: dict[str, Any]) -> None:
