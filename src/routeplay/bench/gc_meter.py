@@ -28,7 +28,9 @@ from typing import Any
 
 __all__ = ["collected", "settle"]
 
-_lock = threading.Lock()
+# Reentrant: a collection can start inside ``settle`` or ``collected`` (they allocate while
+# holding the lock), and its hook then takes the lock again on the same thread.
+_lock = threading.RLock()
 _started: dict[int, float] = {}  # thread id -> its collection's start (thread CPU)
 _cpu_s = 0.0
 _by_generation = [0, 0, 0]
@@ -69,10 +71,13 @@ def settle() -> None:
 
 def collected() -> dict[str, Any]:
     """Collections since the last ``settle``: their CPU (ms) and how many of each
-    generation (0, 1, 2: a 2 is a full collection of the heap).
+    generation (0, 1, 2: a 2 is a full collection of the heap). Asked before any settle
+    it raises: nothing was counted, and zeros would read as "no collections".
 
     Example:
         collected()["cpu_ms"]
     """
+    if not _installed:
+        raise RuntimeError("gc_meter.collected() before any settle(): nothing was counted")
     with _lock:
         return {"cpu_ms": round(_cpu_s * 1e3, 2), "by_generation": list(_by_generation)}
