@@ -52,8 +52,9 @@ typecheck: $(STAMP)
 # `make test` is the suite a newcomer runs first, under 6 minutes on a fresh clone of 2
 # cores; the long end-to-end runs (pytest's `long` marker: the default demo as `make demo`
 # runs it, the bench's smoke run, the soak and the cancellation storms, the verl and XTuner
-# flows across processes, two demos on one cluster: about 510 s of the suite's 990 s of
-# test time here) are `make test-long`, which CI runs after it (.ci/run).
+# flows across processes, two demos on one cluster, the two-step demo of two of the four
+# engine wires, Megatron's 1F1B step reading every layer: about half of the suite's test
+# time here) are `make test-long`, which CI runs after it (.ci/run).
 pytest: $(STAMP)
 	$(BIN)/pytest $(XDIST) -m "not long" tests
 

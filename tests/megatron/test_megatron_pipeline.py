@@ -135,7 +135,15 @@ def _stage(rank: int, port: int, stage_read: bool) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage_read", [False, True], ids=["all-layers", "stage-layers"])
+# A stage reading every layer (the plain read) runs in `make test-long`; a stage reading
+# only its own layers, the path that differs, in `make test` (each spawns two processes).
+@pytest.mark.parametrize(
+    "stage_read",
+    [
+        pytest.param(False, marks=pytest.mark.long, id="all-layers"),
+        pytest.param(True, id="stage-layers"),
+    ],
+)
 def test_a_two_stage_1f1b_step_replays_each_stages_layers(stage_read: bool) -> None:
     import torch.multiprocessing as mp
 
