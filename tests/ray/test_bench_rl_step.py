@@ -14,12 +14,20 @@ import io
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
+import ray
 from rich.console import Console
 
 from routeplay.bench import rl_step
 from routeplay.bench.rl_report import rl_calls_table, rl_step_table
-from routeplay.bench.rl_roles import engine_routing, rows_digest, sample_id
+from routeplay.bench.rl_roles import (
+    StepOwner,
+    StepRollout,
+    engine_routing,
+    rows_digest,
+    sample_id,
+)
 from routeplay.bench.rl_step import PATHS, PHASES, rl_point, step_digest
 from routeplay.bench.workloads import RLStepShape
 from routeplay.core import canonicalize
@@ -112,9 +120,40 @@ def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, 
         assert calls["reads"], path  # the ranks lease their samples
         assert calls["releases"], path  # the batch ends its leases
         assert figures["shard_call_cpu_ms"] > 0, path
-    for path in ("ray_floor", "verl"):
+    for path in ("ray_floor", "ray_owned", "verl"):
         assert point["paths"][path]["shard_calls"] == 0, path
         assert point["paths"][path]["over_ray_floor"] is not None, path
+        assert point["paths"][path]["over_ray_owned"] is not None, path
+
+
+def test_the_owned_floors_objects_are_the_owners_not_the_workers(store: RouteStore) -> None:
+    """What the owned floor stands for: payloads that survive their writer. Its owner
+    calls the rollout worker, so the objects are the owner's (Ray's floor's are the
+    worker's, lost with it), laid out as the floor's, and still read once the worker
+    is gone."""
+    groups = SHAPE.groups(SAMPLES)
+    rollout = StepRollout.remote(store, SHAPE)
+    owner = StepOwner.remote(rollout)
+    worker_of = {
+        actor: bytes.fromhex(ray.get(actor.__ray_call__.remote(_worker_id)))
+        for actor in (rollout, owner)
+    }
+    ray.get(rollout.prepare.remote(groups, 5))
+    [refs] = ray.get(owner.make.remote(groups))
+    [floor_refs] = ray.get(rollout.put_groups.remote())
+    assert all(worker_of[owner] in ref.owner_address() for ref in refs)
+    assert all(worker_of[rollout] in ref.owner_address() for ref in floor_refs)
+    assert not any(worker_of[rollout] in ref.owner_address() for ref in refs)
+    floor = ray.get(floor_refs)
+    ray.kill(rollout)
+    for rows, want in zip(ray.get(refs, timeout=30), floor, strict=True):
+        np.testing.assert_array_equal(rows, want)
+    ray.get(owner.drop.remote())
+    ray.kill(owner)
+
+
+def _worker_id(actor: Any) -> str:
+    return str(ray.get_runtime_context().get_worker_id())
 
 
 def test_every_run_starts_settled(store: RouteStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,6 +178,12 @@ def test_the_tables_show_every_path(point: dict[str, Any]) -> None:
     console.print(rl_step_table(results))
     console.print(rl_calls_table(results))
     text = console.export_text()
-    for label in ("routeplay producer", "routeplay LMDeploy key", "Ray's floor", "verl"):
+    for label in (
+        "routeplay producer",
+        "routeplay LMDeploy key",
+        "Ray's floor",
+        "actor-owned",
+        "verl",
+    ):
         assert label in text
     assert "1.00x" in text  # Ray's floor over itself

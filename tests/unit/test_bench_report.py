@@ -202,7 +202,9 @@ def test_the_adoption_table_shows_each_adopted_key_path_next_to_its_read(
     assert derived == recorded  # the rest reads back as before
 
 
-def _rl_path(ms: float, calls: int, over_floor: float, *, gc: bool = True) -> dict[str, Any]:
+def _rl_path(
+    ms: float, calls: int, over_floor: float, *, gc: bool = True, over_owned: float | None = None
+) -> dict[str, Any]:
     phases = {
         "writes": ms / 2,
         "buffer": ms / 8,
@@ -222,6 +224,8 @@ def _rl_path(ms: float, calls: int, over_floor: float, *, gc: bool = True) -> di
         "shard_call_cpu_ms": 5.0,
         "shard_process_cpu_ms": 50.0,
         "over_ray_floor": over_floor,
+        # a results file from before the owned floor was measured has no ratio to it
+        **({"over_ray_owned": over_owned} if over_owned is not None else {}),
         # a results file from before the collections were counted has neither
         **(
             {"gc_cpu_ms": {"driver": 2.4, "rollout": 30.0, "ranks": 12.2}, "gc_full": 1}
@@ -235,9 +239,10 @@ def test_the_rl_step_tables_show_each_path_and_name_a_skipped_one(run: dict[str,
     point = {
         "samples": 64,
         "paths": {
-            "producer": _rl_path(150.0, 47, 5.0),
+            "producer": _rl_path(150.0, 47, 5.0, over_owned=3.0),
             "adopt": _rl_path(200.0, 47, 6.67),
             "ray_floor": _rl_path(30.0, 0, 1.0, gc=False),
+            "ray_owned": _rl_path(50.0, 0, 1.67, over_owned=1.0),
         },
         "skipped": {"verl": "needs ~19.0 GiB of memory at its peak"},
     }
@@ -252,10 +257,15 @@ def test_the_rl_step_tables_show_each_path_and_name_a_skipped_one(run: dict[str,
     ]
     producer = next(row for row in rows if row[1] == "routeplay producer" and "[" in row[2])
     assert producer[2:5] == ["150 [149-151]", "2.34", "75.0"]  # step, ms/sample, writes
-    # shard calls, shard CPU, collections; no verl: no ratio to it
-    assert producer[-5:] == ["47 (0.73)", "5|50", "2|30|12 (1)", "5.00x", ""]
+    # shard calls, shard CPU, collections, over Ray's floor and over its owned floor; no
+    # verl: no ratio to it
+    assert producer[-6:] == ["47 (0.73)", "5|50", "2|30|12 (1)", "5.00x", "3.00x", ""]
+    adopt = next(row for row in rows if row[1] == "routeplay LMDeploy key" and "[" in row[2])
+    assert adopt[-3:] == ["6.67x", "", ""]  # no owned floor in that results file
     floor = next(row for row in rows if row[1] == "Ray's floor" and "[" in row[2])
-    assert floor[-3] == "-"  # not counted in that results file
+    assert floor[-4] == "-"  # not counted in that results file
+    owned = next(row for row in rows if row[1] == "Ray's floor, actor-owned" and "[" in row[2])
+    assert owned[-3:] == ["1.67x", "1.00x", ""]
     verl = next(row for row in rows if row[1] == "verl")
     assert verl[2].startswith("skipped: needs ~19.0 GiB")
     calls = next(row for row in rows if row[1] == "routeplay producer" and "[" not in row[2])

@@ -7,7 +7,8 @@ ranks, pack length, step sizes, runs), ``verl_batch`` (verl's ``DataProto`` or t
 stand-in), ``points`` (one per step size: ``samples``, ``groups``, bytes, ``paths`` ->
 path -> medians of ``ms`` and ``phases_ms``, ``per_sample_ms``, ``shard_calls``,
 ``calls_by_phase``, the shards' CPU, the garbage collections' CPU by process
-(``gc_cpu_ms``) and how many were full (``gc_full``), ``over_ray_floor``; ``verl_over_producer``,
+(``gc_cpu_ms``) and how many were full (``gc_full``), ``over_ray_floor``, ``over_ray_owned``
+(over Ray's floor with an owner actor; absent before it was measured); ``verl_over_producer``,
 ``verl_over_adopt``, ``skipped``) and ``store_end``.
 
 Example:
@@ -26,6 +27,7 @@ LABELS = {
     "producer": "routeplay producer",
     "adopt": "routeplay LMDeploy key",
     "ray_floor": "Ray's floor",
+    "ray_owned": "Ray's floor, actor-owned",
     "verl": "verl",
 }
 PHASE_COLUMNS = (
@@ -64,6 +66,7 @@ def rl_step_table(results: dict[str, Any]) -> Table:
         "shard CPU ms (calls|process)",
         "GC CPU ms: driver|rollout|ranks (full)",
         "x Ray's floor",
+        "x actor-owned",
         "verl / this",
     )
     for column in columns:
@@ -87,6 +90,7 @@ def rl_step_table(results: dict[str, Any]) -> Table:
                 f"{figures['shard_call_cpu_ms']:.0f}|{figures['shard_process_cpu_ms']:.0f}",
                 _collections(figures),
                 _times(figures.get("over_ray_floor")),
+                _times(figures.get("over_ray_owned")),
                 _times(verl / figures["median_ms"] if verl and path != "verl" else None),
             )
     return table

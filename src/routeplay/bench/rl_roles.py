@@ -6,7 +6,7 @@ as an engine with prefix caching routes them). The rollout worker starts every s
 holding its answers decoded (``prepare``, untimed: what it holds once the engine has
 answered), or, on the LMDeploy-key path, the keys the engine put (``StepEngine``, one
 put per sample into routeplay's engine store, as LMDeploy's engine puts them). It then
-hands each group on one of four ways:
+hands each group on one of five ways:
 
 - **producer** (routeplay): one coroutine per group (the worker is an asyncio actor, as
   XTuner's and verl's rollout workers are): its answers through
@@ -22,6 +22,12 @@ hands each group on one of four ways:
 - **ray_floor** (Ray's own floor for the same objects): each group's canonical rows laid
   out as routeplay lays them (the prompt once, then each member's own rows) and
   ``ray.put`` once; the driver gets the references.
+- **ray_owned** (Ray's own floor, the objects owned by a long-lived actor): what Ray
+  itself offers for payloads that must outlive the worker that made them (a rollout
+  worker restarted, scaled down or failed): an owner actor (``StepOwner``, on the head
+  node, where routeplay's shard runs) calls the worker, which returns each group's
+  objects laid out as the floor's; the owner keeps them, the driver gets the references
+  and lets the owner drop them at the end.
 - **verl** (``routeplay.bench.verl_path``): each sample widened to int16 and padded to the
   full prompt + response width, the worker's samples concatenated into one batch and
   returned to the driver whole.
@@ -30,7 +36,7 @@ The ranks (``StepRank``) read their share: through ``Materializer.leasing`` (rou
 one lease over the payloads of their share), by ``ray.get`` of their groups' objects and
 a copy of each sample's rows into its pack (Ray), or from the chunk their call carried
 (verl). Each reports how long it spent acquiring, reading and releasing, and, on a
-checked run, a digest of every sample's rows, so the step can check that all four paths
+checked run, a digest of every sample's rows, so the step can check that all five paths
 delivered the same rows.
 """
 
@@ -40,7 +46,7 @@ import asyncio
 import functools
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -65,6 +71,7 @@ __all__ = [
     "VERSION",
     "RankShare",
     "StepEngine",
+    "StepOwner",
     "StepRank",
     "StepRollout",
     "engine_routing",
@@ -247,14 +254,20 @@ class _StepRollout(AsyncRoutesProducer, _Settles):
         """Ray's floor: each group's rows laid out as routeplay's payload (the prompt's
         rows once, then each member's own) and ``ray.put`` once; the references, wrapped
         so that they reach the driver as references."""
+        return [[ray.put(rows) for rows in self._laid_out()]]
+
+    def owned_groups(self) -> Any:
+        """Ray's floor with an owner: the same arrays as ``put_groups``, returned to the
+        caller (one return value per group: the caller owns them; Ray stores them in
+        this node's object store)."""
+        arrays = tuple(self._laid_out())
+        return arrays if len(arrays) > 1 else arrays[0]
+
+    def _laid_out(self) -> Iterator[npt.NDArray[Any]]:
         prompt = self.shape.shared_prompt
-        refs = []
         for group in self._decoded:
             arrays = [routes.array for routes in group]
-            refs.append(
-                ray.put(np.concatenate([arrays[0][:prompt], *(a[prompt:] for a in arrays)]))
-            )
-        return [refs]
+            yield np.concatenate([arrays[0][:prompt], *(a[prompt:] for a in arrays)])
 
     def verl_groups(self) -> Any:
         """verl's path: every sample int16 and padded, the worker's samples one batch."""
@@ -266,6 +279,34 @@ class _StepRollout(AsyncRoutesProducer, _Settles):
             response_length=shape.tokens - shape.shared_prompt,
             prompt_tokens=shape.shared_prompt,
         )
+
+
+class _StepOwner:
+    """Ray's floor with an owner: a long-lived actor that calls the rollout worker and so
+    owns the objects it returns (they outlive the worker), as an application without
+    routeplay would keep payloads alive past their writer."""
+
+    def __init__(self, rollout: Any) -> None:
+        self._rollout = rollout
+        self._held: list[Any] = []
+
+    def make(self, groups: int) -> list[list[Any]]:
+        """The step's group objects, made by the rollout worker and owned here; returns
+        once every one exists (the references, wrapped, to the driver)."""
+        refs = self._rollout.owned_groups.options(num_returns=groups).remote()
+        refs = list(refs) if groups > 1 else [refs]
+        # Not fetched here: the bytes stay on the worker's node until a rank reads them
+        # (a failed call fails the rank's read, and so the run).
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_DEADLINE_S, fetch_local=False)
+        if len(ready) != len(refs):
+            raise RuntimeError(f"{len(refs) - len(ready)} of {len(refs)} groups never made")
+        self._held = refs
+        return [refs]
+
+    def drop(self) -> None:
+        """The end of the step: the owner lets its objects go (the driver's and the
+        ranks' references are gone by then)."""
+        self._held = []
 
 
 class _StepRank(_Settles):
@@ -366,3 +407,4 @@ def _micro_batch_digests(
 StepEngine: Any = producer_actor(_StepEngine, num_cpus=0)
 StepRollout: Any = producer_actor(_StepRollout, num_cpus=0)
 StepRank: Any = ray.remote(num_cpus=0)(_StepRank)
+StepOwner: Any = ray.remote(num_cpus=0)(_StepOwner)

@@ -53,7 +53,14 @@ import ray
 from routeplay.bench import gc_meter, verl_path
 from routeplay.bench.host_cpu import busy_core_ms
 from routeplay.bench.measure import cluster, joined, kill_all, on, prepared_at_ingest
-from routeplay.bench.rl_roles import VERSION, RankShare, StepEngine, StepRank, StepRollout
+from routeplay.bench.rl_roles import (
+    VERSION,
+    RankShare,
+    StepEngine,
+    StepOwner,
+    StepRank,
+    StepRollout,
+)
 from routeplay.bench.workloads import RLStepShape
 from routeplay.core import Handle
 from routeplay.rollout import BufferConfig, ReplayBuffer, SampleRouting, TrainingBatch
@@ -66,7 +73,7 @@ _DEADLINE_S = 600.0
 
 __all__ = ["GENERATION", "PATHS", "PHASES", "TRAINER", "rl_point", "rl_steps", "step_digest"]
 
-PATHS = ("producer", "adopt", "ray_floor", "verl")
+PATHS = ("producer", "adopt", "ray_floor", "ray_owned", "verl")
 GENERATION = ("writes", "buffer")
 TRAINER = ("batch", "reads", "releases")
 PHASES = GENERATION + TRAINER
@@ -138,8 +145,10 @@ def rl_point(
         bench.close()
     summaries = {path: _summary(runs, samples) for path, runs in timed.items()}
     floor = summaries.get("ray_floor", {}).get("median_ms")
+    owned = summaries.get("ray_owned", {}).get("median_ms")
     for summary in summaries.values():
         summary["over_ray_floor"] = _ratio(summary["median_ms"], floor)
+        summary["over_ray_owned"] = _ratio(summary["median_ms"], owned)
     verl = summaries.get("verl", {}).get("median_ms")
     return {
         "samples": samples,
@@ -222,6 +231,8 @@ class _StepBench:
         self.ranks = [
             StepRank.options(**place("trainer")).remote(store, shape, r) for r in range(shape.dp)
         ]
+        # Where routeplay's shard runs (rl_steps: on the head node).
+        self.owner = StepOwner.options(**place("head")).remote(self.rollout)
         self.engine_store = ray.get_actor(LMDEPLOY_NAME, namespace=LMDEPLOY_NAMESPACE)
         self.buffer: ReplayBuffer[SampleRouting] = BufferConfig().build(store)
         ray.get(self.rollout.prepare.remote(self.groups, samples), timeout=_DEADLINE_S)
@@ -245,6 +256,7 @@ class _StepBench:
             "producer": self._routeplay,
             "adopt": self._routeplay,
             "ray_floor": self._ray_floor,
+            "ray_owned": self._ray_owned,
             "verl": self._verl,
         }
         shares = steps[path](meter, check, keys)
@@ -327,6 +339,25 @@ class _StepBench:
     def _ray_floor(self, meter: _PhaseMeter, check: bool, _: object) -> list[RankShare]:
         with meter.phase("writes"):
             [refs] = ray.get(self.rollout.put_groups.remote(), timeout=_DEADLINE_S)
+        read = self._read_refs(meter, refs, check)
+        with meter.phase("releases"):
+            del refs  # the objects go with their last reference
+        return read
+
+    def _ray_owned(self, meter: _PhaseMeter, check: bool, _: object) -> list[RankShare]:
+        """Ray's floor for objects that outlive their writer: made by the rollout worker,
+        owned by ``StepOwner``; read as the floor reads them."""
+        with meter.phase("writes"):
+            [refs] = ray.get(self.owner.make.remote(self.groups), timeout=_DEADLINE_S)
+        read = self._read_refs(meter, refs, check)
+        with meter.phase("releases"):
+            del refs
+            ray.get(self.owner.drop.remote(), timeout=_DEADLINE_S)  # the owner's go last
+        return read
+
+    def _read_refs(self, meter: _PhaseMeter, refs: list[Any], check: bool) -> list[RankShare]:
+        """Ray's buffer, batch and reads: the driver keeps the references and sends each
+        rank its share of the groups."""
         with meter.phase("buffer"):
             pass  # Ray has no buffer: the driver keeps the references
         with meter.phase("batch"):
@@ -336,10 +367,7 @@ class _StepBench:
                 rank.read_ray.remote([[refs[g] for g in share]], share.tolist(), check)
                 for rank, share in zip(self.ranks, shares, strict=True)
             ]
-            read: list[RankShare] = ray.get(reads, timeout=_DEADLINE_S)
-        with meter.phase("releases"):
-            del refs, reads  # the objects go with their last reference
-        return read
+            return list(ray.get(reads, timeout=_DEADLINE_S))
 
     def _verl(self, meter: _PhaseMeter, check: bool, _: object) -> list[RankShare]:
         with meter.phase("writes"):
@@ -388,7 +416,7 @@ class _StepBench:
 
     def close(self) -> None:
         self.buffer.close()
-        kill_all([self.engine, self.rollout, *self.ranks])
+        kill_all([self.engine, self.rollout, self.owner, *self.ranks])
 
 
 def _handle(routing: SampleRouting) -> Handle:
