@@ -26,18 +26,17 @@ PYTEST_WORKERS ?= 2
 # runs: a machine that sets PYTHONDONTWRITEBYTECODE (this one does) would otherwise make
 # every process compile torch and transformers from source again, and every Ray actor is
 # a process (6-8 s of CPU each: 40% of the test suite's time). `test` compiles the venv's
-# packages once, beside mypy, so the parallel test workers find them compiled: on a fresh
-# clone the suite imports about 7,000 modules of them (the partners', hypothesis, Ray's
-# agents, 33 transformers model families), each test worker and Ray process compiling
-# what it imports first, and pytest took 5 min 32 s against 4 min 23 s warm. Compiling
-# them all takes about 48 s on 2 cores, once per install (the stamp below).
+# packages once per install (a stamp), beside mypy, so the parallel test workers find
+# them compiled: on a fresh clone the suite imported about 7,000 modules of them (the
+# partners', hypothesis, Ray's, transformers' model families), each test worker and Ray
+# process compiling what it imported first, and pytest took 5 min 32 s against 4 min
+# 23 s compiled. Compiling them all took 48 s on 2 cores, on every core, their own test
+# folders left out (about 2,700 of 20,000 modules; no import here reaches them), quietly
+# (a few packages ship files no import reaches that do not compile, e.g. templates).
+# The stamp: checking 17,000 compiled modules again on every core took 10.7 s of
+# process hand-offs, 1.5 s on one.
 unexport PYTHONDONTWRITEBYTECODE
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
-# The venv's packages compiled on every core, their own test folders left out (about
-# 2,700 of its 20,000 modules; no import here reaches them), quietly: a few packages ship
-# files no import reaches that do not compile (templates); those stay as they are.
-# Once per install (a stamp): checking 17,000 compiled modules again on every core
-# costs 10 s of process hand-offs, against 1.5 s on one.
 WARM_BYTECODE := import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(r"/tests?/"))
 BYTECODE := $(VENV)/.routeplay-bytecode
 

@@ -3,8 +3,9 @@ group objects written and read three ways on the bench's own cluster (head, engi
 rollout and trainer nodes), steps alternating:
 
 - ``put``: the writer ``ray.put``s each group and owns it (Ray's floor: lost with it);
-- ``owner``: an idle owner actor on the head node calls the writer, which returns the
-  groups (one return value each), so the owner owns them and they outlive the writer;
+- ``owner``: an idle owner actor on the head node (the bench's ``StepOwner``, its owned
+  floor) calls the writer, which returns the groups (one return value each), so the
+  owner owns them and they outlive the writer;
 - ``owner_busy``: the same while a Python thread spins in the owner's process, as
   routeplay's shard answers calls while it owns the blocks.
 
@@ -24,12 +25,14 @@ import argparse
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import ray
 
 from routeplay.bench.measure import cluster, on
+from routeplay.bench.rl_roles import StepOwner
+from routeplay.bench.rl_step import unique_rows
 from routeplay.bench.workloads import RLStepShape
 
 KINDS = ("put", "owner", "owner_busy")
@@ -47,39 +50,25 @@ class Writer:
     def put_groups(self) -> list[list[Any]]:
         return [[ray.put(group) for group in self.groups]]
 
-    def return_groups(self) -> Any:
+    def owned_groups(self) -> Any:
+        """The groups as return values, for ``StepOwner`` (the bench's owned floor)."""
         return tuple(self.groups) if len(self.groups) > 1 else self.groups[0]
 
 
-@ray.remote(num_cpus=0)
-class Owner:
-    """Owns what it asks the writer for; optionally keeps its own process busy."""
+def _set_busy(owner: Any, on: bool) -> None:
+    """Run in the owner's process (``__ray_call__``): start or stop a Python thread that
+    spins there, as routeplay's shard runs its handlers while it owns the blocks."""
+    busy = owner.__dict__.setdefault("_busy", threading.Event())
+    if on and not busy.is_set():
+        busy.set()
+        threading.Thread(target=_spin_while, args=(busy,), daemon=True).start()
+    elif not on:
+        busy.clear()
 
-    def __init__(self, writer: Any, groups: int) -> None:
-        self.writer, self.groups = writer, groups
-        self.held: list[Any] = []
-        self.busy = threading.Event()
 
-    def make(self) -> list[list[Any]]:
-        refs = self.writer.return_groups.options(num_returns=self.groups).remote()
-        refs = list(refs) if self.groups > 1 else [refs]
-        ray.wait(refs, num_returns=len(refs), fetch_local=False)
-        self.held = refs
-        return [refs]
-
-    def drop(self) -> None:
-        self.held = []
-
-    def spin(self, on: bool) -> None:
-        if on and not self.busy.is_set():
-            self.busy.set()
-            threading.Thread(target=self._spin, daemon=True).start()
-        elif not on:
-            self.busy.clear()
-
-    def _spin(self) -> None:
-        while self.busy.is_set():
-            sum(range(2000))
+def _spin_while(busy: threading.Event) -> None:
+    while busy.is_set():
+        sum(range(2000))
 
 
 @ray.remote(num_cpus=0)
@@ -93,38 +82,48 @@ class Reader:
         return (time.perf_counter() - start) * 1e3, checksum
 
 
-def _step(kind: str, writer: Any, owner: Any, readers: list[Any]) -> tuple[float, float, float]:
+def _step(kind: str, groups: int, roles: _Roles) -> tuple[float, float, float]:
     start = time.perf_counter()
     if kind == "put":
-        [refs] = ray.get(writer.put_groups.remote())
+        [refs] = ray.get(roles.writer.put_groups.remote())
     else:
-        ray.get(owner.spin.remote(kind == "owner_busy"))
-        [refs] = ray.get(owner.make.remote())
+        ray.get(roles.owner.__ray_call__.remote(_set_busy, kind == "owner_busy"))
+        [refs] = ray.get(roles.owner.make.remote(groups))
     written = time.perf_counter()
     shares = np.array_split(np.arange(len(refs)), READERS)
     gets = ray.get(
-        [r.read.remote([[refs[g] for g in s]]) for r, s in zip(readers, shares, strict=True)]
+        [
+            reader.read.remote([[refs[g] for g in share]])
+            for reader, share in zip(roles.readers, shares, strict=True)
+        ]
     )
     read = time.perf_counter()
-    ray.get(owner.spin.remote(False))
+    ray.get(roles.owner.__ray_call__.remote(_set_busy, False))
     del refs
-    ray.get(owner.drop.remote())
+    ray.get(roles.owner.drop.remote())
     return (written - start) * 1e3, (read - written) * 1e3, max(ms for ms, _ in gets)
+
+
+class _Roles(NamedTuple):
+    writer: Any
+    owner: Any
+    readers: list[Any]
 
 
 def measure(groups: int, steps: int) -> dict[str, tuple[float, float, float]]:
     """Medians of (write, reads phase, slowest reader's get) per kind, in ms."""
     shape = RLStepShape()
-    rows = shape.shared_prompt + shape.group * (shape.rows - shape.shared_prompt)
-    layout = (rows, *shape.spec.row_shape)
+    layout = (unique_rows(shape), *shape.spec.row_shape)
     with cluster(shape.store_bytes):
         writer = Writer.options(**on("rollout")).remote(groups, layout, str(shape.spec.dtype))
-        owner = Owner.options(**on("head")).remote(writer, groups)
+        # The bench's own owner (its owned floor), where routeplay's shard runs.
+        owner = StepOwner.options(**on("head")).remote(writer)
         readers = [Reader.options(**on("trainer")).remote() for _ in range(READERS)]
+        roles = _Roles(writer, owner, readers)
         runs: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in KINDS}
         for step in range(steps + 1):  # the first round warms every actor up
             for kind in KINDS:
-                figures = _step(kind, writer, owner, readers)
+                figures = _step(kind, groups, roles)
                 if step:
                     runs[kind].append(figures)
     return {kind: _medians(figures) for kind, figures in runs.items()}

@@ -71,7 +71,16 @@ from routeplay.train import pack_samples
 _DEADLINE_S = 600.0
 """Deadline of every blocking Ray call here: a hung actor fails the run, never hangs it."""
 
-__all__ = ["GENERATION", "PATHS", "PHASES", "TRAINER", "rl_point", "rl_steps", "step_digest"]
+__all__ = [
+    "GENERATION",
+    "PATHS",
+    "PHASES",
+    "TRAINER",
+    "rl_point",
+    "rl_steps",
+    "step_digest",
+    "unique_rows",
+]
 
 PATHS = ("producer", "adopt", "ray_floor", "ray_owned", "verl")
 GENERATION = ("writes", "buffer")
@@ -155,7 +164,7 @@ def rl_point(
         "groups": shape.groups(samples),
         "digest": next(iter(digests.values())),
         "canonical_bytes": samples * shape.spec.nbytes(shape.rows),
-        "unique_bytes": shape.groups(samples) * shape.spec.nbytes(_unique_rows(shape)),
+        "unique_bytes": shape.groups(samples) * shape.spec.nbytes(unique_rows(shape)),
         "verl_bytes": _verl_bytes(shape, samples),
         "paths": summaries,
         "skipped": skipped,
@@ -487,8 +496,13 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 2)
 
 
-def _unique_rows(shape: RLStepShape) -> int:
-    """Rows a GRPO group stores: its prompt's once, then each member's own."""
+def unique_rows(shape: RLStepShape) -> int:
+    """Rows a GRPO group stores: its prompt's once, then each member's own.
+
+    Example:
+        >>> unique_rows(RLStepShape(tokens=256, shared_prompt=128, group=4))  # 255 rows each
+        636
+    """
     return shape.shared_prompt + shape.group * (shape.rows - shape.shared_prompt)
 
 
