@@ -13,7 +13,7 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from routeplay.errors import MalformedPayload, RowCountMismatch
+from routeplay.errors import MalformedPayload, RoutesLost, RowCountMismatch
 from routeplay.pipeline.config import recipe
 from routeplay.pipeline.rollout_worker import Sampling, WorkerShell
 from routeplay.pipeline.services import DemoServices
@@ -71,20 +71,9 @@ class PromptSkewShell(WorkerShell):
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_completion_whose_rows_disagree_with_its_tokens_costs_only_its_member() -> None:
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship the shell class
-    config = recipe("smoke").replace(wire="sglang")
-    with DemoServices(config) as svc:
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        worker = (
-            producer_actor(PromptSkewShell, num_cpus=0)
-            .options(scheduling_strategy=here)
-            .remote(svc.store, svc.trace, svc.server.url, "sglang", svc.engine.spec, 60.0)
-        )
-        states = [
-            RolloutState(sample_id=f"m{i}", group_id="g", prompt_ids=(5, 6, 7, 8, 9, 10))
-            for i in range(3)
-        ]
-        samplings = [Sampling(max_new_tokens=3, seed=i) for i in range(3)]
+    with DemoServices(recipe("smoke").replace(wire="sglang")) as svc:
+        worker = _shell_here(PromptSkewShell, svc)
+        states, samplings = _group(3)
         out = ray.get(worker.rollout_group.remote(states, samplings, 0), timeout=120)
         assert isinstance(out[1], RowCountMismatch)
         assert "sample m1" in str(out[1])
@@ -101,3 +90,60 @@ def test_a_completion_whose_rows_disagree_with_its_tokens_costs_only_its_member(
         assert svc.store.stats().leases == 0
         assert svc.store.leaks() == []
         ray.kill(worker)
+
+
+class _DeadWrites:
+    """A producer's writer whose group write is lost in transit (its shard died while
+    adopting): every other call goes through."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def put_leased_many(self, *args: Any, **kwargs: Any) -> Any:
+        raise RoutesLost("the shard adopting the group died", where="test")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class DeadWritesShell(WorkerShell):
+    """A worker whose group writes are lost."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._writer = _DeadWrites(self._writer)  # type: ignore[assignment]
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("ray_local")
+def test_a_lost_group_write_sets_every_member_aside_and_leaves_nothing() -> None:
+    with DemoServices(recipe("smoke").replace(wire="sglang")) as svc:
+        worker = _shell_here(DeadWritesShell, svc)
+        states, samplings = _group(3)
+        out = ray.get(worker.rollout_group.remote(states, samplings, 0), timeout=120)
+        assert all(isinstance(s, RoutesLost) for s in out), out
+        assert svc.store.stats().leases == 0
+        assert svc.store.stats().live_payloads == 0
+        assert svc.store.leaks() == []
+        assert ray.get(worker.staged_count.remote(), timeout=30) == 0
+        ray.kill(worker)
+
+
+def _shell_here(shell: type[WorkerShell], svc: DemoServices) -> Any:
+    """A worker of class ``shell`` (shipped by value) on this node, on SGLang's wire."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return (
+        producer_actor(shell, num_cpus=0)
+        .options(scheduling_strategy=here)
+        .remote(svc.store, svc.trace, svc.server.url, "sglang", svc.engine.spec, 60.0)
+    )
+
+
+def _group(size: int) -> tuple[list[RolloutState], list[Sampling]]:
+    """A group of ``size`` fresh members sharing one prompt, and their samplings."""
+    states = [
+        RolloutState(sample_id=f"m{i}", group_id="g", prompt_ids=(5, 6, 7, 8, 9, 10))
+        for i in range(size)
+    ]
+    return states, [Sampling(max_new_tokens=3, seed=i) for i in range(size)]

@@ -112,10 +112,13 @@ def test_shard_calls_are_reported_per_phase_for_routeplay_only(point: dict[str, 
         assert figures["shard_calls"] == sum(sum(ops.values()) for ops in calls.values())
         assert figures["shard_calls_per_sample"] == round(figures["shard_calls"] / SAMPLES, 2)
         # Groups answered together are written together: the producer stages them all
-        # for one adopt call, the engine keys of all of them go in one adoption call,
-        # and their members' leases go out in one call.
-        write = {"producer": "adopt_from_many", "adopt": "adopt_key_batches"}[path]
-        assert calls["writes"] == {write: 1, "lease_many": 1}, path
+        # for one adopt call that also leases their members; the engine keys of all of
+        # them go in one adoption call, and their members' leases in one more.
+        writes = {
+            "producer": {"adopt_from_leased": 1},
+            "adopt": {"adopt_key_batches": 1, "lease_many": 1},
+        }[path]
+        assert calls["writes"] == writes, path
         assert calls["buffer"] == {"transfer_many": 1}, path  # every group at once
         assert calls["reads"], path  # the ranks lease their samples
         assert calls["releases"], path  # the batch ends its leases

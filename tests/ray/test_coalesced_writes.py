@@ -1,7 +1,8 @@
 """An asyncio rollout worker's concurrent group writes on real Ray (issue 39): groups
 answered together are written in one shard call (one call back to the worker), each
 coroutine gets its own members' handles and rows, and a coroutine cancelled mid-write
-leaves nothing stored (a batch that fails is retried put by put: ``test_coalesce``)."""
+leaves nothing stored (a batch that fails is retried put by put: ``test_coalesce``).
+``aingest_and_finish_group`` makes that one call lease every member too."""
 
 from __future__ import annotations
 
@@ -17,10 +18,22 @@ import ray
 from routeplay.core import EngineKey, Handle, RouteSpec, canonicalize
 from routeplay.core.wires import Engine, EngineRouting
 from routeplay.errors import DuplicateExperts
-from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
+from routeplay.rollout import (
+    ProducerWriter,
+    SampleRouting,
+    afinish_all,
+    aingest_and_finish_group,
+    aingest_routing_group,
+    ingest_and_finish_group,
+)
 from routeplay.store import RouteStore, StoreConfig, start_engine_store
 from routeplay.store.joined_rows import JoinedRows
-from routeplay.store.remote.producer import WRITE_ROUND, AsyncRoutesProducer, producer_actor
+from routeplay.store.remote.producer import (
+    WRITE_ROUND,
+    AsyncRoutesProducer,
+    RoutesProducer,
+    producer_actor,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -72,16 +85,24 @@ def store() -> Iterator[RouteStore]:
 class GroupWorker(AsyncRoutesProducer):
     """A rollout worker with one coroutine per GRPO group, as an asyncio framework runs it."""
 
-    async def write_groups(self, store: RouteStore, groups: int) -> dict[str, Any]:
+    async def write_groups(
+        self, store: RouteStore, groups: int, *, leased: bool = False
+    ) -> dict[str, Any]:
+        """Each group by its own coroutine: ``aingest_routing_group`` then ``afinish_all``,
+        or (``leased``) ``aingest_and_finish_group``."""
         before = dict((await store.astats()).calls_by_op)
         writer = ProducerWriter(producer=self, store=store)
 
-        async def one(group: int) -> list[SampleRouting]:
+        async def one(group: int) -> list[Any]:
             prompt = tuple(range(group * 100, group * 100 + PROMPT))
             conts = [
                 SampleRouting(sample_id=f"{group}.{m}").continuation(prompt_ids=prompt)
                 for m in range(GROUP)
             ]
+            if leased:
+                return await aingest_and_finish_group(
+                    conts, answers(group), writer=writer, store=store, weight_version=0
+                )
             written = await aingest_routing_group(
                 conts, answers(group), writer=writer, weight_version=0, spec=SPEC
             )
@@ -98,6 +119,30 @@ class GroupWorker(AsyncRoutesProducer):
             "finished": finished,
             "saved": (await store.astats()).shared_prefix_bytes_saved,
             "staged": self.staged_count(),
+        }
+
+    async def cancel_one_leased(self, store: RouteStore) -> dict[str, Any]:
+        """``cancel_one`` for leased puts: the caller that gave up has its lease ended
+        when the batch lands, and with it its payload."""
+        rows = [canonicalize(member_rows(g, 1), SPEC) for g in (5, 6)]
+        keep = asyncio.ensure_future(self.aput_routes_leased_many(store, [rows[0]], "test/a"))
+        drop = asyncio.ensure_future(self.aput_routes_leased_many(store, [rows[1]], "test/b"))
+        await asyncio.sleep(0)  # both submitted: one batch
+        drop.cancel()
+        [(handle, lease)] = await keep
+        for _ in range(200):
+            stats = await store.astats()
+            if stats.live_payloads == 1 and stats.leases == 1:
+                break
+            await asyncio.sleep(0.05)
+        stats = await store.astats()
+        kept = await store.aacquire(handle, "test/kept")  # before the writer's lease ends
+        await lease.arelease()
+        return {
+            "live": stats.live_payloads,
+            "holders": dict(stats.leases_by_holder),
+            "kept": kept,
+            "rows": rows[0],
         }
 
     async def cancel_one(self, store: RouteStore) -> dict[str, Any]:
@@ -143,6 +188,36 @@ class GroupWorker(AsyncRoutesProducer):
             },
             "adopted": adopted,
         }
+
+
+@producer_actor
+class ThreadedWorker(RoutesProducer):
+    """A rollout worker that blocks on its engine (a threaded actor)."""
+
+    def finish_group(self, store: RouteStore, group: int) -> dict[str, Any]:
+        before = dict(store.stats().calls_by_op)
+        conts = [
+            SampleRouting(sample_id=f"t{group}.{m}").continuation(prompt_ids=range(PROMPT))
+            for m in range(GROUP)
+        ]
+        writer = ProducerWriter(producer=self, store=store)
+        finished = ingest_and_finish_group(
+            conts, answers(group), writer=writer, store=store, weight_version=0
+        )
+        after = dict(store.stats().calls_by_op)
+        calls = {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
+        return {"calls": calls, "finished": finished, "staged": self.staged_count()}
+
+
+def test_a_blocking_producers_group_is_written_and_leased_in_one_call(store: RouteStore) -> None:
+    result = ray.get(ThreadedWorker.remote().finish_group.remote(store, 3), timeout=120)
+    assert result["calls"] == {"adopt_from_leased": 1}
+    [group] = [result["finished"]]
+    assert [r.lease.holder for r in group] == [f"rollout/t3.{m}" for m in range(GROUP)]
+    for m, routing in enumerate(group):
+        np.testing.assert_array_equal(routing.lease.read(), member_rows(3, m))
+    assert result["staged"] == 0
+    release_all(store, [group])
 
 
 def test_groups_answered_together_are_written_in_one_shard_call(store: RouteStore) -> None:
@@ -195,6 +270,42 @@ def test_a_group_is_stored_as_its_pieces_and_read_from_them_without_a_copy(
         [rows] = store.read_many([(handle, 0, handle.rows)], holder="test/held", held=held)
     np.testing.assert_array_equal(rows, member_rows(0, 2))
     release_all(store, [group])
+
+
+def test_groups_answered_together_are_written_and_leased_in_one_shard_call(
+    store: RouteStore,
+) -> None:
+    # 12 groups of 4: one call writes every group and leases its 48 members.
+    result = ray.get(GroupWorker.remote().write_groups.remote(store, 12, leased=True), timeout=120)
+    assert result["calls"] == {"adopt_from_leased": 1}
+    finished = result["finished"]
+    holders = [r.lease.holder for group in finished for r in group]
+    assert holders == [f"rollout/{g}.{m}" for g in range(12) for m in range(GROUP)]
+    for g, group in enumerate(finished):
+        for m, routing in enumerate(group):
+            np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
+    assert result["staged"] == 0
+    release_all(store, finished)
+
+
+def test_more_leased_groups_than_a_round_go_in_rounds(store: RouteStore) -> None:
+    result = ray.get(GroupWorker.remote().write_groups.remote(store, 40, leased=True), timeout=120)
+    assert result["calls"] == {"adopt_from_leased": 2}  # a full round, then the rest
+    finished = result["finished"]
+    for g, group in enumerate(finished):
+        for m, routing in enumerate(group):
+            np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
+    release_all(store, finished)
+
+
+def test_a_leased_put_cancelled_mid_write_ends_its_lease_and_payload(store: RouteStore) -> None:
+    result = ray.get(GroupWorker.remote().cancel_one_leased.remote(store), timeout=120)
+    assert result["live"] == 1
+    assert result["holders"] == {"test/a": 1}
+    with result["kept"] as lease:
+        np.testing.assert_array_equal(lease.read(), result["rows"].array)
+    store.flush()
+    assert store.stats().live_payloads == 0
 
 
 def test_a_put_cancelled_mid_write_leaves_nothing_stored(store: RouteStore) -> None:

@@ -23,7 +23,7 @@ from routeplay.store.remote.protocol import PROTOCOL, _question, check_answer
 from routeplay.store.shard.lease_table import LeakRecord, TableStats
 from routeplay.store.shard.shard import Grant, StoredPayload
 
-SURFACE_BY_PROTOCOL = {1: "208d16fe", 2: "e694b8b5", 3: "ced42a86", 4: "f538f4cf"}
+SURFACE_BY_PROTOCOL = {1: "208d16fe", 2: "e694b8b5", 3: "ced42a86", 4: "f538f4cf", 5: "42e03faa"}
 """The first 8 hex digits of ``_surface``'s digest, per protocol number."""
 
 

@@ -137,6 +137,40 @@ def test_adopt_from_many_takes_a_batch_with_one_producer_call() -> None:
         StoreShard(RUN, 0).adopt_from_many("producer-actor", "tok", payloads)
 
 
+def test_adopt_from_leased_takes_a_batch_and_leases_each_sample_to_its_holder() -> None:
+    shard, producer, _ = _shard()
+    payloads = [
+        StoredPayload(blocks=1, rows=4, nbytes=24, block_rows=0),  # the group's prompt
+        StoredPayload(blocks=1, rows=3, nbytes=18, block_rows=0),
+        StoredPayload(blocks=1, rows=3, nbytes=18, block_rows=0),
+    ]
+    samples = [(0, 1), (0, 2)]
+    stored, grant = shard.adopt_from_leased(
+        "producer-actor", "tok-l", payloads, 0, samples, ["rollout/a", "rollout/b"],
+        with_blocks=False,
+    )  # fmt: skip
+    assert producer.calls == [("producer-actor", "tok-l", 3)]
+    assert len(stored) == 3
+    assert len(grant.lease_ids) == 2
+    assert grant.blocks == {}  # unpinned: no references travel back
+    assert dict(shard.stats().leases_by_holder) == {"rollout/a": 1, "rollout/b": 1}
+    shard.release(grant.lease_ids[0])
+    assert shard.stats().live_payloads == 2  # b still holds the prompt and its own rows
+    shard.release(grant.lease_ids[1])
+    assert shard.stats().live_payloads == 0
+    assert not any(producer.alive())
+
+
+def test_a_leased_adopt_names_one_holder_per_sample() -> None:
+    shard, producer, _ = _shard()
+    payloads = [StoredPayload(blocks=1, rows=4, nbytes=24, block_rows=0)]
+    for holders in (["a", "b"], "a"):
+        with pytest.raises(MisuseError, match="one holder per sample"):
+            shard.adopt_from_leased("p", "tok", payloads, 0, [(0,)], holders)  # type: ignore[arg-type]
+    assert shard.stats().live_payloads == 0  # refused before anything was adopted
+    assert producer.calls == []
+
+
 # -- leases ------------------------------------------------------------------------------
 def test_dropping_the_last_lease_drops_the_block_refs() -> None:
     shard, producer, _ = _shard(1)

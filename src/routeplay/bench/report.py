@@ -171,7 +171,7 @@ def envelope(results: dict[str, Any], config: BenchConfig, when: datetime) -> di
             "rl_step": (
                 "the realistic RL step (routeplay.bench.rl_step, on a local cluster of its "
                 "own): per step size and path (producer, adopt: routeplay's public API "
-                "only: group ingest and finish_all, ReplayBuffer, TrainingBatch, each rank's "
+                "only: ingest_and_finish_group, ReplayBuffer, TrainingBatch, each rank's "
                 "acquire_many and Materializer; ray_floor: ray.put per group of the same "
                 "rows, each rank's ray.get and copy; verl: verl 0.9.1's int16 padded "
                 "DataProto, concatenated, chunked, pulled whole by each rank), the step "

@@ -10,15 +10,14 @@ hands each group on one of five ways:
 
 - **producer** (routeplay): one coroutine per group (the worker is an asyncio actor, as
   XTuner's and verl's rollout workers are): its answers through
-  ``aingest_routing_group`` with the worker's ``ProducerWriter`` (one payload, the
-  prompt's rows once), then ``afinish_all`` (each member's own lease) and each member's
-  ``complete``. The groups answered together are written together: their payloads in
-  one shard call, their leases in another (``AsyncRoutesProducer``,
-  ``routeplay.store.client.coalesce``). The driver gets each member's ``SampleRouting`` (a
-  handle and a lease: small).
+  ``aingest_and_finish_group`` with the worker's ``ProducerWriter`` (one payload, the
+  prompt's rows once, each member's own lease granted by the write's call), then each
+  member's ``complete``. The groups answered together are written and leased together,
+  in one shard call (``AsyncRoutesProducer``, ``routeplay.store.client.coalesce``). The
+  driver gets each member's ``SampleRouting`` (a handle and a lease: small).
 - **adopt** (routeplay, LMDeploy keys): the same, each group's keys adopted together
   (``aadopt_keys_each(..., shared_prefix=..., pack=True)`` underneath; the groups whose
-  keys arrived together in one shard call).
+  keys arrived together in one shard call), then leased (one more call).
 - **ray_floor** (Ray's own floor for the same objects): each group's canonical rows laid
   out as routeplay lays them (the prompt once, then each member's own rows) and
   ``ray.put`` once; the driver gets the references.
@@ -55,9 +54,9 @@ import ray
 
 from routeplay.bench import gc_meter, verl_path
 from routeplay.bench.workloads import RLStepShape
-from routeplay.core import EngineKey, Handle, Routes, RouteSpec, canonicalize
+from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
 from routeplay.core.wires import Engine, EngineRouting
-from routeplay.rollout import ProducerWriter, SampleRouting, afinish_all, aingest_routing_group
+from routeplay.rollout import ProducerWriter, SampleRouting, aingest_and_finish_group
 from routeplay.store import AsyncRoutesProducer, RoutesProducer, RouteStore, producer_actor
 from routeplay.train import Materializer, PackingPlan, RankCoords
 
@@ -227,28 +226,28 @@ class _StepRollout(AsyncRoutesProducer, _Settles):
 
     async def _ingest(self, group: int, routings: Sequence[EngineRouting]) -> list[SampleRouting]:
         """One group as a rollout worker writes it (``routeplay.rollout``): a
-        continuation per member with the group's prompt, one ``aingest_routing_group``,
-        then ``afinish_all`` (every member's lease ``rollout/<id>``) and each member's
-        ``complete``. A refused member fails the bench: every answer is valid."""
+        continuation per member with the group's prompt, then one
+        ``aingest_and_finish_group`` (carried rows: the group written and every member's
+        lease ``rollout/<id>`` granted by the same call; keys: adopted, then leased),
+        then each member's ``complete``. A refused member fails the bench: every answer
+        is valid."""
         shape = self.shape
         prompt = tuple(range(group * shape.shared_prompt, (group + 1) * shape.shared_prompt))
         conts = [
             SampleRouting(sample_id=sample_id(group, member)).continuation(prompt_ids=prompt)
             for member in range(len(routings))
         ]
-        written = await aingest_routing_group(
-            conts, routings, writer=self._writer, weight_version=VERSION, spec=self.spec
-        )
-        handles = []
-        for result in written:
-            if not isinstance(result, Handle):
-                raise result
-            handles.append(result)
+        finished = await aingest_and_finish_group(
+            conts, routings, writer=self._writer, store=self.store, weight_version=VERSION,
+            spec=self.spec,
+        )  # fmt: skip
         response = shape.tokens - shape.shared_prompt
-        return [
-            routing.complete(prompt_tokens=shape.shared_prompt, response_tokens=response)
-            for routing in await afinish_all(conts, self.store, handles)
-        ]
+        out = []
+        for result in finished:
+            if not isinstance(result, SampleRouting):
+                raise result
+            out.append(result.complete(prompt_tokens=shape.shared_prompt, response_tokens=response))
+        return out
 
     def put_groups(self) -> list[list[Any]]:
         """Ray's floor: each group's rows laid out as routeplay's payload (the prompt's

@@ -8,8 +8,8 @@ starts when the engine has answered every sample (``routeplay.bench.rl_roles``) 
 when every rank has read its rows and nothing is held any more. Its phases, each timed
 on the driver's clock, one after the other:
 
-- generation: ``writes`` (the rollout worker hands each group on: routeplay's group
-  ingest and its ``afinish_all``, one coroutine per group; Ray's ``ray.put`` per group;
+- generation: ``writes`` (the rollout worker hands each group on: routeplay's
+  ``aingest_and_finish_group``, one coroutine per group; Ray's ``ray.put`` per group;
   verl's int16 batch, returned to the driver) and ``buffer`` (every group into
   routeplay's ``ReplayBuffer`` at once, ``add_all``; verl's ``DataProto.concat`` of its
   workers' outputs; nothing for Ray);

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from routeplay.core import read_response
-from routeplay.core.handle import EngineKey, Handle
+from routeplay.core.handle import EngineKey
 from routeplay.core.spec import RouteSpec
 from routeplay.core.wires import EngineRouting
 from routeplay.core.wires import wire as wire_format
@@ -48,7 +48,6 @@ from routeplay.errors import (
     EngineUnavailable,
     MalformedPayload,
     MisuseError,
-    RouteplayError,
     RowCountMismatch,
 )
 from routeplay.rollout import (
@@ -58,8 +57,7 @@ from routeplay.rollout import (
     RoutingKind,
     SampleRouting,
     Status,
-    finish_all,
-    ingest_routing_group,
+    ingest_and_finish_group,
 )
 from routeplay.rollout.adapters import ProducerWriter, check_continues
 from routeplay.rollout.releasing import attach_notes
@@ -127,9 +125,10 @@ class WorkerShell(RoutesProducer):
         self, states: list[RolloutState], samplings: list[Sampling], version: int
     ) -> list[RolloutState | Exception]:
         """Generate (or resume, or run the next turn of) the members of one group and
-        write their new rows as one payload (``ingest_routing_group``: fresh members' verified-
-        equal prompt rows once). On key-store wires (the engine stores whole arrays) the
-        members' keys are adopted together the same way, each from its history's end.
+        write their new rows as one payload (``ingest_and_finish_group``: fresh members'
+        verified-equal prompt rows once, their leases granted by the write's call). On
+        key-store wires (the engine stores whole arrays) the members' keys are adopted
+        together the same way, each from its history's end, then leased.
 
         A member whose continuation, request or answer fails is set aside with its error
         in its place (its input keeps its lease for the caller to release); the others
@@ -152,15 +151,21 @@ class WorkerShell(RoutesProducer):
                 for i, (cont, answer) in enumerate(zip(opened, asked, strict=True))
                 if isinstance(cont, RoutingContinuation) and isinstance(answer, _Answered)
             ]
-            handles = ingest_routing_group(
-                [cont for _, cont, _ in good],
-                [answer.routing for _, _, answer in good],
-                writer=self._writer,
-                weight_version=version,
-                spec=self._spec,
-            )
-            written = {i: handle for (i, _, _), handle in zip(good, handles, strict=True)}
-            return self._finish_all(states, opened, asked, written, version)
+            try:
+                results: list[SampleRouting | Exception] = list(
+                    ingest_and_finish_group(
+                        [cont for _, cont, _ in good],
+                        [answer.routing for _, _, answer in good],
+                        writer=self._writer,
+                        store=self._store,
+                        weight_version=version,
+                        spec=self._spec,
+                    )
+                )
+            except Exception as exc:  # the group's write or leases failed: each member
+                results = [_portable(exc)] * len(good)  # is set aside with the error
+            written = {i: result for (i, _, _), result in zip(good, results, strict=True)}
+            return self._place_all(states, opened, asked, written, version)
 
     def _open(
         self, stack: ExitStack, state: RolloutState
@@ -201,47 +206,37 @@ class WorkerShell(RoutesProducer):
         except Exception as failure:
             attach_notes(error, [failure], f"freeing engine key {key.key}")
 
-    def _finish_all(
+    def _place_all(
         self,
         states: list[RolloutState],
         opened: list[RoutingContinuation[SampleRouting] | Exception],
         asked: list[_Answered | Exception],
-        handles: dict[int, Handle | RouteplayError],
+        results: dict[int, SampleRouting | Exception],
         version: int,
     ) -> list[RolloutState | Exception]:
+        """Each member's state, finished (its new lease held) or set aside with its
+        error (its input keeps its own lease; its borrowed lease ends)."""
         out: list[RolloutState | Exception | None] = [None] * len(opened)
-        finishing: list[tuple[int, RoutingContinuation[SampleRouting], Handle, Completion]] = []
+        finished: list[tuple[int, SampleRouting, Completion]] = []
         for index, (cont, answer) in enumerate(zip(opened, asked, strict=True)):
             if isinstance(cont, Exception):
                 out[index] = cont
             elif isinstance(answer, Exception):
                 out[index] = _abandoned(cont, answer)
-            elif isinstance(handle := handles[index], RouteplayError):
-                out[index] = _abandoned(cont, _portable(handle))  # its key was refused
+            elif isinstance(result := results[index], Exception):
+                out[index] = _abandoned(cont, _portable(result))  # refused, or the group failed
             else:
-                finishing.append((index, cont, handle, answer.completion))
-        # Every member's new lease in one call per shard, then the replaced ones end; if
-        # they cannot be taken, every such member is set aside with the error (its input
-        # keeps its own lease; the borrowed ones ended).
-        try:
-            routings = finish_all(
-                [cont for _, cont, _, _ in finishing],
-                self._store,
-                [handle for _, _, handle, _ in finishing],
-            )
-        except Exception as exc:
-            for index, _, _, _ in finishing:
-                out[index] = _portable(exc)
-            finishing, routings = [], []
+                finished.append((index, result, answer.completion))
         placed = 0  # routings whose lease a state in ``out`` now names (or that ended)
         try:
-            for (index, _, _, completion), routing in zip(finishing, routings, strict=True):
+            for index, routing, completion in finished:
                 routed = states[index].with_sample_routing(routing)
                 out[index] = _finished_or_refused(routed, completion, version)
                 placed += 1
         except BaseException as exc:
             errors = _release_all([s for s in out if isinstance(s, RolloutState)])
-            errors += [e for r in routings[placed:] if (e := r.try_release()[1]) is not None]
+            left = [routing for _, routing, _ in finished[placed:]]
+            errors += [e for r in left if (e := r.try_release()[1]) is not None]
             attach_notes(exc, errors, "releasing the group's finished members")
             raise
         return [state for state in out if state is not None]

@@ -5,10 +5,12 @@ type embeds it and becomes a ``RoutedSample``), ``RolloutState`` (routeplay's ow
 sample, embedding one ``SampleRouting`` the same way), engine adapters (``ADAPTERS``,
 ``stitch`` for partial rollouts), group steps (``ingest_routing_group`` writes a GRPO
 group's answers for any sample type and ``finish_all`` leases them, one call per store
-shard for the group), the per-session token-trie ``TraceStore`` (served by the
-``TraceStoreActor`` and called through ``TraceStoreClient``), the ``ReplayBuffer`` with
-staleness retries, the ``TrainingBatch`` hand-off and the ``SessionLedger`` (a session
-lives while one of its samples waits): the containers hold any ``RoutedSample`` and move
+shard for the group; ``ingest_and_finish_group`` does both, a fresh group's write
+granting its members' leases in the same call), the per-session token-trie
+``TraceStore`` (served by the ``TraceStoreActor`` and called through
+``TraceStoreClient``), the ``ReplayBuffer`` with staleness retries, the
+``TrainingBatch`` hand-off and the ``SessionLedger`` (a session lives while one of its
+samples waits): the containers hold any ``RoutedSample`` and move
 a group's or a batch's leases with one call per shard (``routing_groups``). Every holder
 releases only its own lease; nothing here ever guesses who owns routing.
 
@@ -42,9 +44,12 @@ if TYPE_CHECKING:
         restore_sample,
         save_buffer,
     )
+    from routeplay.rollout.group_finish import aingest_and_finish_group, ingest_and_finish_group
     from routeplay.rollout.group_ingest import (
         AsyncBatchWriter,
+        AsyncLeasedBatchWriter,
         BatchWriter,
+        LeasedBatchWriter,
         aingest_routing_group,
         ingest_routing_group,
     )
@@ -74,7 +79,9 @@ if TYPE_CHECKING:
 _HOME = {
     "ADAPTERS": "adapters",
     "AsyncBatchWriter": "group_ingest",
+    "AsyncLeasedBatchWriter": "group_ingest",
     "BatchWriter": "group_ingest",
+    "LeasedBatchWriter": "group_ingest",
     "ROLLOUT_STATE_CODEC": "state",
     "BufferConfig": "buffer",
     "CompactionPolicy": "session_compaction",
@@ -107,8 +114,10 @@ _HOME = {
     "TraceStoreStats": "trace_store",
     "TrainingBatch": "batch",
     "afinish_all": "routing_groups",
+    "aingest_and_finish_group": "group_finish",
     "aingest_routing_group": "group_ingest",
     "finish_all": "routing_groups",
+    "ingest_and_finish_group": "group_finish",
     "ingest_routing_group": "group_ingest",
     "load_buffer": "checkpoint",
     "record_routings": "checkpoint",
@@ -124,6 +133,7 @@ __all__ = [
     "ADAPTERS",
     "ROLLOUT_STATE_CODEC",
     "AsyncBatchWriter",
+    "AsyncLeasedBatchWriter",
     "BatchWriter",
     "BufferConfig",
     "CompactionPolicy",
@@ -132,6 +142,7 @@ __all__ = [
     "Exported",
     "Group",
     "HttpAdapter",
+    "LeasedBatchWriter",
     "Origin",
     "PrefixMatch",
     "ProducerWriter",
@@ -156,8 +167,10 @@ __all__ = [
     "TraceStoreStats",
     "TrainingBatch",
     "afinish_all",
+    "aingest_and_finish_group",
     "aingest_routing_group",
     "finish_all",
+    "ingest_and_finish_group",
     "ingest_routing_group",
     "load_buffer",
     "record_routings",

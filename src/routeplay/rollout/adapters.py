@@ -42,6 +42,7 @@ from routeplay.errors import HandleError, MisuseError, RouteplayError, RowCountM
 from routeplay.rollout.steps import Call, Step, arun_step, run_step
 
 if TYPE_CHECKING:  # both load Ray; adapters only call them
+    from routeplay.store.client.lease import Lease
     from routeplay.store.client.route_store import RouteStore
     from routeplay.store.remote.producer import AsyncRoutesProducer, RoutesProducer
 
@@ -226,6 +227,49 @@ class ProducerWriter:
         return await producer.aput_routes_many(
             self.store, batch, weight_version=weight_version, shared_prefix=shared_prefix, pack=pack
         )
+
+    def put_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holders: str | Sequence[str],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+        pin: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """``put_many`` with a lease per sample (``holders``: one, or one per sample) in
+        the same shard call (``RoutesProducer.put_routes_leased_many``).
+
+        Example:
+            >>> pairs = writer.put_leased_many(group, holders, shared_prefix=600)  # doctest: +SKIP
+        """
+        return self.producer.put_routes_leased_many(
+            self.store, batch, holders, weight_version=weight_version,
+            shared_prefix=shared_prefix, pack=pack, pin=pin,
+        )  # fmt: skip
+
+    async def aput_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holders: str | Sequence[str],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+        pin: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """Awaitable ``put_leased_many``: the groups of concurrent coroutines written
+        and their members leased in one shard call (``AsyncRoutesProducer``).
+
+        Example:
+            >>> pairs = await writer.aput_leased_many(group, holders)  # doctest: +SKIP
+        """
+        producer = self._async_producer()
+        return await producer.aput_routes_leased_many(
+            self.store, batch, holders, weight_version=weight_version,
+            shared_prefix=shared_prefix, pack=pack, pin=pin,
+        )  # fmt: skip
 
 
 class EngineAdapter(Protocol):

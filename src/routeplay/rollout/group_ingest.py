@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RouteplayError
 from routeplay.rollout.adapters import check_continues, new_rows
+from routeplay.rollout.routing_terms import sample_holder
 from routeplay.rollout.steps import Call, Step, arun_step, run_step
+from routeplay.store.client.lease import Lease
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -36,7 +38,15 @@ if TYPE_CHECKING:
     from routeplay.core.wires import EngineRouting
     from routeplay.rollout.routing_continuation import RoutingContinuation
 
-__all__ = ["AsyncBatchWriter", "BatchWriter", "aingest_routing_group", "ingest_routing_group"]
+__all__ = [
+    "AsyncBatchWriter",
+    "AsyncLeasedBatchWriter",
+    "BatchWriter",
+    "LeasedBatchWriter",
+    "aingest_routing_group",
+    "ingest_group_step",
+    "ingest_routing_group",
+]
 
 GroupResult = list[Handle | RouteplayError]
 
@@ -95,6 +105,37 @@ class AsyncBatchWriter(Protocol):
     async def afree_key(self, key: EngineKey) -> bool: ...
 
 
+class LeasedBatchWriter(BatchWriter, Protocol):
+    """A ``BatchWriter`` that leases what it writes in the same call (``RouteStore``,
+    ``ProducerWriter``): what ``ingest_and_finish_group`` writes fresh members through."""
+
+    def put_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holders: str | Sequence[str],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+        pin: bool = True,
+    ) -> list[tuple[Handle, Lease]]: ...
+
+
+class AsyncLeasedBatchWriter(AsyncBatchWriter, Protocol):
+    """``LeasedBatchWriter``'s awaitable face."""
+
+    async def aput_leased_many(
+        self,
+        batch: Sequence[Routes],
+        holders: str | Sequence[str],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+        pin: bool = True,
+    ) -> list[tuple[Handle, Lease]]: ...
+
+
 def ingest_routing_group(
     conts: Sequence[RoutingContinuation[Any]],
     routings: Sequence[EngineRouting],
@@ -151,9 +192,33 @@ def _group_step(
     weight_version: int,
     spec: RouteSpec | None,
 ) -> Step[GroupResult]:
+    results, _ = yield from ingest_group_step(conts, routings, writer, weight_version, spec)
+    return results
+
+
+def ingest_group_step(
+    conts: Sequence[RoutingContinuation[Any]],
+    routings: Sequence[EngineRouting],
+    writer: BatchWriter | AsyncBatchWriter,
+    weight_version: int,
+    spec: RouteSpec | None,
+    *,
+    lease: bool = False,
+) -> Step[tuple[GroupResult, list[Lease | None]]]:
+    """The step of a group ingest, for a caller composing it: per member its result
+    and, with ``lease``, the ``rollout/<id>`` lease its write granted (None: none). With
+    ``lease``, fresh members whose rows the answers carry are written and leased in one
+    call (the writer's ``put_leased_many``, unpinned); members that resume a history or
+    answer with a key are written as without it. Granted leases end if a later write of
+    the group fails.
+
+    Example:
+        >>> step = ingest_group_step(conts, answers, writer, 3, spec, lease=True)  # doctest: +SKIP
+        >>> results, granted = run_step(step)  # doctest: +SKIP
+    """
     for cont in conts:
         cont.check_open("ingest an answer")
-    group = _Group(conts, routings, writer, weight_version, spec)
+    group = _Group(conts, routings, writer, weight_version, spec, lease=lease)
     carried: list[tuple[int, Routes]] = []
     keyed: list[tuple[int, EngineKey]] = []
     for index, (cont, routing) in enumerate(zip(conts, routings, strict=True)):
@@ -175,8 +240,13 @@ def _group_step(
     if carried:
         yield from group.put_carried(carried)
     if keyed:
-        yield from group.adopt_keyed(keyed)
-    return [result for result in group.out if result is not None]
+        try:
+            yield from group.adopt_keyed(keyed)
+        except BaseException:  # the leases granted with the carried rows end with it
+            yield from group.end_granted()
+            raise
+    results = [result for result in group.out if result is not None]
+    return results, group.granted
 
 
 class _Group:
@@ -189,12 +259,16 @@ class _Group:
         writer: BatchWriter | AsyncBatchWriter,
         weight_version: int,
         spec: RouteSpec | None,
+        *,
+        lease: bool = False,
     ) -> None:
         self.conts, self.routings, self.spec = conts, routings, spec
-        self.blocking = cast("BatchWriter", writer)
-        self.awaited = cast("AsyncBatchWriter", writer)
+        self.blocking = cast("LeasedBatchWriter", writer)
+        self.awaited = cast("AsyncLeasedBatchWriter", writer)
         self.weight_version = weight_version
+        self.lease = lease
         self.out: list[Handle | RouteplayError | None] = [None] * len(conts)
+        self.granted: list[Lease | None] = [None] * len(conts)
 
     def kept(self, index: int) -> Handle:
         return _kept(self.conts[index], self.routings[index], self.spec)
@@ -203,6 +277,9 @@ class _Group:
         return Call(lambda: self.blocking.free_key(key), lambda: self.awaited.afree_key(key))
 
     def put_carried(self, carried: Sequence[tuple[int, Routes]]) -> Step[None]:
+        if self.lease and all(self.conts[i].history is None for i, _ in carried):
+            yield from self._put_leased(carried)
+            return
         batch = [rows for _, rows in carried]
         shared = _shared_prompt([self.conts[i] for i, _ in carried])
         version = self.weight_version
@@ -216,6 +293,32 @@ class _Group:
         )
         for (index, _), handle in zip(carried, written, strict=True):
             self.out[index] = self.kept(index) + handle
+
+    def _put_leased(self, carried: Sequence[tuple[int, Routes]]) -> Step[None]:
+        """Fresh members' rows written and each leased to ``rollout/<id>`` in one call
+        (unpinned: the worker keeps the rows alive, it does not read them)."""
+        batch = [rows for _, rows in carried]
+        shared = _shared_prompt([self.conts[i] for i, _ in carried])
+        holders = [sample_holder(self.conts[i].routing.sample_id) for i, _ in carried]
+        version = self.weight_version
+        pairs: list[tuple[Handle, Lease]] = yield Call(
+            lambda: self.blocking.put_leased_many(
+                batch, holders, weight_version=version, shared_prefix=shared, pack=True, pin=False
+            ),
+            lambda: self.awaited.aput_leased_many(
+                batch, holders, weight_version=version, shared_prefix=shared, pack=True, pin=False
+            ),
+        )
+        for (index, _), (handle, lease) in zip(carried, pairs, strict=True):
+            self.out[index] = handle
+            self.granted[index] = lease
+
+    def end_granted(self) -> Step[None]:
+        """Release the leases this ingest's writes granted (its group failed later)."""
+        made = [lease for lease in self.granted if lease is not None]
+        self.granted = [None] * len(self.conts)
+        if made:
+            yield Call(lambda: Lease.release_each(made), lambda: Lease.arelease_each(made))
 
     def adopt_keyed(self, keyed: Sequence[tuple[int, EngineKey]]) -> Step[None]:
         keys = [key for _, key in keyed]

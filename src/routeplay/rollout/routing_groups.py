@@ -63,6 +63,7 @@ __all__ = [
     "discard_failures",
     "expire_all",
     "finish_all",
+    "finish_all_step",
     "hand_over_all",
     "take_over_all",
 ]
@@ -226,7 +227,7 @@ def finish_all(
         ...                            weight_version=3)
         >>> routings = finish_all(conts, store, out)  # doctest: +SKIP
     """
-    return run_step(_finish_all(conts, store, handles))
+    return run_step(finish_all_step(conts, store, handles))
 
 
 async def afinish_all(
@@ -239,7 +240,7 @@ async def afinish_all(
     Example:
         >>> routings = await afinish_all(conts, store, handles)  # doctest: +SKIP
     """
-    return await arun_step(_finish_all(conts, store, handles))
+    return await arun_step(finish_all_step(conts, store, handles))
 
 
 def expire_all(routings: Sequence[SampleRouting]) -> list[Expiry]:
@@ -360,18 +361,33 @@ def _expire_all(routings: Sequence[SampleRouting]) -> Step[list[Expiry]]:
     return out
 
 
-def _finish_all(
-    conts: Sequence[RoutingContinuation[SampleRouting]], store: Source, handles: Sequence[Handle]
+def finish_all_step(
+    conts: Sequence[RoutingContinuation[SampleRouting]],
+    store: Source,
+    handles: Sequence[Handle],
+    granted: Sequence[Lease | None] | None = None,
 ) -> Step[list[SampleRouting]]:
+    """The step of ``finish_all``, for a caller composing it (``ingest_and_finish_group``):
+    ``granted`` holds, per member, the ``rollout/<id>`` lease its write already granted
+    (None: acquired here, with the others in one call per shard). If the acquire fails,
+    the granted leases end with the borrowed ones.
+
+    Example:
+        >>> routings = run_step(finish_all_step(conts, store, handles, leases))  # doctest: +SKIP
+    """
     closing = [cont.finishing() for cont in conts]
     borrowed = [lease for _, lease, _ in closing if lease is not None]
-    items = [(handle, sample_holder(r.sample_id)) for (r, _, _), handle in
-             zip(closing, handles, strict=True)]  # fmt: skip
+    given: list[Lease | None] = list(granted) if granted is not None else [None] * len(closing)
+    bare = [i for i, lease in enumerate(given) if lease is None]
+    items = [(handles[i], sample_holder(closing[i][0].sample_id)) for i in bare]
     try:
-        leases: list[Lease] = yield _acquiring_many(store, items)
-    except BaseException:  # nothing taken: the borrowed leases end, the own stay
-        yield Call(lambda: Lease.release_each(borrowed), lambda: Lease.arelease_each(borrowed))
+        acquired: list[Lease] = (yield _acquiring_many(store, items)) if items else []
+    except BaseException:  # nothing taken: the borrowed and granted leases end, the own stay
+        ended = [*borrowed, *(lease for lease in given if lease is not None)]
+        yield Call(lambda: Lease.release_each(ended), lambda: Lease.arelease_each(ended))
         raise
+    for i, lease in zip(bare, acquired, strict=True):
+        given[i] = lease
     # The replaced own leases and the borrowed ones end together (a failure rides along
     # in that sample's ``unreleased``): the borrowed lease counts as one more own lease.
     routings = [
@@ -379,9 +395,9 @@ def _finish_all(
     ]
     released = yield from _released(routings)
     return [
-        after.attach(handle, lease, origin)
+        after.attach(handle, cast(Lease, lease), origin)
         for (after, _), (_, _, origin), handle, lease in zip(
-            released, closing, handles, leases, strict=True
+            released, closing, handles, given, strict=True
         )
     ]
 

@@ -108,7 +108,11 @@ class Leases:
     def acquire_many_flow(
         self, items: Sequence[tuple[Handle, str]], *, pin: bool = True
     ) -> Flow[list[Lease]]:
-        """The flow of ``acquire_many`` (the write path runs it for empty handles)."""
+        """The flow of ``acquire_many`` (the write path runs it for empty handles).
+
+        Example:
+            leases = yield from store.acquire_many_flow([(handle, "rollout/a")], pin=False)
+        """
         wanted: dict[int, list[tuple[int, list[str]]]] = {}
         for index, (handle, _) in enumerate(items):
             per_shard: dict[int, list[str]] = {}

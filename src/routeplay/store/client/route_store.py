@@ -233,6 +233,8 @@ class RouteStore:
     put_staged_many_flow = forward("_writes", WritePath.put_staged_many_flow)
     staged_adoption = forward("_writes", WritePath.staged_adoption)
     written_handles = forward("_writes", WritePath.written_handles)
+    staged_leased_adoption = forward("_writes", WritePath.staged_leased_adoption)
+    leased_handles = forward("_writes", WritePath.leased_handles)
 
     # -- adopted engine keys ----------------------------------------------------------
     adopt_key = forward("_keys", KeyAdoption.adopt_key)
@@ -251,6 +253,7 @@ class RouteStore:
     aacquire = forward("_leases", Leases.aacquire)
     acquire_many = forward("_leases", Leases.acquire_many)
     aacquire_many = forward("_leases", Leases.aacquire_many)
+    acquire_many_flow = forward("_leases", Leases.acquire_many_flow)
     pull = forward("_leases", Leases.pull)
     release_many = forward("_leases", Leases.release_many)
     arelease_many = forward("_leases", Leases.arelease_many)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from routeplay.core.handle import Handle, Segment, StoreRef
 from routeplay.core.routes import Routes
 from routeplay.core.spec import RouteSpec
+from routeplay.errors import MisuseError
 from routeplay.store.client.core import StoreCore
 from routeplay.store.client.lease import Lease
 from routeplay.store.client.leases import Leases
@@ -34,7 +35,7 @@ from routeplay.store.write_plan import (
     split_blocks,
 )
 
-__all__ = ["WritePath"]
+__all__ = ["LeasedWrite", "WritePath", "sample_holders"]
 
 
 class WritePath:
@@ -144,74 +145,151 @@ class WritePath:
     def put_leased_many(
         self,
         batch: Sequence[Routes],
-        holder: str,
+        holders: str | Sequence[str],
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
         pack: bool = False,
+        pin: bool = True,
     ) -> list[tuple[Handle, Lease]]:
-        """``put_many`` with a lease of ``holder`` per sample, granted by the same call.
+        """``put_many`` with a lease per sample, granted by the same call: of ``holders``
+        (one for all, or one per sample: a group's members ``rollout/<id>``). ``pin``:
+        the grant carries the block references and this process holds them (a reader);
+        ``pin=False`` for a holder that only keeps the rows alive (a rollout worker).
 
         Example:
             pairs = store.put_leased_many(group, "buffer/g-1", shared_prefix=prompt)
         """
-        flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
+        flow = self._put_leased_many(batch, holders, weight_version, shared_prefix, pack, pin)
         return self._core.drive(flow)
 
     async def aput_leased_many(
         self,
         batch: Sequence[Routes],
-        holder: str,
+        holders: str | Sequence[str],
         *,
         weight_version: int = 0,
         shared_prefix: int = 0,
         pack: bool = False,
+        pin: bool = True,
     ) -> list[tuple[Handle, Lease]]:
         """Awaitable ``put_leased_many`` (cancelled in flight: leases and payloads end).
 
         Example:
             pairs = await store.aput_leased_many(group, "buffer/g-1", shared_prefix=prompt)
         """
-        flow = self._put_leased_many(batch, holder, weight_version, shared_prefix, pack)
+        flow = self._put_leased_many(batch, holders, weight_version, shared_prefix, pack, pin)
         return await self._core.adrive(flow)
 
     def _put_leased_many(
         self,
         batch: Sequence[Routes],
-        holder: str,
+        holders: str | Sequence[str],
         weight_version: int,
         shared_prefix: int,
         pack: bool,
+        pin: bool,
     ) -> Flow[list[tuple[Handle, Lease]]]:
+        each = sample_holders(holders, len(batch))
         spec = batch_spec(batch)
         if spec is None:
             return []
         layout = plan_batch(batch, prefix_rows=shared_prefix, pack=pack)
         if not layout.arrays:
             empty = [Handle(spec) for _ in batch]
-            leases = yield from self._leases.acquire_many_flow([(h, holder) for h in empty])
+            items = list(zip(empty, each, strict=True))
+            leases = yield from self._leases.acquire_many_flow(items, pin=pin)
             return list(zip(empty, leases, strict=True))
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._core.backend.put_blocks(blocks)
         shard = self._core.pick_shard(uuid.uuid4().hex)
-        per_sample = [layout.payloads_of(i) for i in range(len(layout.samples))]
         call = shard_call(
-            shard, ShardApi.adopt_leased, refs, payloads, layout.saved_bytes, per_sample, holder
+            shard,
+            ShardApi.adopt_leased,
+            refs,
+            payloads,
+            layout.saved_bytes,
+            _per_sample(layout),
+            each,
+            with_blocks=pin,
         )
         [(stored, grant)] = yield from self._core.send_and_wait(
-            [call], f"put for {holder}", undo=_release_adopted(shard)
+            [call], f"put for {each[0]}", undo=_release_adopted(shard)
         )
-        handles = _handles(layout, stored, spec, weight_version)
+        written = LeasedWrite(shard, list(stored), grant)
+        return self.leased_handles(layout, spec, weight_version, each, written)
+
+    def staged_leased_adoption(
+        self,
+        producer: Any,
+        token: str,
+        payloads: Sequence[StoredPayload],
+        saved_bytes: int,
+        samples: Sequence[tuple[int, ...]],
+        holders: Sequence[str],
+        *,
+        pin: bool = False,
+    ) -> Flow[LeasedWrite]:
+        """``staged_adoption`` that also leases each sample (its payload indices in
+        ``samples``) to its holder in ``holders``, in the same shard call: a producer's
+        group written and its members leased with one round trip. Abandoned in flight:
+        the leases end when the answer lands, and with them the payloads.
+
+        Example:
+            written = yield from store.staged_leased_adoption(me, token, payloads, 0,
+                                                              [(0,), (0,)], holders)
+        """
+        shard = self._core.pick_shard(token)
+        call = shard_call(
+            shard,
+            ShardApi.adopt_from_leased,
+            producer,
+            token,
+            list(payloads),
+            saved_bytes,
+            list(samples),
+            list(holders),
+            with_blocks=pin,
+        )
+        [(stored, grant)] = yield from self._core.send_and_wait(
+            [call],
+            f"adopt {token}",
+            timeout_s=2 * self._core.config.timeout_s,
+            undo=_release_adopted(shard),
+        )
+        return LeasedWrite(shard, list(stored), grant)
+
+    def leased_handles(
+        self,
+        layout: BatchLayout,
+        spec: RouteSpec,
+        weight_version: int,
+        holders: Sequence[str],
+        written: LeasedWrite,
+    ) -> list[tuple[Handle, Lease]]:
+        """Each sample's handle and lease of a leased write (``written``: the layout's
+        payloads as the shard adopted them, its samples' lease ids in order).
+
+        Example:
+            pairs = store.leased_handles(layout, spec, 3, holders, written)
+        """
+        handles = _handles(layout, written.stored, spec, weight_version)
         return [
-            (handle, self._lease_of(handle, holder, shard, lease_id, grant))
-            for handle, lease_id in zip(handles, grant.lease_ids, strict=True)
+            (handle, self._lease_of(handle, holder, written.shard, lease_id, written.grant))
+            for handle, holder, lease_id in zip(
+                handles, holders, written.grant.lease_ids, strict=True
+            )
         ]
 
     def _lease_of(
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
     ) -> Lease:
         borrow = self._core.backend.borrow
-        blocks = {pid: borrow(grant.blocks[pid]) for pid in self._core.payload_ids(handle)}
+        blocks = {
+            pid: borrow(grant.blocks[pid])
+            for pid in self._core.payload_ids(handle)
+            if pid in grant.blocks
+        }
         return self._leases.granted_lease(handle, holder, {shard: lease_id}, blocks)
 
     def layout_blocks(
@@ -377,6 +455,33 @@ def _release_adopted(shard: int) -> Undo:
         return [shard_call(shard, ShardApi.release_many, list(result[1].lease_ids))]
 
     return undo
+
+
+class LeasedWrite(NamedTuple):
+    """A leased write's answer: the shard, its stored payloads, the samples' grant."""
+
+    shard: int
+    stored: list[StoreRef]
+    grant: Grant
+
+
+def sample_holders(holders: str | Sequence[str], samples: int) -> list[str]:
+    """One holder per sample: ``holders`` itself for each, or the list as given (one
+    per sample, else ``MisuseError``)."""
+    if isinstance(holders, str):
+        return [holders] * samples
+    if len(holders) != samples:
+        raise MisuseError(
+            "a leased put names one holder, or one per sample",
+            expected=f"a holder or a list of {samples}",
+            found=len(holders),
+        )
+    return list(holders)
+
+
+def _per_sample(layout: BatchLayout) -> list[tuple[int, ...]]:
+    """Each sample's payload indices in a layout (what its lease covers)."""
+    return [tuple(layout.payloads_of(i)) for i in range(len(layout.samples))]
 
 
 def _handles(

@@ -51,7 +51,7 @@ from routeplay.store.shard.adoption import (
 from routeplay.store.shard.api import ShardApi
 from routeplay.store.shard.group_answers import GroupRequest, LaidOut, lay_out_groups
 from routeplay.store.shard.lease_table import LeakRecord, TableStats
-from routeplay.store.shard.shard import Grant, StoredPayload, StoreShard
+from routeplay.store.shard.shard import Grant, StoredPayload, StoreShard, check_holders
 
 __all__ = [
     "EngineStoreActor",
@@ -260,10 +260,35 @@ class StoreShardShell(_Reaped):
         payloads: list[StoredPayload],
         saved_bytes: int,
         samples: list[tuple[int, ...]],
-        holder: str,
+        holders: list[str],
+        *,
+        with_blocks: bool = True,
     ) -> tuple[list[StoreRef], Grant]:
         return self._locked(
-            lambda: self._shard.adopt_leased(refs, payloads, saved_bytes, samples, holder)
+            lambda: self._shard.adopt_leased(
+                refs, payloads, saved_bytes, samples, holders, with_blocks=with_blocks
+            )
+        )
+
+    def adopt_from_leased(
+        self,
+        producer: Any,
+        token: str,
+        payloads: list[StoredPayload],
+        saved_bytes: int,
+        samples: list[tuple[int, ...]],
+        holders: list[str],
+        *,
+        with_blocks: bool = True,
+    ) -> tuple[list[StoreRef], Grant]:
+        """``adopt_from_many`` and a lease per sample: the producer's blocks taken
+        outside the lock, then adopted and leased under it."""
+        check_holders(samples, holders)  # before the producer hands its blocks over
+        refs = take_and_wait(producer, token, sum(p.blocks for p in payloads), self._timeout_s)
+        return self._locked(
+            lambda: self._shard.adopt_leased(
+                refs, payloads, saved_bytes, samples, holders, with_blocks=with_blocks
+            )
         )
 
     def discard(self, payload_ids: list[str]) -> list[str]:

@@ -24,12 +24,15 @@ import ray
 
 from routeplay.core.handle import Handle, StoreRef
 from routeplay.core.routes import Routes
+from routeplay.core.spec import RouteSpec
 from routeplay.store.client.coalesce import Coalescer
+from routeplay.store.client.lease import Lease
 from routeplay.store.client.route_store import RouteStore
+from routeplay.store.client.write_path import LeasedWrite, sample_holders
 from routeplay.store.flow import Flow, primed
 from routeplay.store.remote.outbox import PayloadOutbox
-from routeplay.store.shard.shard import StoredPayload
-from routeplay.store.write_plan import plan_write
+from routeplay.store.shard.shard import Grant, StoredPayload
+from routeplay.store.write_plan import BatchLayout, plan_write
 
 __all__ = [
     "PRODUCER_CONCURRENCY",
@@ -116,6 +119,59 @@ class RoutesProducer:
         finally:
             self._outbox().discard(token)
 
+    def put_routes_leased_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        holders: str | Sequence[str],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+        pin: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """``put_routes_many`` with a lease per sample (``holders``: one for all, or one
+        per sample) granted by the same shard call: a group written and its members
+        leased in one round trip. Unpinned by default: a producer keeps the rows alive
+        for the trainer, it does not read them.
+
+        Example:
+            pairs = self.put_routes_leased_many(store, group, holders, shared_prefix=prompt)
+        """
+        flow = self._put_routes_leased_many(
+            store, batch, sample_holders(holders, len(batch)), weight_version,
+            shared_prefix, pack, pin,
+        )  # fmt: skip
+        return store.drive(flow)
+
+    def _put_routes_leased_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        holders: list[str],
+        weight_version: int,
+        shared_prefix: int,
+        pack: bool,
+        pin: bool,
+    ) -> Flow[list[tuple[Handle, Lease]]]:
+        planned = plan_write(batch, prefix_rows=shared_prefix, pack=pack)
+        if isinstance(planned, list):  # nothing to store: empty handles, leased as any
+            items = list(zip(planned, holders, strict=True))
+            leases = yield from store.acquire_many_flow(items, pin=pin)
+            return list(zip(planned, leases, strict=True))
+        spec, layout = planned
+        blocks, payloads = store.layout_blocks(layout, spec)
+        token = self._outbox().stage_many(blocks)
+        me = ray.get_runtime_context().current_actor
+        samples = [layout.payloads_of(i) for i in range(len(layout.samples))]
+        try:
+            written = yield from store.staged_leased_adoption(
+                me, token, payloads, layout.saved_bytes, samples, holders, pin=pin
+            )
+        finally:
+            self._outbox().discard(token)
+        return store.leased_handles(layout, spec, weight_version, holders, written)
+
     def stage_routes(self, array: Any, *, block_rows: int) -> tuple[str, int]:
         """Keep ``array`` until a store takes it; returns (token, block count)."""
         return self._outbox().stage(array, block_rows=block_rows)
@@ -164,6 +220,9 @@ class AsyncRoutesProducer(RoutesProducer):
     """
 
     _routeplay_writes: dict[int, Coalescer[_Staged, list[StoreRef]]] | None = None
+    _routeplay_leased_writes: (
+        dict[tuple[int, bool], Coalescer[_StagedLeased, list[tuple[Handle, Lease]]]] | None
+    ) = None
 
     async def aput_routes(
         self, store: RouteStore, routes: Routes, *, weight_version: int = 0
@@ -201,6 +260,40 @@ class AsyncRoutesProducer(RoutesProducer):
         )
         return store.written_handles(layout, stored, spec, weight_version)
 
+    async def aput_routes_leased_many(
+        self,
+        store: RouteStore,
+        batch: Sequence[Routes],
+        holders: str | Sequence[str],
+        *,
+        weight_version: int = 0,
+        shared_prefix: int = 0,
+        pack: bool = False,
+        pin: bool = False,
+    ) -> list[tuple[Handle, Lease]]:
+        """Awaitable ``put_routes_leased_many``; concurrent calls of this
+        actor share one shard call per round of at most ``WRITE_ROUND``: the groups
+        answered together are written and their members leased in one call. A caller
+        cancelled in flight has its leases ended, and with them its payloads.
+
+        Example:
+            pairs = await self.aput_routes_leased_many(store, group, holders,
+                                                       shared_prefix=prompt_rows)
+        """
+        each = sample_holders(holders, len(batch))
+        planned = plan_write(batch, prefix_rows=shared_prefix, pack=pack)
+        if isinstance(planned, list):  # nothing to store: empty handles, leased as any
+            leases = await store.aacquire_many(list(zip(planned, each, strict=True)), pin=pin)
+            return list(zip(planned, leases, strict=True))
+        spec, layout = planned
+        blocks, payloads = store.layout_blocks(layout, spec)
+        samples = tuple(layout.payloads_of(i) for i in range(len(layout.samples)))
+        staged = _Staged(blocks, tuple(payloads), layout.saved_bytes)
+        [pairs] = await self._leased_writes(store, pin).submit(
+            [_StagedLeased(staged, samples, tuple(each), layout, spec, weight_version)]
+        )
+        return pairs
+
     def _writes(self, store: RouteStore) -> Coalescer[_Staged, list[StoreRef]]:
         """This actor's coalesced writes to ``store`` (one per store it writes to)."""
         if self._routeplay_writes is None:
@@ -213,6 +306,82 @@ class AsyncRoutesProducer(RoutesProducer):
                 round_requests=WRITE_ROUND,
             )
         return writes
+
+    def _leased_writes(
+        self, store: RouteStore, pin: bool
+    ) -> Coalescer[_StagedLeased, list[tuple[Handle, Lease]]]:
+        """This actor's coalesced leased writes to ``store`` (one per store, pinned or
+        not: a batch's grant carries the block references or does not)."""
+        if self._routeplay_leased_writes is None:
+            self._routeplay_leased_writes = {}
+        writes = self._routeplay_leased_writes.get((id(store), pin))
+        if writes is None:
+            writes = self._routeplay_leased_writes[(id(store), pin)] = Coalescer(
+                run=lambda batches: self._lease_together(store, batches, pin),
+                undo=lambda outs: store.release_many([lease for out in outs for _, lease in out]),
+                round_requests=WRITE_ROUND,
+            )
+        return writes
+
+    def _lease_together(
+        self, store: RouteStore, batches: list[_StagedLeased], pin: bool
+    ) -> Awaitable[list[list[tuple[Handle, Lease]]]]:
+        """``_adopt_together`` that leases every batch's samples in the same shard call
+        (each sample's payload indices moved past the batches before it); each batch's
+        handles and leases, in order."""
+        outbox = self._outbox()
+        staged = [batch.staged for batch in batches]
+        token = outbox.stage_many(tuple(block for one in staged for block in one.blocks))
+        payloads = [payload for one in staged for payload in one.payloads]
+        samples: list[tuple[int, ...]] = []
+        at = 0
+        for batch in batches:
+            samples.extend(tuple(at + i for i in parts) for parts in batch.samples)
+            at += len(batch.staged.payloads)
+        holders = [holder for batch in batches for holder in batch.holders]
+        saved = sum(one.saved_bytes for one in staged)
+        me = ray.get_runtime_context().current_actor
+        try:
+            flow = store.staged_leased_adoption(
+                me, token, payloads, saved, samples, holders, pin=pin
+            )
+            pending = primed(flow, store.backend)
+        except BaseException:
+            outbox.discard(token)
+            raise
+        return self._leased(store, pending, outbox, token, batches)
+
+    async def _leased(
+        self,
+        store: RouteStore,
+        pending: Awaitable[LeasedWrite],
+        outbox: PayloadOutbox,
+        token: str,
+        batches: list[_StagedLeased],
+    ) -> list[list[tuple[Handle, Lease]]]:
+        try:
+            written = await pending
+        finally:
+            outbox.discard(token)  # a no-op once taken; frees it if the adopt failed
+        out, payload_at, sample_at = [], 0, 0
+        for batch in batches:
+            payload_end = payload_at + len(batch.staged.payloads)
+            sample_end = sample_at + len(batch.samples)
+            mine = LeasedWrite(
+                written.shard,
+                written.stored[payload_at:payload_end],
+                Grant(
+                    lease_ids=written.grant.lease_ids[sample_at:sample_end],
+                    blocks=written.grant.blocks,
+                ),
+            )
+            out.append(
+                store.leased_handles(
+                    batch.layout, batch.spec, batch.weight_version, batch.holders, mine
+                )
+            )
+            payload_at, sample_at = payload_end, sample_end
+        return out
 
     def _adopt_together(
         self, store: RouteStore, batches: list[_Staged]
@@ -257,3 +426,16 @@ class _Staged:
     blocks: tuple[Any, ...]
     payloads: tuple[StoredPayload, ...]
     saved_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _StagedLeased:
+    """One leased put: its staged blocks, each sample's payload indices (within this
+    put) and holder, and what its handles are built from."""
+
+    staged: _Staged
+    samples: tuple[tuple[int, ...], ...]
+    holders: tuple[str, ...]
+    layout: BatchLayout
+    spec: RouteSpec
+    weight_version: int

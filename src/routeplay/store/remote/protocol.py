@@ -42,7 +42,7 @@ __all__ = [
     "check_answer",
 ]
 
-PROTOCOL: Final = 4
+PROTOCOL: Final = 5
 """The version of the calls between routeplay's processes (see the module docstring)."""
 
 _BEFORE: Final = "before-protocol"  # a routeplay from before this module

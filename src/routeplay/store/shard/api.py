@@ -48,9 +48,26 @@ class ShardApi(Protocol):
         payloads: list[StoredPayload],
         saved_bytes: int,
         samples: list[tuple[int, ...]],
-        holder: str,
+        holders: list[str],
+        *,
+        with_blocks: bool = True,
     ) -> tuple[list[StoreRef], Grant]:
-        """``adopt_many`` and a lease of ``holder`` per sample, in one step."""
+        """``adopt_many`` and a lease per sample (its holder in ``holders``), in one
+        step."""
+        ...
+
+    def adopt_from_leased(
+        self,
+        producer: Any,
+        token: str,
+        payloads: list[StoredPayload],
+        saved_bytes: int,
+        samples: list[tuple[int, ...]],
+        holders: list[str],
+        *,
+        with_blocks: bool = True,
+    ) -> tuple[list[StoreRef], Grant]:
+        """``adopt_from_many`` and a lease per sample, in one call."""
         ...
 
     def adopt_from(

@@ -22,7 +22,7 @@ from routeplay.errors import HandleError, MisuseError
 from routeplay.store.shard.call_meter import CallMeter
 from routeplay.store.shard.lease_table import LeakRecord, LeaseTable, TableStats
 
-__all__ = ["CallProducer", "Grant", "StoreShard", "StoredPayload", "shard_of"]
+__all__ = ["CallProducer", "Grant", "StoreShard", "StoredPayload", "check_holders", "shard_of"]
 
 # (producer handle, token, block count) -> one reference per block, owned by the caller.
 CallProducer = Callable[[Any, str, int], list[Any]]
@@ -55,6 +55,16 @@ class Grant:
     """One lease id per request, in request order."""
     blocks: dict[str, list[Any]]
     """Block references of every payload leased, by payload id."""
+
+
+def check_holders(samples: Sequence[Sequence[int]], holders: Sequence[str]) -> None:
+    """Refuse a leased adopt that does not name one holder per sample (``MisuseError``)."""
+    if isinstance(holders, str) or len(holders) != len(samples):
+        raise MisuseError(
+            "a leased adopt names one holder per sample",
+            expected=f"a list of {len(samples)} holders",
+            found=repr(holders)[:80] if isinstance(holders, str) else len(holders),
+        )
 
 
 def shard_of(payload_id: str) -> int:
@@ -173,13 +183,40 @@ class StoreShard:
         payloads: Sequence[StoredPayload],
         saved_bytes: int,
         samples: Sequence[Sequence[int]],
-        holder: str,
+        holders: Sequence[str],
+        *,
+        with_blocks: bool = True,
     ) -> tuple[list[StoreRef], Grant]:
-        """``adopt_many`` and a lease of ``holder`` per sample (its payload indices), in
-        one step: no TTL can drop a payload between the put and the lease."""
+        """``adopt_many`` and a lease per sample (its payload indices in ``samples``,
+        its holder in ``holders``), in one step: no TTL can drop a payload between the
+        put and the lease, and a group's members are leased by the write's own call."""
+        check_holders(samples, holders)
         stored = self.adopt_many(refs, payloads, saved_bytes)
-        requests = [([stored[i].payload_id for i in parts], holder) for parts in samples]
-        return stored, self.lease_many(requests, self.run)
+        requests = [
+            ([stored[i].payload_id for i in parts], holder)
+            for parts, holder in zip(samples, holders, strict=True)
+        ]
+        return stored, self.lease_many(requests, self.run, with_blocks=with_blocks)
+
+    def adopt_from_leased(
+        self,
+        producer: Any,
+        token: str,
+        payloads: Sequence[StoredPayload],
+        saved_bytes: int,
+        samples: Sequence[Sequence[int]],
+        holders: Sequence[str],
+        *,
+        with_blocks: bool = True,
+    ) -> tuple[list[StoreRef], Grant]:
+        """``adopt_from_many`` and ``adopt_leased``'s leases, in one call: a producer's
+        staged batch owned by this shard and leased to its samples' holders."""
+        check_holders(samples, holders)  # before the producer hands its blocks over
+        call = self._producer_call()
+        refs = call(producer, token, sum(payload.blocks for payload in payloads))
+        return self.adopt_leased(
+            refs, payloads, saved_bytes, samples, holders, with_blocks=with_blocks
+        )
 
     def discard(self, payload_ids: Sequence[str]) -> list[str]:
         """Drop payloads nobody leased yet (a write its caller never saw); returns them."""
