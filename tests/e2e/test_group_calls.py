@@ -93,8 +93,8 @@ def test_a_completion_whose_rows_disagree_with_its_tokens_costs_only_its_member(
 
 
 class _DeadWrites:
-    """A producer's writer whose group write is lost in transit (its shard died while
-    adopting): every other call goes through."""
+    """A producer's writer whose group write fails (its shard is gone: the call raises
+    before anything is staged); every other call goes through."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -116,7 +116,9 @@ class DeadWritesShell(WorkerShell):
 
 @pytest.mark.long
 @pytest.mark.usefixtures("ray_local")
-def test_a_lost_group_write_sets_every_member_aside_and_leaves_nothing() -> None:
+def test_a_failed_group_write_sets_every_member_aside_and_leaves_nothing() -> None:
+    """The worker's group call answers (it does not raise): every member set aside with
+    the write's error, its continuation abandoned, nothing leased, written or staged."""
     with DemoServices(recipe("smoke").replace(wire="sglang")) as svc:
         worker = _shell_here(DeadWritesShell, svc)
         states, samplings = _group(3)

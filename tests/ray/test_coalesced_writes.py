@@ -86,22 +86,29 @@ class GroupWorker(AsyncRoutesProducer):
     """A rollout worker with one coroutine per GRPO group, as an asyncio framework runs it."""
 
     async def write_groups(
-        self, store: RouteStore, groups: int, *, leased: bool = False
+        self,
+        store: RouteStore,
+        groups: int,
+        *,
+        leased: bool = False,
+        sizes: tuple[int, ...] = (),
     ) -> dict[str, Any]:
         """Each group by its own coroutine: ``aingest_routing_group`` then ``afinish_all``,
-        or (``leased``) ``aingest_and_finish_group``."""
+        or (``leased``) ``aingest_and_finish_group``; ``sizes``: group ``g``'s first
+        ``sizes[g]`` members only (leased)."""
         before = dict((await store.astats()).calls_by_op)
         writer = ProducerWriter(producer=self, store=store)
 
         async def one(group: int) -> list[Any]:
             prompt = tuple(range(group * 100, group * 100 + PROMPT))
+            size = sizes[group] if sizes else GROUP
             conts = [
                 SampleRouting(sample_id=f"{group}.{m}").continuation(prompt_ids=prompt)
-                for m in range(GROUP)
+                for m in range(size)
             ]
             if leased:
                 return await aingest_and_finish_group(
-                    conts, answers(group), writer=writer, store=store, weight_version=0
+                    conts, answers(group)[:size], writer=writer, store=store, weight_version=0
                 )
             written = await aingest_routing_group(
                 conts, answers(group), writer=writer, weight_version=0, spec=SPEC
@@ -292,6 +299,27 @@ def test_more_leased_groups_than_a_round_go_in_rounds(store: RouteStore) -> None
     result = ray.get(GroupWorker.remote().write_groups.remote(store, 40, leased=True), timeout=120)
     assert result["calls"] == {"adopt_from_leased": 2}  # a full round, then the rest
     finished = result["finished"]
+    for g, group in enumerate(finished):
+        for m, routing in enumerate(group):
+            np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))
+    release_all(store, finished)
+
+
+def test_groups_of_other_sizes_written_together_each_get_their_own_leases(
+    store: RouteStore,
+) -> None:
+    """One call for groups of 1 to 4 members (each its own payloads and samples, so the
+    batch's payload and lease indices shift by a different count per group)."""
+    sizes = (3, 1, 4, 2, 1, 4)
+    worker = GroupWorker.remote()
+    result = ray.get(
+        worker.write_groups.remote(store, len(sizes), leased=True, sizes=sizes), timeout=120
+    )
+    assert result["calls"] == {"adopt_from_leased": 1}
+    finished = result["finished"]
+    assert [len(group) for group in finished] == list(sizes)
+    holders = [r.lease.holder for group in finished for r in group]
+    assert holders == [f"rollout/{g}.{m}" for g, size in enumerate(sizes) for m in range(size)]
     for g, group in enumerate(finished):
         for m, routing in enumerate(group):
             np.testing.assert_array_equal(routing.lease.read(), member_rows(g, m))

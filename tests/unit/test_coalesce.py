@@ -12,6 +12,7 @@ import pytest
 from routeplay.core import Handle, RouteSpec, canonicalize
 from routeplay.errors import RunMismatch
 from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.client.coalesce import Coalescer
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 
@@ -84,3 +85,32 @@ def test_a_cancelled_waiter_leaves_no_lease() -> None:
     # The kept payload went with its last release; the dropped waiter's grant was revoked,
     # not released: its payload is back to its TTL, as if never leased.
     assert (stats.live_payloads, stats.unleased_payloads) == (1, 1)
+
+
+def test_a_waiter_cancelled_in_the_turn_its_batch_lands_has_its_results_undone() -> None:
+    """The batch delivers a result to a waiter still pending, and the waiter's task is
+    cancelled in that same loop turn: the caller never takes the result, so ``undo``
+    ends it (for leased writes: the leases, which would otherwise live on)."""
+
+    async def run() -> tuple[list[str], list[str]]:
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Future[list[str]] = loop.create_future()
+        undone: list[str] = []
+        coalescer: Coalescer[str, str] = Coalescer(run=lambda _: landed, undo=undone.extend)
+        got: list[str] = []
+
+        async def caller() -> None:
+            got.extend(await coalescer.submit(["lease-a"]))
+
+        task = asyncio.ensure_future(caller())
+        for _ in range(3):  # submitted, its batch sent, waiting for the answer
+            await asyncio.sleep(0)
+        landed.set_result(["lease-a"])  # the batch wakes next and delivers
+        loop.call_soon(task.cancel)  # the caller is cancelled in that same turn
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got, undone
+
+    got, undone = asyncio.run(run())
+    assert got == []
+    assert undone == ["lease-a"]

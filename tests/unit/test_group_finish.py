@@ -245,3 +245,69 @@ def test_the_awaited_face_finishes_concurrent_groups_alike() -> None:
             routing.release()
     assert store.leaks() == []
     assert store.stats().live_payloads == 0
+
+
+def _key_answer(backend: LocalBackend, member: int) -> EngineRouting:
+    fake = FakeLmdeployKey(spec=SPEC, put=backend.engine_store().put)
+    body = fake.respond(
+        member_rows(member)[: PROMPT + FIRST], prompt_tokens=PROMPT, completion_tokens=FIRST
+    )
+    return read_response(Engine.LMDEPLOY, body, SPEC)
+
+
+def test_a_mixed_group_leases_its_carried_members_in_the_write_and_the_rest_after() -> None:
+    backend = LocalBackend("mixed-ok", shards=2, ttl_s=600.0)
+    store = RouteStore(StoreConfig(run="mixed-ok", shards=2), backend)
+    fresh = [SampleRouting(sample_id=f"m{m}") for m in range(4)]
+    conts = continuations(fresh)
+    answers = [
+        answer(0, PROMPT, FIRST),
+        _key_answer(backend, 1),
+        answer(2, PROMPT, FIRST, start_row=3),  # refused: skips rows it has no history for
+        answer(3, PROMPT, FIRST),
+    ]
+    before = dict(store.stats().calls_by_op)
+    out = ingest_and_finish_group(
+        conts, answers, writer=store, store=store, weight_version=0, spec=SPEC
+    )
+    calls = calls_of(store, before)
+    assert calls["adopt_leased"] == 1  # members 0 and 3, leased by their write
+    assert calls["lease_many"] == 1  # member 1, adopted from its key, then leased
+    assert isinstance(out[2], HandleError)
+    conts[2].abandon()
+    for m in (0, 1, 3):
+        routing = out[m]
+        assert isinstance(routing, SampleRouting)
+        assert routing.lease is not None
+        assert routing.lease.holder == sample_holder(f"m{m}")
+        assert routing.handle is not None
+        np.testing.assert_array_equal(
+            store.read(routing.handle), member_rows(m)[: PROMPT + FIRST - 1]
+        )
+        routing.release()
+    assert store.stats().leases == 0
+    assert store.stats().live_payloads == 0
+    assert store.leaks() == []
+
+
+class _AcquireFails:
+    """A lease source whose acquire fails (its shard died)."""
+
+    def acquire_many(self, *args: Any, **kwargs: Any) -> Any:
+        raise RoutesLost("the shard granting the leases died", where="test")
+
+
+def test_leases_the_write_granted_end_if_the_others_cannot_be_leased() -> None:
+    backend = LocalBackend("acquire-fails", shards=1, ttl_s=600.0)
+    store = RouteStore(StoreConfig(run="acquire-fails"), backend)
+    fresh = [SampleRouting(sample_id=f"m{m}") for m in range(3)]
+    answers = [answer(0, PROMPT, FIRST), answer(1, PROMPT, FIRST), _key_answer(backend, 2)]
+    with pytest.raises(RoutesLost):
+        ingest_and_finish_group(
+            continuations(fresh), answers, writer=store, store=_AcquireFails(),  # type: ignore[arg-type]
+            weight_version=0, spec=SPEC,
+        )  # fmt: skip
+    stats = store.stats()
+    assert stats.leases == 0  # the two carried members' leases, granted by their write
+    assert stats.live_payloads == 1  # the key's adopted payload, never leased: its TTL's
+    assert stats.unleased_payloads == 1

@@ -57,6 +57,7 @@ from routeplay.bench.workloads import RLStepShape
 from routeplay.core import EngineKey, Routes, RouteSpec, canonicalize
 from routeplay.core.wires import Engine, EngineRouting
 from routeplay.rollout import ProducerWriter, SampleRouting, aingest_and_finish_group
+from routeplay.rollout.routing_groups import adiscard_all
 from routeplay.store import AsyncRoutesProducer, RoutesProducer, RouteStore, producer_actor
 from routeplay.train import Materializer, PackingPlan, RankCoords
 
@@ -241,13 +242,16 @@ class _StepRollout(AsyncRoutesProducer, _Settles):
             conts, routings, writer=self._writer, store=self.store, weight_version=VERSION,
             spec=self.spec,
         )  # fmt: skip
+        done = [result for result in finished if isinstance(result, SampleRouting)]
+        refused = [result for result in finished if not isinstance(result, SampleRouting)]
+        if refused:  # the others' leases end first: the run fails, nothing is left held
+            await adiscard_all(done)
+            raise refused[0]
         response = shape.tokens - shape.shared_prompt
-        out = []
-        for result in finished:
-            if not isinstance(result, SampleRouting):
-                raise result
-            out.append(result.complete(prompt_tokens=shape.shared_prompt, response_tokens=response))
-        return out
+        return [
+            routing.complete(prompt_tokens=shape.shared_prompt, response_tokens=response)
+            for routing in done
+        ]
 
     def put_groups(self) -> list[list[Any]]:
         """Ray's floor: each group's rows laid out as routeplay's payload (the prompt's

@@ -3,12 +3,13 @@ write's own call.
 
 ``ingest_routing_group`` then ``finish_all`` takes two store calls for a group: the write
 (its payload, no lease), then one ``acquire_many`` for every member's ``rollout/<id>``
-lease. ``ingest_and_finish_group`` makes one: fresh members whose rows the answers carry
-are written and leased together (``put_leased_many``: ``RouteStore``'s, or a producer's
-``ProducerWriter``, whose concurrent groups share one shard call), so no TTL can drop a
-payload between its write and its lease either. Members that resume a history or answer
-with an engine-store key are written as ``ingest_routing_group`` writes them and leased
-with the others that need a lease, in one call per shard. The finish then ends every
+lease. ``ingest_and_finish_group`` makes one for a group whose answers carry their rows
+and whose members are all fresh (a GRPO group's first answers): written and leased
+together (``put_leased_many``: ``RouteStore``'s, or a producer's ``ProducerWriter``, whose
+concurrent groups share one shard call), so no TTL can drop a payload between its write
+and its lease either. A group with a resumed member (whose lease must cover its history
+too, another payload) or with engine-store keys is written as ``ingest_routing_group``
+writes it, and its members leased with one call per shard. The finish then ends every
 replaced own lease and every borrowed lease, as ``finish_all`` does.
 
 Example:
@@ -60,7 +61,7 @@ def ingest_and_finish_group(
 ) -> Finished:
     """Each member's next ``SampleRouting`` (its ``rollout/<id>`` lease held), or the
     typed error that refused its answer: ``ingest_routing_group`` and ``finish_all`` in
-    one, a fresh group's write granting its members' leases in the same call.
+    one, the write of a group of fresh members granting their leases in the same call.
 
     A refused member costs only itself; its continuation stays open, for the caller to
     abandon (its borrowed lease). If the finish cannot take the leases still missing,

@@ -26,7 +26,7 @@ from routeplay.core.handle import Handle
 from routeplay.errors import MisuseError, RouteplayError
 from routeplay.rollout.adapters import check_continues, new_rows
 from routeplay.rollout.routing_terms import sample_holder
-from routeplay.rollout.steps import Call, Step, arun_step, run_step
+from routeplay.rollout.steps import Call, Step, arun_step, ending_while, run_step
 from routeplay.store.client.lease import Lease
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class LeasedBatchWriter(BatchWriter, Protocol):
         weight_version: int = 0,
         shared_prefix: int = 0,
         pack: bool = False,
-        pin: bool = True,
+        pin: bool = ...,
     ) -> list[tuple[Handle, Lease]]: ...
 
 
@@ -132,7 +132,7 @@ class AsyncLeasedBatchWriter(AsyncBatchWriter, Protocol):
         weight_version: int = 0,
         shared_prefix: int = 0,
         pack: bool = False,
-        pin: bool = True,
+        pin: bool = ...,
     ) -> list[tuple[Handle, Lease]]: ...
 
 
@@ -207,10 +207,11 @@ def ingest_group_step(
 ) -> Step[tuple[GroupResult, list[Lease | None]]]:
     """The step of a group ingest, for a caller composing it: per member its result
     and, with ``lease``, the ``rollout/<id>`` lease its write granted (None: none). With
-    ``lease``, fresh members whose rows the answers carry are written and leased in one
-    call (the writer's ``put_leased_many``, unpinned); members that resume a history or
-    answer with a key are written as without it. Granted leases end if a later write of
-    the group fails.
+    ``lease``, the members whose rows the answers carry are written and leased in one
+    call (the writer's ``put_leased_many``, unpinned) when all of them are fresh (no
+    history: a resumed member's lease must cover its history too, another payload);
+    otherwise, and for members that answer with a key, they are written as without it.
+    Granted leases end if a later write of the group fails.
 
     Example:
         >>> step = ingest_group_step(conts, answers, writer, 3, spec, lease=True)  # doctest: +SKIP
@@ -242,8 +243,10 @@ def ingest_group_step(
     if keyed:
         try:
             yield from group.adopt_keyed(keyed)
-        except BaseException:  # the leases granted with the carried rows end with it
-            yield from group.end_granted()
+        except BaseException as exc:  # the leases granted with the carried rows end too
+            granted = [lease for lease in group.granted if lease is not None]
+            group.granted = [None] * len(conts)
+            yield from ending_while(granted, exc, "the leases the group's write granted")
             raise
     results = [result for result in group.out if result is not None]
     return results, group.granted
@@ -312,13 +315,6 @@ class _Group:
         for (index, _), (handle, lease) in zip(carried, pairs, strict=True):
             self.out[index] = handle
             self.granted[index] = lease
-
-    def end_granted(self) -> Step[None]:
-        """Release the leases this ingest's writes granted (its group failed later)."""
-        made = [lease for lease in self.granted if lease is not None]
-        self.granted = [None] * len(self.conts)
-        if made:
-            yield Call(lambda: Lease.release_each(made), lambda: Lease.arelease_each(made))
 
     def adopt_keyed(self, keyed: Sequence[tuple[int, EngineKey]]) -> Step[None]:
         keys = [key for _, key in keyed]

@@ -45,7 +45,7 @@ from routeplay.rollout.releasing import first_error
 from routeplay.rollout.routing_continuation import RoutingContinuation
 from routeplay.rollout.routing_terms import sample_holder
 from routeplay.rollout.sample_routing import Expiry, SampleRouting
-from routeplay.rollout.steps import Call, Step, arun_step, run_step
+from routeplay.rollout.steps import Call, Step, arun_step, ending_while, run_step
 from routeplay.store.client.lease import Holders, Lease, holders_of
 
 __all__ = [
@@ -287,9 +287,9 @@ def _claim_all(
         items = [(cast(Handle, routings[i].handle), holders[i]) for i in bare]
         try:
             acquired: list[Lease] = yield _acquiring_many(cast(Source, store), items)
-        except BaseException:  # nothing claimed: end the clones already made
+        except BaseException as exc:  # nothing claimed: end the clones already made
             made = [lease for lease in out if lease is not None]
-            yield Call(lambda: Lease.release_each(made), lambda: Lease.arelease_each(made))
+            yield from ending_while(made, exc, "the clones already made")
             raise
         for i, lease in zip(bare, acquired, strict=True):
             out[i] = lease
@@ -375,16 +375,17 @@ def finish_all_step(
     Example:
         >>> routings = run_step(finish_all_step(conts, store, handles, leases))  # doctest: +SKIP
     """
-    closing = [cont.finishing() for cont in conts]
-    borrowed = [lease for _, lease, _ in closing if lease is not None]
-    given: list[Lease | None] = list(granted) if granted is not None else [None] * len(closing)
-    bare = [i for i, lease in enumerate(given) if lease is None]
-    items = [(handles[i], sample_holder(closing[i][0].sample_id)) for i in bare]
+    given: list[Lease | None] = list(granted) if granted is not None else [None] * len(conts)
+    borrowed: list[Lease] = []
     try:
+        closing = [cont.finishing() for cont in conts]
+        borrowed = [lease for _, lease, _ in closing if lease is not None]
+        bare = [i for i, lease in enumerate(given) if lease is None]
+        items = [(handles[i], sample_holder(closing[i][0].sample_id)) for i in bare]
         acquired: list[Lease] = (yield _acquiring_many(store, items)) if items else []
-    except BaseException:  # nothing taken: the borrowed and granted leases end, the own stay
-        ended = [*borrowed, *(lease for lease in given if lease is not None)]
-        yield Call(lambda: Lease.release_each(ended), lambda: Lease.arelease_each(ended))
+    except BaseException as exc:  # nothing taken: the borrowed and granted leases end,
+        ended = [*borrowed, *(lease for lease in given if lease is not None)]  # the own stay
+        yield from ending_while(ended, exc, "the group's borrowed and granted leases")
         raise
     for i, lease in zip(bare, acquired, strict=True):
         given[i] = lease
@@ -393,7 +394,12 @@ def finish_all_step(
     routings = [
         r if b is None else replaced(r, unreleased=(*r.unreleased, b)) for r, b, _ in closing
     ]
-    released = yield from _released(routings)
+    try:
+        released = yield from _released(routings)
+    except BaseException as exc:  # cancelled mid-release: nobody will hold the new leases
+        new = [lease for lease in given if lease is not None]
+        yield from ending_while(new, exc, "the group's new leases")
+        raise
     return [
         after.attach(handle, cast(Lease, lease), origin)
         for (after, _), (_, _, origin), handle, lease in zip(

@@ -24,14 +24,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
+from routeplay.rollout.releasing import attach_notes
 from routeplay.store.client.lease import Lease
 from routeplay.store.flow import adrive, drive
 
-__all__ = ["Call", "Step", "arun_step", "cloning", "releasing", "run_step"]
+__all__ = ["Call", "Step", "arun_step", "cloning", "ending_while", "releasing", "run_step"]
 
 R = TypeVar("R")
 
@@ -92,6 +93,21 @@ def releasing(lease: Lease) -> Call[None]:
         yield releasing(lease)
     """
     return Call(lambda: lease.release(), lambda: lease.arelease())
+
+
+def ending_while(leases: Sequence[Lease], cause: BaseException, what: str) -> Step[None]:
+    """Release ``leases`` (one call per shard) while ``cause`` propagates: each is tried,
+    and one that fails is named in a note on ``cause``, never raised over it.
+
+    Example:
+        yield from ending_while(granted, exc, "the group's granted leases")
+    """
+    if not leases:
+        return
+    errors: list[BaseException | None] = yield Call(
+        lambda: Lease.release_each(leases), lambda: Lease.arelease_each(leases)
+    )
+    attach_notes(cause, [error for error in errors if error is not None], f"releasing {what}")
 
 
 def cloning(lease: Lease, holder: str) -> Call[Lease]:

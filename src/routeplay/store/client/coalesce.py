@@ -89,7 +89,13 @@ class Coalescer(Generic[I, O]):
         current.requests.append(request)
         if self._round_requests is not None and len(current.requests) >= self._round_requests:
             self._send(loop, current)  # a full round goes now, while later ones gather
-        return await request.waiter
+        try:
+            return await request.waiter
+        except asyncio.CancelledError:
+            # Cancelled in the loop turn its batch landed in: the waiter holds results
+            # nobody will take (``_deliver`` saw it pending); end them as a late waiter's.
+            _undo_unclaimed(request.waiter, self._undo)
+            raise
 
     def _send(self, loop: asyncio.AbstractEventLoop, round_: _Round[I, O]) -> None:
         if self._rounds.get(loop) is not round_:
@@ -146,6 +152,16 @@ async def _outcome(call: Awaitable[list[O]]) -> list[O] | BaseException:
         return await call
     except Exception as exc:
         return exc
+
+
+def _undo_unclaimed(
+    waiter: asyncio.Future[list[O]], undo: Callable[[list[O]], object] | None
+) -> None:
+    """``undo`` the results a waiter got but its caller never took (no-op otherwise)."""
+    if undo is None or not waiter.done() or waiter.cancelled():
+        return
+    if waiter.exception() is None:
+        undo(waiter.result())
 
 
 def _deliver(

@@ -273,13 +273,18 @@ class WritePath:
         Example:
             pairs = store.leased_handles(layout, spec, 3, holders, written)
         """
-        handles = _handles(layout, written.stored, spec, weight_version)
-        return [
-            (handle, self._lease_of(handle, holder, written.shard, lease_id, written.grant))
-            for handle, holder, lease_id in zip(
-                handles, holders, written.grant.lease_ids, strict=True
-            )
-        ]
+        try:
+            handles = _handles(layout, written.stored, spec, weight_version)
+            return [
+                (handle, self._lease_of(handle, holder, written.shard, lease_id, written.grant))
+                for handle, holder, lease_id in zip(
+                    handles, holders, written.grant.lease_ids, strict=True
+                )
+            ]
+        except BaseException:  # nobody will hold the granted leases: end them (not waited)
+            ids = list(written.grant.lease_ids)
+            self._core.releases.submit([shard_call(written.shard, ShardApi.release_many, ids)])
+            raise
 
     def _lease_of(
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
