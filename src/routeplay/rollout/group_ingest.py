@@ -280,12 +280,27 @@ class _Group:
         return Call(lambda: self.blocking.free_key(key), lambda: self.awaited.afree_key(key))
 
     def put_carried(self, carried: Sequence[tuple[int, Routes]]) -> Step[None]:
-        if self.lease and all(self.conts[i].history is None for i, _ in carried):
-            yield from self._put_leased(carried)
-            return
         batch = [rows for _, rows in carried]
         shared = _shared_prompt([self.conts[i] for i, _ in carried])
         version = self.weight_version
+        if self.lease and all(self.conts[i].history is None for i, _ in carried):
+            # Fresh members: written and each leased to ``rollout/<id>`` in one call
+            # (unpinned: the worker keeps the rows alive, it does not read them).
+            holders = [sample_holder(self.conts[i].routing.sample_id) for i, _ in carried]
+            pairs: list[tuple[Handle, Lease]] = yield Call(
+                lambda: self.blocking.put_leased_many(
+                    batch, holders, weight_version=version, shared_prefix=shared, pack=True,
+                    pin=False,
+                ),
+                lambda: self.awaited.aput_leased_many(
+                    batch, holders, weight_version=version, shared_prefix=shared, pack=True,
+                    pin=False,
+                ),
+            )  # fmt: skip
+            for (index, _), (handle, lease) in zip(carried, pairs, strict=True):
+                self.out[index] = handle
+                self.granted[index] = lease
+            return
         written: list[Handle] = yield Call(
             lambda: self.blocking.put_many(
                 batch, weight_version=version, shared_prefix=shared, pack=True
@@ -296,25 +311,6 @@ class _Group:
         )
         for (index, _), handle in zip(carried, written, strict=True):
             self.out[index] = self.kept(index) + handle
-
-    def _put_leased(self, carried: Sequence[tuple[int, Routes]]) -> Step[None]:
-        """Fresh members' rows written and each leased to ``rollout/<id>`` in one call
-        (unpinned: the worker keeps the rows alive, it does not read them)."""
-        batch = [rows for _, rows in carried]
-        shared = _shared_prompt([self.conts[i] for i, _ in carried])
-        holders = [sample_holder(self.conts[i].routing.sample_id) for i, _ in carried]
-        version = self.weight_version
-        pairs: list[tuple[Handle, Lease]] = yield Call(
-            lambda: self.blocking.put_leased_many(
-                batch, holders, weight_version=version, shared_prefix=shared, pack=True, pin=False
-            ),
-            lambda: self.awaited.aput_leased_many(
-                batch, holders, weight_version=version, shared_prefix=shared, pack=True, pin=False
-            ),
-        )
-        for (index, _), (handle, lease) in zip(carried, pairs, strict=True):
-            self.out[index] = handle
-            self.granted[index] = lease
 
     def adopt_keyed(self, keyed: Sequence[tuple[int, EngineKey]]) -> Step[None]:
         keys = [key for _, key in keyed]

@@ -92,6 +92,10 @@ class BatchLayout:
         """Indices of the arrays sample ``sample`` points into (each once, in order)."""
         return tuple(dict.fromkeys(part.array for part in self.samples[sample]))
 
+    def payloads_per_sample(self) -> list[tuple[int, ...]]:
+        """``payloads_of`` every sample, in order: what each sample's lease covers."""
+        return [self.payloads_of(sample) for sample in range(len(self.samples))]
+
 
 def batch_spec(batch: Sequence[Routes]) -> RouteSpec | None:
     """The one spec of a batch (None when empty); a batch mixing specs is refused."""

@@ -209,7 +209,7 @@ class WritePath:
             refs,
             payloads,
             layout.saved_bytes,
-            _per_sample(layout),
+            layout.payloads_per_sample(),
             each,
             with_blocks=pin,
         )
@@ -290,11 +290,9 @@ class WritePath:
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
     ) -> Lease:
         borrow = self._core.backend.borrow
-        blocks = {
-            pid: borrow(grant.blocks[pid])
-            for pid in self._core.payload_ids(handle)
-            if pid in grant.blocks
-        }
+        # An unpinned grant carries no block references: its lease pins nothing here.
+        pids = self._core.payload_ids(handle) if grant.blocks else ()
+        blocks = {pid: borrow(grant.blocks[pid]) for pid in pids}
         return self._leases.granted_lease(handle, holder, {shard: lease_id}, blocks)
 
     def layout_blocks(
@@ -482,11 +480,6 @@ def sample_holders(holders: str | Sequence[str], samples: int) -> list[str]:
             found=len(holders),
         )
     return list(holders)
-
-
-def _per_sample(layout: BatchLayout) -> list[tuple[int, ...]]:
-    """Each sample's payload indices in a layout (what its lease covers)."""
-    return [tuple(layout.payloads_of(i)) for i in range(len(layout.samples))]
 
 
 def _handles(

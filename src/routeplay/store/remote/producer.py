@@ -163,7 +163,7 @@ class RoutesProducer:
         blocks, payloads = store.layout_blocks(layout, spec)
         token = self._outbox().stage_many(blocks)
         me = ray.get_runtime_context().current_actor
-        samples = [layout.payloads_of(i) for i in range(len(layout.samples))]
+        samples = layout.payloads_per_sample()
         try:
             written = yield from store.staged_leased_adoption(
                 me, token, payloads, layout.saved_bytes, samples, holders, pin=pin
@@ -287,7 +287,7 @@ class AsyncRoutesProducer(RoutesProducer):
             return list(zip(planned, leases, strict=True))
         spec, layout = planned
         blocks, payloads = store.layout_blocks(layout, spec)
-        samples = tuple(layout.payloads_of(i) for i in range(len(layout.samples)))
+        samples = tuple(layout.payloads_per_sample())
         staged = _Staged(blocks, tuple(payloads), layout.saved_bytes)
         [pairs] = await self._leased_writes(store, pin).submit(
             [_StagedLeased(staged, samples, tuple(each), layout, spec, weight_version)]
