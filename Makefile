@@ -25,16 +25,15 @@ PYTEST_WORKERS ?= 2
 # Python writes its bytecode cache (__pycache__, in .venv and here) in everything make
 # runs: a machine that sets PYTHONDONTWRITEBYTECODE (this one does) would otherwise make
 # every process compile torch and transformers from source again, and every Ray actor is
-# a process (6-8 s of CPU each: 40% of the test suite's time). `test` compiles the venv's
-# packages once per install (a stamp), beside mypy, so the parallel test workers find
-# them compiled: on a fresh clone the suite imported about 7,000 modules of them (the
-# partners', hypothesis, Ray's, transformers' model families), each test worker and Ray
-# process compiling what it imported first, and pytest took 5 min 32 s against 4 min
-# 23 s compiled. Compiling them all took 48 s on 2 cores, on every core, their own test
-# folders left out (about 2,700 of 20,000 modules; no import here reaches them).
-# scripts/warm-bytecode also leaves out Ray's libraries routeplay does not use, pip and
-# the transformers model families no file of src/ or tests/ names: 12,800 modules, not
-# 17,300 (recompiling them all, warm: 22.9 s against 27.3 s).
+# a process (6-8 s of CPU each: 40% of the test suite's time). `test` compiles the venv
+# modules the suite imports once per install (a stamp), on every core, before the tests,
+# so the parallel test workers find them compiled: without it, each test worker and Ray
+# process compiled what it imported first, and pytest took 5 min 32 s against 4 min 23 s
+# compiled. scripts/warm-bytecode compiles the 6,950 modules that
+# requirements/warm-modules.txt lists (what `make test` imported; `scripts/warm-bytecode
+# --record` after a `make test` rewrites it): 20 s, against 42-49 s for the 12,800 that
+# it compiled before (the venv's packages less their tests, Ray's libraries routeplay
+# does not use, pip and the transformers families nothing names).
 # The stamp: checking 17,000 compiled modules again on every core took 10.7 s of
 # process hand-offs, 1.5 s on one.
 unexport PYTHONDONTWRITEBYTECODE
@@ -53,7 +52,7 @@ $(STAMP): pyproject.toml $(LOCK) $(PARTNERS) $(PARTNER_DEPS)
 	$(BIN)/python -c "import routeplay, torch, ray; assert torch.__version__.startswith('2.13.0')"
 	@touch $@
 
-$(BYTECODE): $(STAMP)
+$(BYTECODE): $(STAMP) requirements/warm-modules.txt
 	$(BIN)/python scripts/warm-bytecode
 	@touch $@
 
@@ -66,10 +65,11 @@ typecheck: $(STAMP)
 
 # `make test` is the suite a newcomer runs first, under 6 minutes on a fresh clone of 2
 # cores; the long end-to-end runs (pytest's `long` marker: the default demo as `make demo`
-# runs it, the bench's smoke run, the soak and the cancellation storms, the verl and XTuner
-# flows across processes, two demos on one cluster, the two-step demo of two of the four
-# engine wires, Megatron's 1F1B step reading every layer: about half of the suite's test
-# time here) are `make test-long`, which CI runs after it (.ci/run).
+# runs it, the four-node cluster's tests and the bench's smoke run on it, the soak and the
+# cancellation storms, the verl and XTuner flows across processes, two demos on one
+# cluster, the two-step demo of three of the four engine wires, a group's worker calls
+# through the demo's services, Megatron's 1F1B step reading every layer: more than half
+# of the suite's test time here) are `make test-long`, which CI runs after it (.ci/run).
 pytest: $(STAMP)
 	$(BIN)/pytest $(XDIST) -m "not long" tests
 
@@ -86,21 +86,18 @@ coverage: $(STAMP)
 	$(BIN)/pytest $(XDIST) --cov=src/routeplay --cov-branch \
 	  --cov-report=term:skip-covered --cov-report=json:build/coverage.json tests
 
-# The bytecode warm-up runs alone (on every core); then mypy (one core, about 26 s cold)
-# and the demo's import check (7.5 s cold) run beside the tests, which leave most of a
-# core idle on 2 cores (CPU time over wall time: 1.2 in a fresh clone's `make test`).
-# Their reports follow the tests', and any one failing fails the target. (Beside the
-# warm-up they shared its two cores; alone in a fresh clone the warm-up took 28.6 s and
-# the import 7.5 s.)
+# The bytecode warm-up runs alone (on every core); then the demo's import check (7.5 s
+# cold) runs beside the tests, its report after theirs, and either failing fails the
+# target. mypy is CI's (`.ci/run`: `make typecheck`, after `make test`) and the commit
+# check's, not the newcomer's: cold it is 45 s of CPU, and a fresh clone's `make test` is
+# CPU-bound on 2 cores (the tests, their Ray processes and collection in each worker).
 test: lint
 	@mkdir -p build; status=0; \
 	$(MAKE) --no-print-directory $(BYTECODE) || status=$$?; \
-	$(MAKE) --no-print-directory typecheck > build/mypy.log 2>&1 & typecheck=$$!; \
 	$(BIN)/python -c "import routeplay.pipeline.demo" > build/demo-import.log 2>&1 & demo=$$!; \
 	$(MAKE) --no-print-directory pytest || status=$$?; \
 	wait $$demo || { cat build/demo-import.log; status=1; }; \
-	wait $$typecheck || status=1; \
-	cat build/mypy.log; exit $$status
+	exit $$status
 
 # The suite on the newest releases of everything (no lock; torch stays TORCH_PIN, the
 # partners their pins), in a venv of its own made anew each run: what users installing

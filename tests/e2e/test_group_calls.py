@@ -1,7 +1,8 @@
 """A group's worker call on a wire that carries the rows: one member's bad answer (a
 corrupted body, or rows that disagree with the member's tokens at completion) is set
 aside with its typed error, the others come back leased from one packed write, and
-nothing leaks."""
+nothing leaks. In ``make test-long`` (each test is a demo's services on Ray); the units
+of group ingest and its refusals are in ``make test``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from routeplay.pipeline.soak_worker import TamperingWorker
 from routeplay.rollout import RolloutState, Status
 from routeplay.store import producer_actor
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -114,7 +115,6 @@ class DeadWritesShell(WorkerShell):
         self._writer = _DeadWrites(self._writer)  # type: ignore[assignment]
 
 
-@pytest.mark.long
 @pytest.mark.usefixtures("ray_local")
 def test_a_failed_group_write_sets_every_member_aside_and_leaves_nothing() -> None:
     """The worker's group call answers (it does not raise): every member set aside with

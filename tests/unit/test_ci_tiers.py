@@ -1,6 +1,7 @@
 """The suite's two tiers: ``make test`` (what a newcomer runs first, under 6 minutes on a
 fresh clone) leaves out the ``long`` end-to-end runs, ``make test-long`` runs exactly
-those, and CI runs both, the newcomer's first; the modules the workers start with exist."""
+those, and CI runs both, the newcomer's first, with the type check between them; the
+modules the workers start with exist."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ def test_make_test_leaves_the_long_runs_to_make_test_long() -> None:
     assert "$(MAKE) --no-print-directory pytest" in _recipe("test")
 
 
-def test_ci_runs_the_newcomers_suite_then_the_long_runs() -> None:
+def test_ci_runs_the_newcomers_suite_the_type_check_then_the_long_runs() -> None:
     commands = [
         line.strip()
         for line in (ROOT / ".ci/run").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert commands.index("make test") < commands.index("make test-long")
+    assert commands.index("make test") < commands.index("make typecheck")
+    assert commands.index("make typecheck") < commands.index("make test-long")
+    assert "mypy" in _recipe("typecheck")
 
 
 def test_the_modules_the_workers_start_with_exist() -> None:
