@@ -106,11 +106,10 @@ def _end_named_actors() -> None:
 
 # The longest modules start first: pytest-xdist hands whole files (--dist loadfile) to
 # the workers in collection order, so a long module collected last would run alone at
-# the end while the other worker idles. Measured with `pytest --durations=0` (2 workers;
-# `make test`'s modules last on a fresh clone of `fe3a57e`, each module's setup, calls
-# and teardowns added up);
+# the end while the other worker idles (test_xtuner_doc.py, 15 s, did). Measured with
+# `pytest --durations=0` (2 workers; each module's setup, calls and teardowns added up):
 # the `long` runs (`make test-long`) by what they take there, the rest by what they take
-# in `make test`.
+# in `make test` (a clone of `67e897e`).
 LONGEST_FIRST = (
     "e2e/test_demo.py",
     "ray/test_multinode.py",
@@ -121,22 +120,28 @@ LONGEST_FIRST = (
     "e2e/test_two_runs.py",
     "ray/test_cancel_storm.py",
     "e2e/test_xtuner_flow.py",
+    "e2e/test_group_calls.py",
     "ray/test_ingest_validation.py",
-    "ray/test_route_store.py",
     "ray/test_coalesced_writes.py",
     "ray/test_async_store.py",
+    "ray/test_route_store.py",
+    "ray/test_fast_paths_ray.py",
+    "ray/test_engine_store_guard.py",
     "ray/test_key_new_rows.py",
-    "ray/test_lmdeploy_capture.py",
     "unit/test_hf_replay.py",
     "unit/test_import_hygiene.py",
-    "ray/test_engine_store_guard.py",
+    "ray/test_lmdeploy_capture.py",
     "ray/test_reliability_ray.py",
     "ray/test_compaction.py",
-    "unit/test_lifecycle_machine.py",
-    "e2e/test_group_calls.py",
-    "ray/test_fast_paths_ray.py",
     "megatron/test_megatron_pipeline.py",
+    "unit/test_lifecycle_machine.py",
+    "xtuner/test_xtuner_doc.py",
     "ray/test_engine_store.py",
+    "unit/test_engine.py",
+    "unit/test_materializer.py",
+    "ray/test_accounting.py",
+    "unit/test_wires.py",
+    "ray/test_lifecycle_ray.py",
 )
 
 
