@@ -105,10 +105,12 @@ test: lint
 # adopts those versions.
 test-latest:
 	rm -rf $(LATEST_VENV)
-	$(MAKE) --no-print-directory test test-long VENV=$(LATEST_VENV) LOCK=
+	$(MAKE) --no-print-directory test typecheck test-long VENV=$(LATEST_VENV) LOCK=
 
 # Rewrites requirements/lock.txt from $(VENV) (after a green `make test`): every installed
-# package but routeplay itself, torch (TORCH_PIN), pip and the partners.
+# package but routeplay itself, torch (TORCH_PIN), pip and the partners. Then, after a
+# `make test` on the new lock, `$(BIN)/python scripts/warm-bytecode --record` brings the
+# warm-up's list (requirements/warm-modules.txt) up to the new versions.
 lock:
 	@test -x $(BIN)/python || { echo "no $(VENV): run make test first" >&2; exit 1; }
 	@partners=$$(sed -n 's/^\([A-Za-z0-9._-]*\)==.*/\1/p' $(PARTNERS) | paste -sd'|'); \

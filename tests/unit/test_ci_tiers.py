@@ -1,12 +1,14 @@
 """The suite's two tiers: ``make test`` (what a newcomer runs first, under 6 minutes on a
 fresh clone) leaves out the ``long`` end-to-end runs, ``make test-long`` runs exactly
 those, and CI runs both, the newcomer's first, with the type check between them; the
-modules the workers start with exist."""
+modules the workers start with exist, and the bytecode warm-up's list names this venv's
+modules."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +49,23 @@ def test_the_modules_the_workers_start_with_exist() -> None:
     ]
     assert names
     assert all((ROOT / "tests" / name).is_file() for name in names)
+
+
+def test_the_bytecode_warm_up_lists_what_this_venv_imports() -> None:
+    # scripts/warm-bytecode compiles requirements/warm-modules.txt's modules before the
+    # tests: a list gone stale (a new lock without `--record`) would silently leave each
+    # test worker and Ray process compiling torch and Ray again.
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    listed = [
+        purelib / folder / f"{module}.py"
+        for folder, *modules in (
+            line.split(" ")
+            for line in (ROOT / "requirements/warm-modules.txt").read_text().splitlines()
+        )
+        for module in modules
+    ]
+    assert len(listed) > 5000
+    missing = [path for path in listed if not path.is_file()]
+    assert len(missing) < 0.05 * len(listed), missing[:10]
+    for package in ("ray", "torch", "numpy", "transformers"):
+        assert purelib / package / "__init__.py" in listed
