@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from routeplay.core import EngineKey, Handle, RouteSpec, read_response
+from routeplay.core import EngineKey, Handle, Routes, RouteSpec, read_response
 from routeplay.core.wires import Engine, EngineRouting
 from routeplay.errors import HandleError, RouteplayError, RoutesLost
 from routeplay.rollout import (
@@ -27,7 +27,10 @@ from routeplay.rollout import (
 )
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.store import RouteStore, StoreConfig
+from routeplay.store.client.write_path import LeasedPut, LeasedWrite
 from routeplay.store.remote.backend import LocalBackend
+from routeplay.store.shard.api import ShardApi, shard_call
+from routeplay.store.write_plan import plan_batch
 
 SPEC = RouteSpec(num_layers=2, top_k=2, num_experts=8)
 PROMPT, FIRST, SECOND = 6, 4, 3
@@ -311,3 +314,57 @@ def test_leases_the_write_granted_end_if_the_others_cannot_be_leased() -> None:
     assert stats.leases == 0  # the two carried members' leases, granted by their write
     assert stats.live_payloads == 1  # the key's adopted payload, never leased: its TTL's
     assert stats.unleased_payloads == 1
+
+
+def _two_puts_leased_in_one_write(
+    store: RouteStore, backend: LocalBackend
+) -> tuple[list[LeasedPut], LeasedWrite]:
+    """Two groups of two written and their members leased by one ``adopt_leased``, as a
+    producer's coalesced puts are: the second put's payload and sample indices follow
+    the first's."""
+    puts: list[LeasedPut] = []
+    blocks: list[Any] = []
+    payloads: list[Any] = []
+    samples: list[tuple[int, ...]] = []
+    for put in range(2):
+        batch = [Routes(array=member_rows(2 * put + m), spec=SPEC) for m in range(2)]
+        layout = plan_batch(batch, pack=True)
+        more_blocks, more = store.layout_blocks(layout, SPEC)
+        samples += [tuple(len(payloads) + i for i in p) for p in layout.payloads_per_sample()]
+        blocks += more_blocks
+        payloads += more
+        puts.append(LeasedPut(layout, SPEC, 0, [sample_holder(f"p{put}.{m}") for m in range(2)]))
+    holders = [holder for put in puts for holder in put.holders]
+    refs = backend.put_blocks(blocks)
+    call = shard_call(0, ShardApi.adopt_leased, refs, payloads, 0, samples, holders)
+    [(stored, grant)] = backend.call([call], "two leased puts")
+    return puts, LeasedWrite(0, list(stored), grant)
+
+
+def test_each_put_of_a_shared_leased_write_gets_its_own_rows_and_leases() -> None:
+    backend = LocalBackend("shared-write", shards=1, ttl_s=600.0)
+    store = RouteStore(StoreConfig(run="shared-write"), backend)
+    puts, written = _two_puts_leased_in_one_write(store, backend)
+    out = store.leased_handles(puts, written)
+    assert [[lease.holder for _, lease in pairs] for pairs in out] == [p.holders for p in puts]
+    for put, pairs in enumerate(out):
+        for m, (handle, _) in enumerate(pairs):
+            np.testing.assert_array_equal(store.read(handle), member_rows(2 * put + m))
+    store.release_many([lease for pairs in out for _, lease in pairs])
+    store.flush()
+    assert (store.stats().leases, store.stats().live_payloads) == (0, 0)
+
+
+def test_a_shared_leased_write_whose_later_put_cannot_be_built_ends_every_lease() -> None:
+    # The first put's pairs are built before the second fails: nobody receives them
+    # (a producer's coalesced write fails for every caller), so its leases end too.
+    backend = LocalBackend("broken-put", shards=1, ttl_s=600.0)
+    store = RouteStore(StoreConfig(run="broken-put"), backend)
+    puts, written = _two_puts_leased_in_one_write(store, backend)
+    short = puts[1]._replace(holders=puts[1].holders[:1])  # its samples cannot be paired
+    assert store.stats().leases == 4
+    with pytest.raises(ValueError, match="zip"):
+        store.leased_handles([puts[0], short], written)
+    store.flush()
+    assert (store.stats().leases, store.stats().live_payloads) == (0, 0)
+    assert store.leaks() == []

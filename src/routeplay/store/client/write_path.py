@@ -35,7 +35,7 @@ from routeplay.store.write_plan import (
     split_blocks,
 )
 
-__all__ = ["LeasedWrite", "WritePath", "sample_holders"]
+__all__ = ["LeasedPut", "LeasedWrite", "WritePath", "sample_holders"]
 
 
 class WritePath:
@@ -216,8 +216,9 @@ class WritePath:
         [(stored, grant)] = yield from self._core.send_and_wait(
             [call], f"put for {each[0]}", undo=_release_adopted(shard)
         )
-        written = LeasedWrite(shard, list(stored), grant)
-        return self.leased_handles(layout, spec, weight_version, each, written)
+        put = LeasedPut(layout, spec, weight_version, each)
+        [pairs] = self.leased_handles([put], LeasedWrite(shard, list(stored), grant))
+        return pairs
 
     def staged_leased_adoption(
         self,
@@ -260,31 +261,37 @@ class WritePath:
         return LeasedWrite(shard, list(stored), grant)
 
     def leased_handles(
-        self,
-        layout: BatchLayout,
-        spec: RouteSpec,
-        weight_version: int,
-        holders: Sequence[str],
-        written: LeasedWrite,
-    ) -> list[tuple[Handle, Lease]]:
-        """Each sample's handle and lease of a leased write (``written``: the layout's
-        payloads as the shard adopted them, its samples' lease ids in order).
+        self, puts: Sequence[LeasedPut], written: LeasedWrite
+    ) -> list[list[tuple[Handle, Lease]]]:
+        """Each put's handles and leases from one leased write (``written``: the puts'
+        payloads as the shard adopted them, in order, and their samples' lease ids, in
+        order: a producer's coalesced puts share one). If any cannot be built, every
+        lease the write granted ends (not waited for): nobody will hold them.
 
         Example:
-            pairs = store.leased_handles(layout, spec, 3, holders, written)
+            [pairs] = store.leased_handles([LeasedPut(layout, spec, 3, holders)], written)
         """
+        out: list[list[tuple[Handle, Lease]]] = []
+        payload_at = sample_at = 0
         try:
-            handles = _handles(layout, written.stored, spec, weight_version)
-            return [
-                (handle, self._lease_of(handle, holder, written.shard, lease_id, written.grant))
-                for handle, holder, lease_id in zip(
-                    handles, holders, written.grant.lease_ids, strict=True
-                )
-            ]
-        except BaseException:  # nobody will hold the granted leases: end them (not waited)
-            ids = list(written.grant.lease_ids)
-            self._core.releases.submit([shard_call(written.shard, ShardApi.release_many, ids)])
+            for put in puts:
+                stored = written.stored[payload_at : payload_at + len(put.layout.arrays)]
+                ids = written.grant.lease_ids[sample_at : sample_at + len(put.layout.samples)]
+                handles = _handles(put.layout, stored, put.spec, put.weight_version)
+                out.append([
+                    (handle, self._lease_of(handle, holder, written.shard, lease_id, written.grant))
+                    for handle, holder, lease_id in zip(handles, put.holders, ids, strict=True)
+                ])  # fmt: skip
+                payload_at += len(put.layout.arrays)
+                sample_at += len(put.layout.samples)
+            if sample_at != len(written.grant.lease_ids):  # a lease no put would end
+                raise ValueError(f"{len(written.grant.lease_ids)} leases for {sample_at} samples")
+        except BaseException:
+            granted = list(written.grant.lease_ids)
+            call = shard_call(written.shard, ShardApi.release_many, granted)
+            self._core.releases.submit([call])
             raise
+        return out
 
     def _lease_of(
         self, handle: Handle, holder: str, shard: int, lease_id: str, grant: Grant
@@ -466,6 +473,16 @@ class LeasedWrite(NamedTuple):
     shard: int
     stored: list[StoreRef]
     grant: Grant
+
+
+class LeasedPut(NamedTuple):
+    """What one leased put's handles are built from: its layout, spec and weight
+    version, and each sample's holder."""
+
+    layout: BatchLayout
+    spec: RouteSpec
+    weight_version: int
+    holders: Sequence[str]
 
 
 def sample_holders(holders: str | Sequence[str], samples: int) -> list[str]:

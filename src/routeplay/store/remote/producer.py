@@ -24,15 +24,14 @@ import ray
 
 from routeplay.core.handle import Handle, StoreRef
 from routeplay.core.routes import Routes
-from routeplay.core.spec import RouteSpec
 from routeplay.store.client.coalesce import Coalescer
 from routeplay.store.client.lease import Lease
 from routeplay.store.client.route_store import RouteStore
-from routeplay.store.client.write_path import LeasedWrite, sample_holders
+from routeplay.store.client.write_path import LeasedPut, LeasedWrite, sample_holders
 from routeplay.store.flow import Flow, primed
 from routeplay.store.remote.outbox import PayloadOutbox
-from routeplay.store.shard.shard import Grant, StoredPayload
-from routeplay.store.write_plan import BatchLayout, plan_write
+from routeplay.store.shard.shard import StoredPayload
+from routeplay.store.write_plan import plan_write
 
 __all__ = [
     "PRODUCER_CONCURRENCY",
@@ -170,7 +169,8 @@ class RoutesProducer:
             )
         finally:
             self._outbox().discard(token)
-        return store.leased_handles(layout, spec, weight_version, holders, written)
+        [pairs] = store.leased_handles([LeasedPut(layout, spec, weight_version, holders)], written)
+        return pairs
 
     def stage_routes(self, array: Any, *, block_rows: int) -> tuple[str, int]:
         """Keep ``array`` until a store takes it; returns (token, block count)."""
@@ -289,8 +289,9 @@ class AsyncRoutesProducer(RoutesProducer):
         blocks, payloads = store.layout_blocks(layout, spec)
         samples = tuple(layout.payloads_per_sample())
         staged = _Staged(blocks, tuple(payloads), layout.saved_bytes)
+        put = LeasedPut(layout, spec, weight_version, tuple(each))
         [pairs] = await self._leased_writes(store, pin).submit(
-            [_StagedLeased(staged, samples, tuple(each), layout, spec, weight_version)]
+            [_StagedLeased(staged, samples, put)]
         )
         return pairs
 
@@ -338,7 +339,7 @@ class AsyncRoutesProducer(RoutesProducer):
         for batch in batches:
             samples.extend(tuple(at + i for i in parts) for parts in batch.samples)
             at += len(batch.staged.payloads)
-        holders = [holder for batch in batches for holder in batch.holders]
+        holders = [holder for batch in batches for holder in batch.put.holders]
         saved = sum(one.saved_bytes for one in staged)
         me = ray.get_runtime_context().current_actor
         try:
@@ -363,25 +364,7 @@ class AsyncRoutesProducer(RoutesProducer):
             written = await pending
         finally:
             outbox.discard(token)  # a no-op once taken; frees it if the adopt failed
-        out, payload_at, sample_at = [], 0, 0
-        for batch in batches:
-            payload_end = payload_at + len(batch.staged.payloads)
-            sample_end = sample_at + len(batch.samples)
-            mine = LeasedWrite(
-                written.shard,
-                written.stored[payload_at:payload_end],
-                Grant(
-                    lease_ids=written.grant.lease_ids[sample_at:sample_end],
-                    blocks=written.grant.blocks,
-                ),
-            )
-            out.append(
-                store.leased_handles(
-                    batch.layout, batch.spec, batch.weight_version, batch.holders, mine
-                )
-            )
-            payload_at, sample_at = payload_end, sample_end
-        return out
+        return store.leased_handles([batch.put for batch in batches], written)
 
     def _adopt_together(
         self, store: RouteStore, batches: list[_Staged]
@@ -431,11 +414,8 @@ class _Staged:
 @dataclass(frozen=True, slots=True)
 class _StagedLeased:
     """One leased put: its staged blocks, each sample's payload indices (within this
-    put) and holder, and what its handles are built from."""
+    put), and what its handles are built from (each sample's holder among it)."""
 
     staged: _Staged
     samples: tuple[tuple[int, ...], ...]
-    holders: tuple[str, ...]
-    layout: BatchLayout
-    spec: RouteSpec
-    weight_version: int
+    put: LeasedPut
