@@ -29,7 +29,7 @@ PYTEST_WORKERS ?= 2
 # modules the suite imports once per install (a stamp), on every core, before the tests,
 # so the parallel test workers find them compiled: without it, each test worker and Ray
 # process compiled what it imported first, and pytest took 5 min 32 s against 4 min 23 s
-# compiled. scripts/warm-bytecode compiles the 6,950 modules that
+# compiled. scripts/warm-bytecode compiles the 6,951 modules that
 # requirements/warm-modules.txt lists (what `make test` imported; `scripts/warm-bytecode
 # --record` after a `make test` rewrites it): 20 s, against 42-49 s for the 12,800 that
 # it compiled before (the venv's packages less their tests, Ray's libraries routeplay
