@@ -368,3 +368,17 @@ def test_a_shared_leased_write_whose_later_put_cannot_be_built_ends_every_lease(
     store.flush()
     assert (store.stats().leases, store.stats().live_payloads) == (0, 0)
     assert store.leaks() == []
+
+
+def test_a_shared_leased_write_with_more_leases_than_samples_ends_every_lease() -> None:
+    # The grant's two leases past the first put's samples would be ended by no put:
+    # the write is refused and all four leases end, not only the unpaired two.
+    backend = LocalBackend("extra-leases", shards=1, ttl_s=600.0)
+    store = RouteStore(StoreConfig(run="extra-leases"), backend)
+    puts, written = _two_puts_leased_in_one_write(store, backend)
+    assert store.stats().leases == 4
+    with pytest.raises(ValueError, match="4 leases for 2 samples"):
+        store.leased_handles(puts[:1], written)
+    store.flush()
+    assert (store.stats().leases, store.stats().live_payloads) == (0, 0)
+    assert store.leaks() == []
