@@ -95,9 +95,11 @@ land in, and the driver's copy while it chunks the batch for the ranks): a point
 estimate exceeds 80% of the machine's available memory skips that path (named in
 ``skipped``) rather than swap, or be killed, on a shared host. Measured at 4,096 samples
 (a 3.0 GiB batch) with the skip overridden, on a 24 GiB host with 22.1 GiB available:
-the rollout worker alone reached 18.6 GB while it returned the batch, the driver held
-3.6 GB, and Ray's memory monitor killed the ranks at 22.5 GB used (95% of the node),
-about seven batches: six, the figure before, let a host with 22.5 GiB available try."""
+the rollout worker alone reached 17.7 GiB resident while it returned the batch, the
+driver held 3.6 GiB, and Ray's memory monitor killed the ranks at 22.5 GiB used (95% of
+the node: 7.5 batches, Ray's own processes included) before the step ended. Seven
+counts the path's copies (the rollout worker's peak and the driver's add up to 7.1 batches
+between them); six, the figure before, let a host with 22.5 GiB available try."""
 
 
 def rl_steps(
