@@ -287,12 +287,9 @@ class AsyncRoutesProducer(RoutesProducer):
             return list(zip(planned, leases, strict=True))
         spec, layout = planned
         blocks, payloads = store.layout_blocks(layout, spec)
-        samples = tuple(layout.payloads_per_sample())
         staged = _Staged(blocks, tuple(payloads), layout.saved_bytes)
         put = LeasedPut(layout, spec, weight_version, tuple(each))
-        [pairs] = await self._leased_writes(store, pin).submit(
-            [_StagedLeased(staged, samples, put)]
-        )
+        [pairs] = await self._leased_writes(store, pin).submit([_StagedLeased(staged, put)])
         return pairs
 
     def _writes(self, store: RouteStore) -> Coalescer[_Staged, list[StoreRef]]:
@@ -337,7 +334,8 @@ class AsyncRoutesProducer(RoutesProducer):
         samples: list[tuple[int, ...]] = []
         at = 0
         for batch in batches:
-            samples.extend(tuple(at + i for i in parts) for parts in batch.samples)
+            parts_of = batch.put.layout.payloads_per_sample()
+            samples.extend(tuple(at + i for i in parts) for parts in parts_of)
             at += len(batch.staged.payloads)
         holders = [holder for batch in batches for holder in batch.put.holders]
         saved = sum(one.saved_bytes for one in staged)
@@ -413,9 +411,8 @@ class _Staged:
 
 @dataclass(frozen=True, slots=True)
 class _StagedLeased:
-    """One leased put: its staged blocks, each sample's payload indices (within this
-    put), and what its handles are built from (each sample's holder among it)."""
+    """One leased put: its staged blocks, and what its samples' leases and handles are
+    built from (its layout: each sample's payloads; each sample's holder)."""
 
     staged: _Staged
-    samples: tuple[tuple[int, ...], ...]
     put: LeasedPut
