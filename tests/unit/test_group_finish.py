@@ -27,7 +27,7 @@ from routeplay.rollout import (
 )
 from routeplay.rollout.fake_engines import FakeLmdeployKey, FakeSglang
 from routeplay.store import RouteStore, StoreConfig
-from routeplay.store.client.write_path import LeasedPut, LeasedWrite
+from routeplay.store.client.write_path import LeasedPut, LeasedWrite, shared_samples
 from routeplay.store.remote.backend import LocalBackend
 from routeplay.store.shard.api import ShardApi, shard_call
 from routeplay.store.write_plan import plan_batch
@@ -325,16 +325,14 @@ def _two_puts_leased_in_one_write(
     puts: list[LeasedPut] = []
     blocks: list[Any] = []
     payloads: list[Any] = []
-    samples: list[tuple[int, ...]] = []
     for put in range(2):
         batch = [Routes(array=member_rows(2 * put + m), spec=SPEC) for m in range(2)]
         layout = plan_batch(batch, pack=True)
         more_blocks, more = store.layout_blocks(layout, SPEC)
-        samples += [tuple(len(payloads) + i for i in p) for p in layout.payloads_per_sample()]
         blocks += more_blocks
         payloads += more
         puts.append(LeasedPut(layout, SPEC, 0, [sample_holder(f"p{put}.{m}") for m in range(2)]))
-    holders = [holder for put in puts for holder in put.holders]
+    samples, holders = shared_samples(puts)
     refs = backend.put_blocks(blocks)
     call = shard_call(0, ShardApi.adopt_leased, refs, payloads, 0, samples, holders)
     [(stored, grant)] = backend.call([call], "two leased puts")

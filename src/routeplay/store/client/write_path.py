@@ -35,7 +35,7 @@ from routeplay.store.write_plan import (
     split_blocks,
 )
 
-__all__ = ["LeasedPut", "LeasedWrite", "WritePath", "sample_holders"]
+__all__ = ["LeasedPut", "LeasedWrite", "WritePath", "sample_holders", "shared_samples"]
 
 
 class WritePath:
@@ -203,20 +203,21 @@ class WritePath:
         blocks, payloads = self.layout_blocks(layout, spec)
         refs = self._core.backend.put_blocks(blocks)
         shard = self._core.pick_shard(uuid.uuid4().hex)
+        put = LeasedPut(layout, spec, weight_version, each)
+        samples, _ = shared_samples([put])
         call = shard_call(
             shard,
             ShardApi.adopt_leased,
             refs,
             payloads,
             layout.saved_bytes,
-            layout.payloads_per_sample(),
+            samples,
             each,
             with_blocks=pin,
         )
         [(stored, grant)] = yield from self._core.send_and_wait(
             [call], f"put for {each[0]}", undo=_release_adopted(shard)
         )
-        put = LeasedPut(layout, spec, weight_version, each)
         [pairs] = self.leased_handles([put], LeasedWrite(shard, list(stored), grant))
         return pairs
 
@@ -483,6 +484,22 @@ class LeasedPut(NamedTuple):
     spec: RouteSpec
     weight_version: int
     holders: Sequence[str]
+
+
+def shared_samples(puts: Sequence[LeasedPut]) -> tuple[list[tuple[int, ...]], list[str]]:
+    """Each sample's payload indices and holder when ``puts`` share one leased write
+    (each put's payloads follow the puts' before it, as ``leased_handles`` slices the
+    answer): what the shard's ``adopt_leased`` is asked for.
+
+    Example:
+        samples, holders = shared_samples([LeasedPut(layout, spec, 3, ["rollout/a"])])
+    """
+    samples: list[tuple[int, ...]] = []
+    at = 0
+    for put in puts:
+        samples.extend(tuple(at + i for i in parts) for parts in put.layout.payloads_per_sample())
+        at += len(put.layout.arrays)
+    return samples, [holder for put in puts for holder in put.holders]
 
 
 def sample_holders(holders: str | Sequence[str], samples: int) -> list[str]:

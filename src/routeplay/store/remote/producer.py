@@ -27,7 +27,12 @@ from routeplay.core.routes import Routes
 from routeplay.store.client.coalesce import Coalescer
 from routeplay.store.client.lease import Lease
 from routeplay.store.client.route_store import RouteStore
-from routeplay.store.client.write_path import LeasedPut, LeasedWrite, sample_holders
+from routeplay.store.client.write_path import (
+    LeasedPut,
+    LeasedWrite,
+    sample_holders,
+    shared_samples,
+)
 from routeplay.store.flow import Flow, primed
 from routeplay.store.remote.outbox import PayloadOutbox
 from routeplay.store.shard.shard import StoredPayload
@@ -331,13 +336,7 @@ class AsyncRoutesProducer(RoutesProducer):
         staged = [batch.staged for batch in batches]
         token = outbox.stage_many(tuple(block for one in staged for block in one.blocks))
         payloads = [payload for one in staged for payload in one.payloads]
-        samples: list[tuple[int, ...]] = []
-        at = 0
-        for batch in batches:
-            parts_of = batch.put.layout.payloads_per_sample()
-            samples.extend(tuple(at + i for i in parts) for parts in parts_of)
-            at += len(batch.staged.payloads)
-        holders = [holder for batch in batches for holder in batch.put.holders]
+        samples, holders = shared_samples([batch.put for batch in batches])
         saved = sum(one.saved_bytes for one in staged)
         me = ray.get_runtime_context().current_actor
         try:
